@@ -1,0 +1,35 @@
+"""The environment contract shared by every text environment (SPEC §3).
+
+Every environment is a plain Python object (not a gymnasium subclass, to keep workers light) with:
+
+- ``reset(task: dict) -> (observation: str, info: dict)``
+- ``step(response: str) -> (observation: str, reward: float, terminated: bool, truncated: bool, info: dict)``
+  ``response`` is the policy's raw decoded text; the environment parses it into an action itself
+  (e.g. ``<action>..</action>`` for WebShop, free text + optional action correction for ScienceWorld).
+- ``tasks(split: str) -> list[dict]``: the task instances (JSON-serialisable dicts) of a split
+  (``train`` / ``dev`` / ``test``); each dict is what ``reset`` accepts.
+- ``close()``.
+- ``system_prompt: str``: the environment's instructions to the agent (what it is, the action format).
+
+``info`` always carries: ``score`` (float, environment units: points for ScienceWorld, [0,1] for WebShop),
+``success`` (bool), ``won`` (bool, same as success), ``valid_action`` (bool), ``action`` (the parsed action
+actually executed, str), ``task_id`` (str), ``variation`` (int or str), ``instruction`` (the task text the agent
+sees), ``max_score`` (float), and ``admissible_actions`` (list[str]) when the environment can list them.
+An invalid action is a no-op with ``valid_action=False``, never an exception. ``truncated`` is True when the
+environment's own action cap is reached.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class TextEnv(Protocol):
+    system_prompt: str
+
+    def reset(self, task: dict[str, Any]) -> tuple[str, dict[str, Any]]: ...
+
+    def step(self, response: str) -> tuple[str, float, bool, bool, dict[str, Any]]: ...
+
+    def tasks(self, split: str) -> list[dict[str, Any]]: ...
+
+    def close(self) -> None: ...
