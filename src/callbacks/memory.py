@@ -1,0 +1,152 @@
+"""The EMPO² memory as a Lightning callback (SPEC §2.6–§2.7).
+
+The callback owns the tip memory (FAISS, per partition), the novelty state memory and the embedder. The
+rollout runner calls it to embed states, retrieve tips and score novelty; after each training rollout the
+datamodule calls ``write_tips`` so the *current policy* reflects on every finished episode (one batched
+generation) and one entry per step is stored. Lightning saves its ``state_dict`` inside every checkpoint and
+restores it on resume; ``TipMemory.save``/``load`` give a standalone copy for evaluation.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import lightning as L
+import numpy as np
+
+from src.data.prompts import build_tip_messages, HistoryItem
+from src.memory.embedder import Embedder
+from src.memory.novelty import NoveltyMemory
+from src.memory.tip_memory import TipMemory, format_entry
+
+log = logging.getLogger(__name__)
+
+PARTITIONS = ("variation", "task", "global")
+
+
+class MemoryCallback(L.Callback):
+    """Self-generated tips memory plus intrinsic novelty reward.
+
+    Args:
+        embedder: an ``Embedder`` (all-MiniLM-L6-v2 by default, 384-d).
+        tip_memory: a function ``(dim, embedder_name) -> TipMemory`` (a Hydra partial), so the memory always
+            matches the embedder, or a built ``TipMemory``.
+        partition: ``variation`` (one memory per task variation, the authors' default), ``task`` or ``global``.
+        tips_scope: ``current`` or ``all_steps`` (see ``build_step_messages``).
+        tip_max_tokens: token budget of one reflection (64 on CPU, 512 in the paper config).
+        tip_history_length: past steps shown when asking for a reflection.
+        novelty: ``{"enabled": bool, "threshold": 0.9, "coef": 1.0}`` (SPEC §2.6; coef in environment units).
+
+    Raises:
+        ValueError: unknown partition, or embedder/tip-memory dimension mismatch.
+    """
+
+    def __init__(self, embedder: Embedder, tip_memory, partition: str = "variation",
+                 tips_scope: str = "current", tip_max_tokens: int = 64, tip_history_length: int = 10,
+                 novelty: dict[str, Any] | None = None):
+        super().__init__()
+        if partition not in PARTITIONS:
+            raise ValueError(f"memory partition must be one of {PARTITIONS}, got {partition!r}")
+        if not isinstance(tip_memory, TipMemory):
+            tip_memory = tip_memory(dim=embedder.dim, embedder_name=embedder.name)
+        if embedder.dim != tip_memory.dim or embedder.name != tip_memory.embedder_name:
+            raise ValueError(f"embedder ({embedder.name}, {embedder.dim}-d) does not match the tip memory "
+                             f"({tip_memory.embedder_name}, {tip_memory.dim}-d)")
+        self.embedder = embedder
+        self.tips = tip_memory
+        self.partition = partition
+        self.tips_scope = tips_scope
+        self.tip_max_tokens = tip_max_tokens
+        self.tip_history_length = tip_history_length
+        novelty = dict(novelty or {})
+        self.novelty_enabled = bool(novelty.get("enabled", False))
+        self.novelty = NoveltyMemory(dim=embedder.dim, threshold=float(novelty.get("threshold", 0.9)),
+                                     coef=float(novelty.get("coef", 1.0)))
+        self._reset_counters()
+
+    # ------------------------------------------------------------------ used by the rollout runner
+    @staticmethod
+    def state_text(instruction: str, observation: str) -> str:
+        """The memory key text: task instruction + latest observation (not the whole chat; SPEC §2.7)."""
+        return f"{instruction}\n{observation}"
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        tic = time.perf_counter()
+        out = self.embedder.encode(texts)
+        self.counters["embed_s"] += time.perf_counter() - tic
+        return out
+
+    def partition_key(self, task: dict[str, Any]) -> str:
+        """Partition name of a task dict (``task_name``/``goal_idx`` and ``variation`` fields)."""
+        if self.partition == "global":
+            return "global"
+        name = str(task.get("task_name", task.get("task_id", task.get("split", "task"))))
+        if self.partition == "task":
+            return name
+        return f"{name}/{task.get('variation', task.get('goal_idx', 0))}"
+
+    def retrieve(self, tasks: list[dict], keys: np.ndarray) -> list[list[str]]:
+        """Tip contents for each (task, key [dim]) pair: cosine > threshold, then top-k by score (SPEC §2.7)."""
+        hits = self.tips.retrieve([self.partition_key(t) for t in tasks], keys)
+        self.counters["queries"] += len(hits)
+        self.counters["hits"] += sum(1 for h in hits if h)
+        self.counters["tips_shown"] += sum(len(h) for h in hits)
+        return [[e.content for e in h] for h in hits]
+
+    def novelty_rewards(self, tasks: list[dict], keys: np.ndarray) -> np.ndarray:
+        """Count-based bonus coef/(n+1) for each reached state (per task; SPEC §2.6)."""
+        names = [str(t.get("task_name", t.get("task_id", "task"))) for t in tasks]
+        return self.novelty.rewards(names, keys)
+
+    # ------------------------------------------------------------------ tip writing
+    def write_tips(self, episodes, policy, system_prompt: str) -> dict[str, float]:
+        """Ask the policy for one reflection per finished episode (one batched call) and store one entry per step.
+
+        Entry content: ``<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>.``,
+        key = embedding of step k's state, score = the episode's final score (SPEC §2.7).
+        """
+        done = [e for e in episodes if not e.failed and e.steps and e.steps[0].key is not None]
+        if not done:
+            return {"tips_written": 0.0, "tip_generate_s": 0.0}
+        tic = time.perf_counter()
+        prompts = [policy.encode(build_tip_messages(
+            system_prompt, e.instruction, [HistoryItem(s.observation, s.action) for s in e.steps],
+            e.final_observation, e.score, e.max_score, self.tip_history_length)) for e in done]
+        gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens)
+        generate_s = time.perf_counter() - tic
+        written = 0
+        for episode, tip in zip(done, gen.texts):
+            tip = " ".join(tip.split()) or "No reflection."
+            contents = [format_entry(tip, s.action, episode.score, episode.max_score) for s in episode.steps]
+            keys = np.stack([s.key for s in episode.steps]).astype(np.float32)
+            written += self.tips.add(self.partition_key(episode.task), keys, contents,
+                                     [episode.score] * len(contents), list(range(len(contents))))
+        self.counters["tips_written"] += written
+        return {"tips_written": float(written), "tip_generate_s": generate_s,
+                "tip_tokens": float(sum(len(r) for r in gen.response_ids))}
+
+    # ------------------------------------------------------------------ metrics
+    def _reset_counters(self) -> None:
+        self.counters = {"queries": 0, "hits": 0, "tips_shown": 0, "tips_written": 0, "embed_s": 0.0}
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Memory size, retrieval hit rate, tips shown/written since the last call."""
+        c = self.counters
+        out = {"memory/size": float(len(self.tips)), "memory/partitions": float(len(self.tips.sizes())),
+               "memory/novel_states": float(len(self.novelty)),
+               "memory/tips_written": float(c["tips_written"]), "memory/embed_s": float(c["embed_s"])}
+        if c["queries"]:
+            out["memory/hit_rate"] = c["hits"] / c["queries"]
+            out["memory/tips_per_query"] = c["tips_shown"] / c["queries"]
+        self._reset_counters()
+        return out
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {"tips": self.tips.state_dict(), "novelty": self.novelty.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.tips.load_state_dict(state_dict["tips"])
+        self.novelty.load_state_dict(state_dict["novelty"])
+        log.info("Restored memory: %d tips in %d partitions", len(self.tips), len(self.tips.sizes()))

@@ -1,0 +1,89 @@
+"""Structured chat messages for one agent step, with or without tips (SPEC §2.1, §2.7).
+
+Prompts are always built from structured pieces and rendered with the tokenizer's chat template, so the
+with-tips prompt (what the policy saw during a memory rollout) and the tips-removed prompt (the off-policy
+update prompt, SPEC §2.4) of the same step come from the same call with ``tips`` given or not — no editing of
+token sequences. Tips sit inside ``<memory>…</memory>`` markers under a fixed header in the current user turn.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TIPS_HEADER = "Tips from your memory of earlier attempts (they may be wrong; use your judgement):"
+TIP_INSTRUCTION = (
+    "Thank you for playing. The episode is over. Write a single line (under 100 words) for your future self: "
+    "summarise what you tried in this episode, what you learned about the task, and how far you are from "
+    "finishing it. Reply with the line only."
+)
+
+
+@dataclass
+class HistoryItem:
+    """One past step: the observation the agent acted on, its action, and the tips it was shown then."""
+
+    observation: str
+    action: str
+    tips: list[str] = field(default_factory=list)
+
+
+def _tips_block(tips: list[str]) -> str:
+    lines = "\n".join(f"- {t}" for t in tips)
+    return f"<memory>\n{TIPS_HEADER}\n{lines}\n</memory>"
+
+
+def build_step_messages(system_prompt: str, instruction: str, history: list[HistoryItem], observation: str,
+                        tips: list[str] | None = None, admissible_actions: list[str] | None = None,
+                        history_length: int = 5, tips_scope: str = "current", step: int = 0,
+                        max_steps: int | None = None) -> list[dict[str, str]]:
+    """Messages for the policy at one step.
+
+    Args:
+        system_prompt: the environment's instructions (``env.system_prompt``).
+        instruction: the task text.
+        history: past steps of this episode, oldest first; only the last ``history_length`` are shown
+            (keeps CPU prompts short; the paper's 4k-token prompts fit the whole episode).
+        observation: the current observation.
+        tips: retrieved tips for the current step, or ``None``/``[]`` for a tip-free prompt.
+        admissible_actions: listed in the prompt when given (WebShop).
+        tips_scope: ``current`` — only the current step's tips; ``all_steps`` — also each shown past step's
+            tips (the authors' code). A tip-free prompt (``tips=None``) drops all of them.
+        step, max_steps: shown so the agent knows its budget.
+
+    Raises:
+        ValueError: unknown ``tips_scope``.
+    """
+    if tips_scope not in ("current", "all_steps"):
+        raise ValueError(f"tips_scope must be 'current' or 'all_steps', got {tips_scope!r}")
+    with_tips = tips is not None
+    parts = [f"Your task: {instruction}"]
+    shown = history[-history_length:] if history_length > 0 else []
+    if shown:
+        first = len(history) - len(shown) + 1
+        lines = [f"Your last {len(shown)} steps (of {len(history)} so far):"]
+        for k, item in enumerate(shown, start=first):
+            lines.append(f"[Step {k}] Observation: {item.observation}")
+            if with_tips and tips_scope == "all_steps" and item.tips:
+                lines.append(_tips_block(item.tips))
+            lines.append(f"[Step {k}] Action: {item.action}")
+        parts.append("\n".join(lines))
+    budget = f" (step {step + 1} of {max_steps})" if max_steps else ""
+    parts.append(f"Current observation{budget}:\n{observation}")
+    if with_tips and tips:
+        parts.append(_tips_block(tips))
+    if admissible_actions:
+        parts.append("Admissible actions: " + ", ".join(admissible_actions))
+    parts.append("What is your next action?")
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def build_tip_messages(system_prompt: str, instruction: str, history: list[HistoryItem], final_observation: str,
+                       final_score: float, max_score: float, history_length: int = 10) -> list[dict[str, str]]:
+    """Messages asking the policy for its one-line reflection on a finished episode (SPEC §2.7)."""
+    shown = history[-history_length:] if history_length > 0 else []
+    lines = [f"Task: {instruction}", f"Your trajectory ({len(history)} steps, last {len(shown)} shown):"]
+    for k, item in enumerate(shown, start=len(history) - len(shown) + 1):
+        lines.append(f"[Step {k}] Observation: {item.observation}\n[Step {k}] Action: {item.action}")
+    lines.append(f"Final observation: {final_observation}")
+    lines.append(f"Final score: {final_score:g} out of {max_score:g}.")
+    lines.append(TIP_INSTRUCTION)
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": "\n".join(lines)}]

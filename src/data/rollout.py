@@ -1,0 +1,231 @@
+"""Episodes: running groups of episodes through the environment pool with the current policy (SPEC §2.1).
+
+All active episodes advance together: one batched policy call per step for all of them, one parallel
+environment step, one batched embedding call (memory keys and novelty) — never one call per episode.
+The same runner serves training rollouts, in-training validation and evaluation (no second loop).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from src.data.prompts import HistoryItem, build_step_messages
+from src.models.policy import Policy
+
+
+class EpisodeMemory(Protocol):
+    """What the runner needs from the memory (implemented by ``src.callbacks.memory.MemoryCallback``)."""
+
+    def state_text(self, instruction: str, observation: str) -> str: ...
+
+    def embed(self, texts: list[str]) -> np.ndarray: ...
+
+    def retrieve(self, tasks: list[dict], keys: np.ndarray) -> list[list[str]]: ...
+
+    def novelty_rewards(self, tasks: list[dict], keys: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass
+class StepRecord:
+    """One agent step = one training sample (SPEC §2.1).
+
+    ``rollout_prompt_ids``: the prompt the policy sampled from (with tips in memory rollouts).
+    ``update_prompt_ids``: the prompt used for the update; tips removed in ``off_policy`` iterations (SPEC §2.4),
+    otherwise the same list. ``response_ids`` / ``sample_log_probs``: exactly what the policy generated and the
+    log-probs it sampled them with. ``reward``: extrinsic reward (environment units); ``intrinsic``: novelty bonus.
+    """
+
+    observation: str
+    rollout_prompt_ids: list[int]
+    update_prompt_ids: list[int]
+    response_ids: list[int]
+    sample_log_probs: list[float]
+    response_text: str
+    action: str
+    reward: float = 0.0
+    intrinsic: float = 0.0
+    valid_action: bool = True
+    tips: list[str] = field(default_factory=list)
+    key: np.ndarray | None = None
+
+
+@dataclass
+class Episode:
+    """A finished episode. ``failed`` episodes (a crashed environment worker) have ``episode_return`` NaN and are
+    excluded from their group's advantage statistics (SPEC §2.2)."""
+
+    task: dict[str, Any]
+    group: int
+    instruction: str = ""
+    steps: list[StepRecord] = field(default_factory=list)
+    score: float = 0.0
+    max_score: float = 1.0
+    success: bool = False
+    failed: bool = False
+    error: str | None = None
+    final_observation: str = ""
+    truncated: bool = False
+
+    def discounted_return(self, gamma: float = 1.0) -> float:
+        """R = Σ_t γ^t (r_t + r_int_t); NaN for a failed episode."""
+        if self.failed:
+            return math.nan
+        return float(sum(gamma ** t * (s.reward + s.intrinsic) for t, s in enumerate(self.steps)))
+
+
+@dataclass
+class RolloutConfig:
+    """How episodes are run. ``use_tips``: retrieve tips into the rollout prompts; ``strip_tips_for_update``: also
+    render the tip-free update prompt (off-policy mode); ``history_length``: past steps shown in the prompt."""
+
+    temperature: float = 1.0
+    max_response_tokens: int = 32
+    history_length: int = 5
+    use_tips: bool = False
+    strip_tips_for_update: bool = False
+    tips_scope: str = "current"
+    novelty: bool = False
+    do_sample: bool = True
+
+
+def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list[int], cfg: RolloutConfig,
+                 memory: EpisodeMemory | None = None, max_steps: int | None = None) -> tuple[list[Episode], dict[str, float]]:
+    """Run one episode per entry of ``tasks`` (episode i on pool worker i) to the end.
+
+    Args:
+        pool: an ``EnvPool`` with at least ``len(tasks)`` workers.
+        policy: the current policy.
+        tasks: task dicts accepted by the environment's ``reset``.
+        groups: group id of each episode (episodes of the same task instance share one).
+        cfg: see ``RolloutConfig``.
+        memory: needed when ``cfg.use_tips`` or ``cfg.novelty``; when given, every step's state key is stored
+            on the step so tips can be written afterwards.
+        max_steps: only shown in the prompt (the environment enforces its own cap).
+
+    Returns:
+        (episodes, metrics) — metrics hold timings (s) and token counts.
+
+    Raises:
+        ValueError: ``use_tips``/``novelty`` without a memory, or more tasks than pool workers.
+    """
+    if (cfg.use_tips or cfg.novelty) and memory is None:
+        raise ValueError("use_tips/novelty need a memory, got memory=None")
+    if len(tasks) != len(groups):
+        raise ValueError(f"{len(tasks)} tasks but {len(groups)} group ids")
+    t0 = time.perf_counter()
+    timers = {"generate_s": 0.0, "env_s": 0.0, "memory_s": 0.0}
+    episodes = [Episode(task=t, group=g) for t, g in zip(tasks, groups)]
+    histories: list[list[HistoryItem]] = [[] for _ in tasks]
+    observations = [""] * len(tasks)
+    infos: list[dict] = [{} for _ in tasks]
+    tic = time.perf_counter()
+    resets = pool.reset(list(enumerate(tasks)))
+    timers["env_s"] += time.perf_counter() - tic
+    active = []
+    for i, (obs, info) in enumerate(resets):
+        if "error" in info:
+            episodes[i].failed, episodes[i].error = True, info["error"]
+            continue
+        observations[i], infos[i] = obs, info
+        episodes[i].instruction = info.get("instruction", "")
+        episodes[i].max_score = float(info.get("max_score", 1.0))
+        active.append(i)
+    keys = _embed_states(memory, episodes, observations, active, timers)
+    generated_tokens = 0
+    while active:
+        tips: list[list[str]] = [[] for _ in active]
+        if cfg.use_tips:
+            tic = time.perf_counter()
+            tips = memory.retrieve([tasks[i] for i in active], keys[active])
+            timers["memory_s"] += time.perf_counter() - tic
+        prompts, update_prompts = [], []
+        for j, i in enumerate(active):
+            common = dict(system_prompt=pool.system_prompt, instruction=episodes[i].instruction, history=histories[i],
+                          observation=observations[i], admissible_actions=infos[i].get("admissible_actions"),
+                          history_length=cfg.history_length, tips_scope=cfg.tips_scope,
+                          step=len(episodes[i].steps), max_steps=max_steps)
+            ids = policy.encode(build_step_messages(tips=tips[j] if cfg.use_tips else None, **common))
+            prompts.append(ids)
+            update_prompts.append(policy.encode(build_step_messages(tips=None, **common))
+                                  if cfg.use_tips and cfg.strip_tips_for_update else ids)
+        tic = time.perf_counter()
+        gen = policy.generate(prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
+                              do_sample=cfg.do_sample)
+        timers["generate_s"] += time.perf_counter() - tic
+        generated_tokens += sum(len(r) for r in gen.response_ids)
+        tic = time.perf_counter()
+        results = pool.step([(i, gen.texts[j]) for j, i in enumerate(active)])
+        timers["env_s"] += time.perf_counter() - tic
+        still_active = []
+        for j, i in enumerate(active):
+            obs, reward, terminated, truncated, info = results[j]
+            ep = episodes[i]
+            if "error" in info:
+                ep.failed, ep.error = True, info["error"]
+                continue
+            action = info.get("action", gen.texts[j])
+            ep.steps.append(StepRecord(
+                observation=observations[i], rollout_prompt_ids=prompts[j], update_prompt_ids=update_prompts[j],
+                response_ids=gen.response_ids[j], sample_log_probs=gen.log_probs[j], response_text=gen.texts[j],
+                action=action, reward=float(reward), valid_action=bool(info.get("valid_action", True)),
+                tips=tips[j], key=None if keys is None else keys[i]))
+            histories[i].append(HistoryItem(observations[i], action, tips[j]))
+            observations[i], infos[i] = obs, info
+            ep.score = float(info.get("score", ep.score))
+            ep.success = bool(info.get("success", False))
+            if terminated or truncated:
+                ep.final_observation, ep.truncated = obs, bool(truncated and not terminated)
+            else:
+                still_active.append(i)
+        # Keys of the states just reached: the next step's memory queries and this step's novelty bonus.
+        keys = _embed_states(memory, episodes, observations, [i for i in active if not episodes[i].failed], timers, keys)
+        if cfg.novelty:
+            reached = [i for i in active if not episodes[i].failed]
+            tic = time.perf_counter()
+            bonus = memory.novelty_rewards([tasks[i] for i in reached], keys[reached]) if reached else []
+            timers["memory_s"] += time.perf_counter() - tic
+            for i, b in zip(reached, bonus):
+                episodes[i].steps[-1].intrinsic = float(b)
+        active = still_active
+    elapsed = time.perf_counter() - t0
+    metrics = dict(timers, rollout_s=elapsed, generated_tokens=float(generated_tokens),
+                   rollout_tokens_per_s=generated_tokens / max(timers["generate_s"], 1e-9))
+    return episodes, metrics
+
+
+def _embed_states(memory, episodes, observations, indices, timers, keys=None):
+    """Embed ``instruction + observation`` of the given episodes into rows of ``keys`` ([n_episodes, dim])."""
+    if memory is None or not indices:
+        return keys
+    tic = time.perf_counter()
+    vectors = memory.embed([memory.state_text(episodes[i].instruction, observations[i]) for i in indices])
+    if keys is None:
+        keys = np.zeros((len(episodes), vectors.shape[1]), dtype=np.float32)
+    keys = keys.copy()
+    keys[indices] = vectors
+    timers["memory_s"] += time.perf_counter() - tic
+    return keys
+
+
+def episode_metrics(episodes: list[Episode], prefix: str = "") -> dict[str, float]:
+    """Mean return, score (env units), success rate, episode length and invalid-action rate of finished episodes."""
+    done = [e for e in episodes if not e.failed]
+    steps = [s for e in done for s in e.steps]
+    out = {
+        "episodes": float(len(episodes)),
+        "failed_episodes": float(len(episodes) - len(done)),
+    }
+    if done:
+        out.update({
+            "return": float(np.mean([e.discounted_return() for e in done])),
+            "extrinsic_return": float(np.mean([sum(s.reward for s in e.steps) for e in done])),
+            "score": float(np.mean([e.score for e in done])),
+            "success_rate": float(np.mean([e.success for e in done])),
+            "episode_length": float(np.mean([len(e.steps) for e in done])),
+            "invalid_action_rate": float(np.mean([not s.valid_action for s in steps])) if steps else 0.0,
+        })
+    return {f"{prefix}{k}": v for k, v in out.items()}

@@ -1,0 +1,318 @@
+"""A pool of environment worker processes (SPEC §3: one environment per process, all envs of a batch step
+in parallel).
+
+Each worker builds its environment from a picklable ``_target_`` config with ``hydra.utils.instantiate`` and
+serves reset/step/tasks over a pipe. A call to several workers is sent to all of them before any answer is
+read, so the environments work in parallel. A worker that dies, breaks its pipe, raises inside its
+environment, or does not answer within ``timeout`` seconds is killed and restarted, and that call's result
+for it is an error result (SPEC §2.2: the caller marks the episode failed and drops it from its group).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                "VECLIB_MAXIMUM_THREADS")
+
+
+def _worker_main(conn: Connection, env_cfg: dict[str, Any]) -> None:
+    """Worker process: build one environment, then answer (command, argument) messages until "close"/EOF.
+
+    Replies: ("ready", pid) once built, or ("init_error", traceback); then per request ("ok", result),
+    ("bad_request", message) for ValueError/TypeError (a caller mistake; the worker stays healthy) or
+    ("error", traceback) for anything else.
+    """
+    # The worker only waits on its simulator: one thread for any BLAS/torch pool that gets imported
+    # (spawn re-imports the parent's __main__, which may import torch before this runs).
+    for var in _THREAD_VARS:
+        os.environ[var] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+    # Ctrl-C goes to the whole process group; the parent decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import hydra.utils
+
+        env = hydra.utils.instantiate(env_cfg)
+    except BaseException:
+        conn.send(("init_error", traceback.format_exc()))
+        return
+    conn.send(("ready", os.getpid()))
+    try:
+        while True:
+            try:
+                cmd, arg = conn.recv()
+            except (EOFError, OSError):  # parent gone
+                break
+            if cmd == "close":
+                break
+            try:
+                if cmd == "reset":
+                    result = env.reset(arg)
+                elif cmd == "step":
+                    result = env.step(arg)
+                elif cmd == "tasks":
+                    result = env.tasks(arg)
+                elif cmd == "system_prompt":
+                    result = env.system_prompt
+                else:
+                    raise ValueError(f"unknown pool command {cmd!r}")
+                reply = ("ok", result)
+            except (ValueError, TypeError) as exc:
+                reply = ("bad_request", f"{type(exc).__name__}: {exc}")
+            except Exception:
+                reply = ("error", traceback.format_exc())
+            conn.send(reply)
+    finally:
+        env.close()
+
+
+@dataclass
+class _Worker:
+    process: Any  # multiprocessing SpawnProcess
+    conn: Connection
+    ready: bool = False
+
+
+def _plain_config(env_cfg: Any) -> dict[str, Any]:
+    if not isinstance(env_cfg, Mapping):
+        try:
+            from omegaconf import DictConfig, OmegaConf
+        except ImportError:  # pragma: no cover - omegaconf ships with hydra
+            DictConfig = ()
+        if isinstance(env_cfg, DictConfig):
+            env_cfg = OmegaConf.to_container(env_cfg, resolve=True)
+        else:
+            raise ValueError(f"env_cfg: expected a mapping with '_target_', got {type(env_cfg).__name__}")
+    cfg = dict(env_cfg)
+    if "_target_" not in cfg:
+        raise ValueError(f"env_cfg: expected a '_target_' key (the environment class), got keys {sorted(cfg)}")
+    return cfg
+
+
+class EnvPool:
+    """``num_workers`` environment processes built from ``env_cfg`` (a ``_target_`` dict or DictConfig).
+
+    Args:
+        env_cfg: Hydra-instantiable environment config, e.g. ``{"_target_":
+            "src.envs.scienceworld.ScienceWorldEnv", "task": "4-2"}``; must be picklable once resolved.
+        num_workers: number of worker processes (≥ 1).
+        timeout: seconds a call may take per worker before that worker is killed and restarted.
+        start_timeout: extra seconds allowed for a worker that is still building its environment (JVM start).
+
+    Calls take ``(worker_index, argument)`` pairs (each index at most once per call) and return results in the
+    same order. Error results: reset → ``("", {"error": msg, "worker": i})``; step → ``("", nan, True, False,
+    {"error": msg, "worker": i, "score": nan, "success": False, "won": False, "valid_action": False})``.
+    A ValueError/TypeError inside an environment (bad task, bad argument) is re-raised here as ValueError
+    after all answers of the call are read; the worker is kept.
+
+    Raises:
+        ValueError: bad config, worker count, or request list.
+        RuntimeError: a worker cannot build its environment at construction/resize (message carries its
+            traceback), or ``tasks``/``system_prompt`` fail.
+    """
+
+    def __init__(self, env_cfg: Any, num_workers: int, timeout: float = 120.0,
+                 start_timeout: float = 300.0) -> None:
+        self.env_cfg = _plain_config(env_cfg)
+        self.timeout = float(timeout)
+        self.start_timeout = float(start_timeout)
+        self.num_restarts = 0
+        # Not fork: the parent holds torch/BLAS threads and py4j sockets that a forked child would inherit.
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker] = []
+        self._closed = False
+        self.resize(num_workers)
+        status, payload = self._call("system_prompt", [(0, None)])[0]
+        if status != "ok":
+            self.close()
+            raise RuntimeError(f"EnvPool: could not read the system prompt: {payload}")
+        self.system_prompt: str = payload
+
+    # ------------------------------------------------------------------ workers
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the workers, by index."""
+        return [w.process.pid for w in self._workers]
+
+    def _spawn(self) -> _Worker:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(target=_worker_main, args=(child_conn, self.env_cfg), daemon=True,
+                                    name="env-worker")
+        process.start()
+        child_conn.close()  # so the parent sees EOF when the worker dies
+        return _Worker(process, parent_conn)
+
+    def _stop(self, worker: _Worker, graceful: bool) -> None:
+        if graceful and worker.process.is_alive():
+            try:
+                worker.conn.send(("close", None))
+                worker.process.join(timeout=10)
+            except (OSError, ValueError):
+                pass
+        if worker.process.is_alive():
+            worker.process.kill()
+        worker.process.join(timeout=10)
+        worker.conn.close()
+
+    def _restart(self, i: int, reason: str) -> None:
+        logger.warning("EnvPool: restarting worker %d (pid %s): %s", i, self._workers[i].process.pid,
+                       reason.strip().splitlines()[-1] if reason.strip() else reason)
+        self._stop(self._workers[i], graceful=False)
+        self._workers[i] = self._spawn()
+        self.num_restarts += 1
+
+    def resize(self, num_workers: int) -> None:
+        """Grow (start workers and wait until their environments are built) or shrink (close the last ones)."""
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers={num_workers!r}: expected an int ≥ 1")
+        if self._closed:
+            raise RuntimeError("EnvPool is closed")
+        while len(self._workers) > num_workers:
+            self._stop(self._workers.pop(), graceful=True)
+        new = list(range(len(self._workers), num_workers))
+        self._workers.extend(self._spawn() for _ in new)
+        deadline = time.monotonic() + self.start_timeout
+        for i in new:
+            worker = self._workers[i]
+            msg = self._recv(worker, deadline)
+            if msg is None or msg[0] != "ready":
+                detail = msg[1] if msg else f"no answer within {self.start_timeout:.0f} s"
+                del self._workers[new[0]:]
+                self.close()
+                raise RuntimeError(f"EnvPool: worker {i} could not build its environment "
+                                   f"({self.env_cfg['_target_']}):\n{detail}")
+            worker.ready = True
+
+    # ------------------------------------------------------------------ calls
+    @staticmethod
+    def _recv(worker: _Worker, deadline: float) -> tuple | None:
+        """Next message, or None on timeout; raises EOFError/OSError when the worker is gone."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not worker.conn.poll(remaining):
+            return None
+        return worker.conn.recv()
+
+    def _call(self, cmd: str, requests: list[tuple[int, Any]]) -> list[tuple[str, Any]]:
+        if self._closed:
+            raise RuntimeError("EnvPool is closed")
+        indices = [i for i, _ in requests]
+        bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int)
+               or not 0 <= i < len(self._workers)]
+        if bad:
+            raise ValueError(f"worker indices {bad}: expected ints in 0..{len(self._workers) - 1}")
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"worker indices {indices}: each worker may appear once per call")
+
+        results: list[tuple[str, Any] | None] = [None] * len(requests)
+        start = time.monotonic()
+        for k, (i, arg) in enumerate(requests):
+            try:
+                self._workers[i].conn.send((cmd, arg))
+            except (OSError, ValueError) as exc:  # broken pipe / closed connection: the worker is gone
+                results[k] = ("error", f"worker {i}: could not send {cmd!r}: {exc!r}; restarted")
+                self._restart(i, repr(exc))
+        for k, (i, _) in enumerate(requests):
+            if results[k] is None:
+                results[k] = self._answer(i, cmd, start)
+        bad_requests = [f"worker {i}: {payload}" for (i, _), (status, payload) in zip(requests, results)
+                        if status == "bad_request"]
+        if bad_requests:
+            raise ValueError(f"EnvPool.{cmd}: " + "; ".join(bad_requests))
+        return results  # type: ignore[return-value]
+
+    def _answer(self, i: int, cmd: str, start: float) -> tuple[str, Any]:
+        worker = self._workers[i]
+        while True:
+            limit = self.timeout + (0.0 if worker.ready else self.start_timeout)
+            try:
+                msg = self._recv(worker, start + limit)
+            except (EOFError, OSError):
+                worker.process.join(timeout=1)
+                reason = f"worker {i} died during {cmd!r} (exit code {worker.process.exitcode}); restarted"
+                self._restart(i, reason)
+                return ("error", reason)
+            if msg is None:
+                reason = f"worker {i} gave no answer to {cmd!r} within {limit:.0f} s; killed and restarted"
+                self._restart(i, reason)
+                return ("error", reason)
+            kind, payload = msg
+            if kind == "ready":  # a restarted worker announcing itself before the answer
+                worker.ready = True
+                continue
+            if kind in ("error", "init_error"):
+                what = "raised" if kind == "error" else "could not build its environment"
+                self._restart(i, payload)
+                return ("error", f"worker {i} {what} during {cmd!r}; restarted:\n{payload}")
+            return (kind, payload)
+
+    def reset(self, requests: list[tuple[int, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+        """Reset worker ``i`` on task dict ``task`` for each ``(i, task)``; returns ``(observation, info)`` each."""
+        out = []
+        for (i, _), (status, payload) in zip(requests, self._call("reset", requests)):
+            out.append(tuple(payload) if status == "ok" else ("", {"error": payload, "worker": i}))
+        return out
+
+    def step(self, requests: list[tuple[int, str]]) -> list[tuple[str, float, bool, bool, dict[str, Any]]]:
+        """Step worker ``i`` with the raw policy text for each ``(i, response)``; returns the env's 5-tuples."""
+        out = []
+        for (i, _), (status, payload) in zip(requests, self._call("step", requests)):
+            if status == "ok":
+                out.append(tuple(payload))
+            else:
+                out.append(("", math.nan, True, False, {"error": payload, "worker": i, "score": math.nan,
+                                                         "success": False, "won": False, "valid_action": False}))
+        return out
+
+    def tasks(self, split: str) -> list[dict[str, Any]]:
+        """The task instances of ``split``, as listed by worker 0's environment."""
+        status, payload = self._call("tasks", [(0, split)])[0]
+        if status != "ok":
+            raise RuntimeError(f"EnvPool.tasks({split!r}) failed: {payload}")
+        return payload
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop every worker (each closes its environment); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers:
+            try:
+                worker.conn.send(("close", None))
+            except (OSError, ValueError):
+                pass
+        for worker in self._workers:
+            self._stop(worker, graceful=True)
+        self._workers = []
+
+    def __enter__(self) -> EnvPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) is False:
+            try:
+                self.close()
+            except Exception:  # interpreter shutdown: workers are daemons and go anyway
+                pass

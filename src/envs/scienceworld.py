@@ -1,0 +1,492 @@
+"""ScienceWorld text environment (SPEC §3.1) on the real ``scienceworld`` simulator (Scala, via py4j).
+
+The package's own ``ScienceWorldEnv.step`` makes several extra JVM round trips per action (look, inventory,
+task description and the ~1000-entry valid-action list), so this wrapper talks to the py4j server object
+directly: ``step``/``getScore``/``getCompleted`` per action, and the valid-action list only when action
+correction or ``include_admissible_actions`` needs it.
+
+Gold trajectories are produced by ``generate_gold`` (run it in a separate process: asking the simulator for
+a gold path slows every later ``reset`` of that JVM) and cached as JSON by ``save_gold``; ``load_gold`` reads
+them back (see ``scripts/cache_gold_trajectories.py``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from scienceworld.constants import ID2TASK
+
+logger = logging.getLogger(__name__)
+
+# Paper ids ("4-2") -> task names, from the table the package ships (scienceworld/tasks.json, the numbering of
+# the ScienceWorld paper, Wang et al. 2022, Table 1).
+PAPER_IDS: dict[str, str] = dict(ID2TASK)
+# Alphabetical order of the 30 names: the integer task index used by SPEC §3.1 (power-component = 25). The
+# simulator's getTaskNames() returns the same 30 names (checked in tests/test_scienceworld.py), so names can be
+# resolved before any JVM starts.
+TASK_NAMES: tuple[str, ...] = tuple(sorted(ID2TASK.values()))
+
+# Max actions per episode (SPEC §3.1, after the paper): 30, with longer caps for the long tasks.
+DEFAULT_MAX_STEPS = 30
+MAX_STEPS_OVERRIDES: dict[str, int] = {
+    "chemistry-mix": 60,
+    "chemistry-mix-paint-secondary-color": 60,
+    "chemistry-mix-paint-tertiary-color": 60,
+    "measure-melting-point-known-substance": 120,
+    "boil": 100,
+    "melt": 80,
+    "freeze": 80,
+}
+
+MAX_SCORE = 100.0
+
+# Replies of the simulator's input parser when it executed nothing (strings found in the jar's InputParser and
+# PythonInterface classes): such an action is an invalid no-op.
+_INVALID_PREFIXES = (
+    "No known action matches that input.",
+    "Unknown action.",
+    "ERROR:",
+    "Ambiguous request: Multiple different possible actions",
+)
+_AMBIGUOUS_PROMPT = "Ambiguous request: Please enter the number"
+_AMBIGUOUS_OPTION = re.compile(r"^\s*(\d+):\s*(.+?)\s*$")
+# "reset task" is in the simulator's action list; it would silently restart the episode under the agent.
+_BLOCKED_ACTIONS = {"reset task"}
+_ACTION_TAG = re.compile(r"<action>(.*?)(?:</action>|$)", re.IGNORECASE | re.DOTALL)
+_HEAP = re.compile(r"^\d+[kKmMgG]?$")
+
+
+def resolve_task(task: str | int) -> str:
+    """Map a task given as alphabetical index (int or digit string, 0..29), paper id ("3-1") or name to its name.
+
+    Raises ValueError naming the bad value and listing the valid names (with index and paper id).
+    """
+    if isinstance(task, bool):  # bool is an int subclass; True would silently mean task 1
+        raise ValueError(_unknown_task_message(task))
+    if isinstance(task, int) or (isinstance(task, str) and task.strip().isdigit()):
+        idx = int(task)
+        if 0 <= idx < len(TASK_NAMES):
+            return TASK_NAMES[idx]
+        raise ValueError(_unknown_task_message(task))
+    if isinstance(task, str):
+        key = task.strip()
+        if key in PAPER_IDS:
+            return PAPER_IDS[key]
+        if key in TASK_NAMES:
+            return key
+    raise ValueError(_unknown_task_message(task))
+
+
+def _unknown_task_message(task: Any) -> str:
+    paper_of = {name: pid for pid, name in PAPER_IDS.items()}
+    listing = ", ".join(f"{i}={name} ({paper_of[name]})" for i, name in enumerate(TASK_NAMES))
+    return (f"Unknown ScienceWorld task {task!r}: expected an alphabetical index 0..{len(TASK_NAMES) - 1}, "
+            f"a paper id like '3-1', or one of the names. Valid tasks: {listing}")
+
+
+def default_max_steps(task_name: str) -> int:
+    """Per-task action cap of SPEC §3.1 for a resolved task name."""
+    return MAX_STEPS_OVERRIDES.get(task_name, DEFAULT_MAX_STEPS)
+
+
+def parse_action(response: str) -> str:
+    """Extract the action command from a raw policy response.
+
+    The inside of the first ``<action>...</action>`` (an unclosed tag, e.g. a generation cut at the token limit,
+    runs to the end of the text) if present, else the whole text; of that, the first non-empty line, stripped.
+    Returns "" when there is none.
+    """
+    match = _ACTION_TAG.search(response)
+    text = match.group(1) if match else response
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def _start_jvm(jvm_heap: str):
+    """Start one simulator JVM (package wrapper object; only its py4j ``server`` is used for stepping)."""
+    if shutil.which("java") is None:
+        raise RuntimeError(
+            "ScienceWorld needs a Java runtime (Java 17) but `java` is not on PATH. Install it, e.g. "
+            "`apt-get install openjdk-17-jre-headless`, or put a JDK's bin/ directory on PATH.")
+    if not _HEAP.match(str(jvm_heap)):
+        raise ValueError(f"jvm_heap={jvm_heap!r}: expected a JVM size like '768m' or '2g'")
+    from scienceworld import ScienceWorldEnv as _PackageEnv
+
+    # Without a heap cap one JVM grows to ~3.5 GB (SPEC §3.1); the serial GC avoids one GC thread per core.
+    # Set only while the JVM is launched, so this process's environment is left as it was.
+    previous = os.environ.get("JAVA_TOOL_OPTIONS")
+    os.environ["JAVA_TOOL_OPTIONS"] = f"-Xmx{jvm_heap} -XX:+UseSerialGC"
+    try:
+        return _PackageEnv("")
+    finally:
+        if previous is None:
+            del os.environ["JAVA_TOOL_OPTIONS"]
+        else:
+            os.environ["JAVA_TOOL_OPTIONS"] = previous
+
+
+class ScienceWorldEnv:
+    """One ScienceWorld simulator (one JVM) behind the contract of ``src/envs/base.py`` (SPEC §3.1).
+
+    Args:
+        task: one task or a list of tasks, each an alphabetical index (0..29; power-component = 25), a paper id
+            ("3-1") or a name; these are the tasks ``tasks(split)`` lists. ``reset`` accepts any task.
+        simplification: simulator simplification string: "easy" (the paper's preset: teleportAction,
+            openDoors, openContainers, selfWateringFlowerPots, noElectricalAction) or a comma-separated list.
+        num_train_variations: train split = the first this many of ``get_variations_train()`` (paper: 5).
+        num_test_variations: test and dev splits = the first up to this many of ``get_variations_test()`` /
+            ``get_variations_dev()`` (paper: 20; some tasks have fewer).
+        max_steps: action cap per episode; None = per-task default (30; 60 chemistry-mix*, 120
+            measure-melting-point-known-substance, 100 boil, 80 melt/freeze). Every step call counts,
+            invalid ones included. The simulator's own envStepLimit counts ticks and is not used.
+        action_correction: map the parsed action to the most similar valid action (thefuzz ratio) when it is
+            not itself one; the raw response stays in ``info['raw_action']``.
+        include_admissible_actions: put the sorted valid-action list (~1000 strings, ~50-500 ms) in ``info``.
+        jvm_heap: JVM max heap (``-Xmx``), e.g. "768m".
+        seed: accepted so every environment takes the same config keys; the simulator is deterministic given
+            (task, variation) and exposes no seed.
+
+    Rewards and scores are in points (−100..100): reward = score delta since the previous step, the first step's
+    baseline being the score right after reset (as in the package's own step/reset), so the rewards of an
+    episode sum to final score − initial score (the initial score is 0 in most tasks; 8 in find-*). A wrong
+    ``focus on`` makes the simulator score −1.0 (= −100 points) without setting "completed"; it ends the episode
+    (terminated) as in the package. success = completed and score ≥ 100.
+
+    When the simulator asks which of several objects an action meant ("Ambiguous request: Please enter the
+    number..."), the option whose text sorts first is chosen at once (the listed order varies between JVM
+    runs), so the episode never sits in that numbered-answer state; ``info['action']`` names the option run.
+
+    Raises:
+        ValueError: unknown task (message lists the valid ones), bad jvm_heap, bad split/variation.
+        RuntimeError: ``java`` not on PATH (says how to install Java 17); step before reset or after the end.
+    """
+
+    max_score = MAX_SCORE
+
+    def __init__(self, task: str | int | list[str | int] = "find-non-living-thing", simplification: str = "easy",
+                 num_train_variations: int = 5, num_test_variations: int = 20, max_steps: int | None = None,
+                 action_correction: bool = False, include_admissible_actions: bool = False,
+                 jvm_heap: str = "768m", seed: int | None = None) -> None:
+        # Any sequence (list, tuple, OmegaConf ListConfig from hydra.utils.instantiate) is a list of tasks.
+        raw_tasks = [task] if isinstance(task, (str, int)) else list(task)
+        if not raw_tasks:
+            raise ValueError("task: expected at least one task, got an empty list")
+        self.task_names = [resolve_task(t) for t in raw_tasks]
+        if num_train_variations < 0 or num_test_variations < 0:
+            raise ValueError(f"num_train_variations={num_train_variations}, num_test_variations="
+                             f"{num_test_variations}: expected non-negative counts")
+        if max_steps is not None and max_steps < 1:
+            raise ValueError(f"max_steps={max_steps}: expected a positive int or None (per-task default)")
+        self.simplification = simplification
+        self.num_train_variations = num_train_variations
+        self.num_test_variations = num_test_variations
+        self.max_steps = max_steps
+        self.action_correction = action_correction
+        self.include_admissible_actions = include_admissible_actions
+        self.seed = seed
+
+        self._sw = _start_jvm(jvm_heap)
+        self._server = self._sw.server
+        self._closed = False
+        self._check_simplification()
+        self._splits = {name: self._variation_splits(name) for name in dict.fromkeys(self.task_names)}
+
+        self._task_name: str | None = None
+        self._variation: int | None = None
+        self._instruction = ""
+        self._cap = 0
+        self._steps = 0
+        self._score = 0
+        self._done = True
+        self.system_prompt = self._make_system_prompt()
+
+    # ----------------------------------------------------------------- splits
+    def _check_simplification(self) -> None:
+        allowed = ["easy"] + str(self._server.getPossibleSimplifications()).split(", ")
+        bad = [s for s in self.simplification.split(",") if s and s not in allowed]
+        if bad:
+            raise ValueError(f"simplification={self.simplification!r}: unknown part(s) {bad}; expected a "
+                             f"comma-separated subset of {allowed}")
+
+    def _variation_splits(self, name: str) -> dict[str, list[int]]:
+        # The server answers the split lists only for the loaded task.
+        self._load(name, 0)
+        return {"train": list(self._server.getVariationsTrain()),
+                "dev": list(self._server.getVariationsDev()),
+                "test": list(self._server.getVariationsTest())}
+
+    def tasks(self, split: str) -> list[dict[str, Any]]:
+        """Task instances ``{"task_name": str, "variation": int}`` of every configured task (SPEC §3.1 protocol).
+
+        train: first ``num_train_variations`` train variations; dev/test: first up to ``num_test_variations``.
+        Raises ValueError for another split.
+        """
+        limits = {"train": self.num_train_variations, "dev": self.num_test_variations,
+                  "test": self.num_test_variations}
+        if split not in limits:
+            raise ValueError(f"split={split!r}: expected one of {sorted(limits)}")
+        return [{"task_name": name, "variation": int(v)}
+                for name, splits in self._splits.items() for v in splits[split][:limits[split]]]
+
+    # ----------------------------------------------------------------- episode
+    def _load(self, name: str, variation: int) -> None:
+        max_var = int(self._server.getTaskMaxVariations(name))
+        if not 0 <= variation < max_var:
+            raise ValueError(f"variation={variation} for task {name!r}: expected 0..{max_var - 1}")
+        msg = self._server.load(name, variation, self.simplification, False)
+        if msg and str(msg).startswith("ERROR"):
+            raise ValueError(f"ScienceWorld refused task {name!r} variation {variation}: {msg}")
+
+    def reset(self, task: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Start an episode on ``{"task_name": <index|paper id|name>, "variation": int}``.
+
+        Returns the task description followed by the "look around" text, and ``info`` (``score`` = initial
+        score in points, ``instruction`` = task description without its header).
+        """
+        if not isinstance(task, dict) or "task_name" not in task or "variation" not in task:
+            raise ValueError(f"task={task!r}: expected a dict with keys 'task_name' and 'variation'")
+        name = resolve_task(task["task_name"])
+        variation = task["variation"]
+        if isinstance(variation, bool) or not isinstance(variation, int):
+            raise ValueError(f"variation={variation!r}: expected an int")
+        self._load(name, variation)
+        # The package's load() -> reset() -> step("look around") sequence, on the server directly.
+        self._server.reset()
+        look = str(self._server.step("look around"))
+        description = str(self._server.freeActionTaskDesc()).strip()
+        self._instruction = re.sub(r"^Task Description:\s*", "", description)
+        self._task_name, self._variation = name, variation
+        self._cap = self.max_steps if self.max_steps is not None else default_max_steps(name)
+        self._steps = 0
+        self._score = self._read_score()
+        self._done = False
+        observation = f"{description}\n\n{look.strip()}"
+        info = self._info(action="look around", raw_action="", valid=True, success=False)
+        return observation, info
+
+    def step(self, response: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Run one action parsed from the policy's raw text.
+
+        Returns (observation, reward in points, terminated, truncated, info). Invalid or empty actions are
+        no-ops with ``valid_action=False``. Raises RuntimeError before ``reset`` or after the episode ended.
+        """
+        if self._task_name is None:
+            raise RuntimeError("ScienceWorldEnv.step() called before reset()")
+        if self._done:
+            raise RuntimeError("ScienceWorldEnv.step() called after the episode ended; call reset() first")
+        action = parse_action(response)
+        valid_actions = None
+        if self.action_correction:
+            valid_actions = self._valid_actions()
+            if action not in valid_actions and valid_actions:
+                from thefuzz import fuzz, process
+                action = process.extractOne(action, valid_actions, scorer=fuzz.ratio)[0]
+        observation, executed, valid = self._execute(action)
+        self._steps += 1
+        score = self._read_score()
+        completed = bool(self._server.getCompleted())
+        reward = float(score - self._score)
+        self._score = score
+        terminated = completed or score < 0
+        truncated = not terminated and self._steps >= self._cap
+        self._done = terminated or truncated
+        success = completed and score >= MAX_SCORE
+        info = self._info(action=executed, raw_action=response, valid=valid, success=success)
+        return observation, reward, terminated, truncated, info
+
+    def _execute(self, action: str) -> tuple[str, str, bool]:
+        """Send one action; returns (observation, action actually run, accepted by the simulator)."""
+        if not action:
+            return "No action given. Reply with one action command, e.g. 'look around'.", "", False
+        if " ".join(action.lower().split()) in _BLOCKED_ACTIONS:
+            return f"The action '{action}' is not available in this environment.", action, False
+        observation = str(self._server.step(action))
+        if observation.startswith(_AMBIGUOUS_PROMPT):
+            options = [m.groups() for m in map(_AMBIGUOUS_OPTION.match, observation.splitlines()[1:]) if m]
+            if options:
+                number, action = min(options, key=lambda opt: opt[1])
+                observation = str(self._server.step(number))
+        valid = not observation.startswith(_INVALID_PREFIXES)
+        return observation.strip(), action, valid
+
+    def _read_score(self) -> int:
+        # Same conversion as the package: simulator score in [-1, 1] -> rounded points.
+        return int(round(100 * float(self._server.getScore())))
+
+    def _valid_actions(self) -> list[str]:
+        # Sorted: the simulator's order is not stable across runs, and fuzzy-match ties take the first.
+        actions = {str(a) for a in self._server.getValidActionObjectCombinations()}
+        return sorted(actions - _BLOCKED_ACTIONS)
+
+    def _info(self, action: str, raw_action: str, valid: bool, success: bool) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "score": float(self._score), "max_score": MAX_SCORE, "success": success, "won": success,
+            "valid_action": valid, "action": action, "raw_action": raw_action, "task_id": self._task_name,
+            "variation": self._variation, "instruction": self._instruction, "steps": self._steps,
+            "max_steps": self._cap,
+        }
+        if self.include_admissible_actions:
+            info["admissible_actions"] = self._valid_actions()
+        return info
+
+    def _make_system_prompt(self) -> str:
+        teleport = "easy" in self.simplification or "teleportAction" in self.simplification
+        commands = ["look around", "look at OBJ", "look in OBJ", "go to LOCATION"]
+        if teleport:
+            commands.append("teleport to LOCATION")
+        commands += ["open OBJ", "close OBJ", "pick up OBJ", "put down OBJ", "move OBJ to OBJ", "pour OBJ in OBJ",
+                     "mix OBJ", "activate OBJ", "deactivate OBJ", "use OBJ on OBJ", "connect OBJ to OBJ",
+                     "read OBJ", "eat OBJ", "focus on OBJ", "wait1", "inventory"]
+        return ("You are an agent in ScienceWorld, a text-based simulation of a house with a kitchen, workshop, "
+                "greenhouse, outdoor area and other rooms, where you carry out elementary-school science tasks "
+                "by typing commands.\n"
+                "Reply with exactly one action command and nothing else. Commands (OBJ and LOCATION are names "
+                "from the observation): " + "; ".join(commands) + ".\n"
+                "Use 'focus on OBJ' only on the object the task tells you to focus on: focusing on a wrong "
+                "object ends the task as a failure.")
+
+    def close(self) -> None:
+        """Shut the JVM down (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sw.close()
+        except Exception as exc:  # the JVM may already be gone; nothing left to release
+            logger.debug("ScienceWorld JVM shutdown: %s", exc)
+        # The package object's __del__ would call close() again on the dead gateway.
+        self._sw.close = lambda: None
+
+    def __del__(self) -> None:
+        if hasattr(self, "_sw"):
+            self.close()
+
+
+# --------------------------------------------------------------------------- gold trajectories
+def gold_file(out_dir: str | os.PathLike, task: str | int) -> Path:
+    """Path of a task's gold cache: ``<out_dir>/<task_name>.json``."""
+    return Path(out_dir) / f"{resolve_task(task)}.json"
+
+
+def generate_gold(tasks: list[dict[str, Any]], simplification: str = "easy",
+                  jvm_heap: str = "768m") -> list[dict[str, Any]]:
+    """Generate and verify the simulator's gold action path for each ``{"task_name", "variation"}`` in ``tasks``.
+
+    Starts two JVMs in this process: one asks the simulator for the gold paths (which slows that JVM's later
+    resets, so run this offline, e.g. via scripts/cache_gold_trajectories.py), the other replays each path
+    through ``ScienceWorldEnv`` (no action cap) to record what an agent would see. The simulator picks among
+    equivalent paths at random (e.g. which non-living thing to fetch), so repeated runs may differ.
+
+    Returns one record per task, in order: {task_name, variation, simplification, instruction,
+    initial_observation, initial_score, actions: [str], observations: [str], rewards: [points],
+    scores: [points], final_score, success, num_steps}. Paths that do not replay to success are kept with
+    ``success`` False (and logged).
+    """
+    names = [resolve_task(t["task_name"]) for t in tasks]
+    generator = _start_jvm(jvm_heap)
+    replay = None
+    records: list[dict[str, Any]] = []
+    try:
+        if tasks:
+            replay = ScienceWorldEnv(names, simplification=simplification, num_train_variations=0,
+                                     num_test_variations=0, max_steps=10**9, jvm_heap=jvm_heap)
+        for name, task in zip(names, tasks):
+            variation = int(task["variation"])
+            generator.load(name, variation, simplification, generateGoldPath=True)
+            actions = [str(a) for a in generator.server.getGoldActionSequence()]
+            observation, info = replay.reset({"task_name": name, "variation": variation})
+            record: dict[str, Any] = {
+                "task_name": name, "variation": variation, "simplification": simplification,
+                "instruction": info["instruction"], "initial_observation": observation,
+                "initial_score": info["score"], "actions": actions, "observations": [], "rewards": [],
+                "scores": [], "final_score": info["score"], "success": False, "num_steps": len(actions)}
+            for action in actions:
+                observation, reward, terminated, _, info = replay.step(action)
+                record["observations"].append(observation)
+                record["rewards"].append(reward)
+                record["scores"].append(info["score"])
+                record["final_score"], record["success"] = info["score"], info["success"]
+                if terminated:
+                    break
+            if not record["success"]:
+                logger.warning("gold path of %s variation %s replays to score %s without success",
+                               name, variation, record["final_score"])
+            records.append(record)
+    finally:
+        if replay is not None:
+            replay.close()
+        try:
+            generator.close()
+        except Exception as exc:  # already gone: nothing to release
+            logger.debug("gold JVM shutdown: %s", exc)
+        generator.close = lambda: None  # keep the package's __del__ off the dead gateway
+    return records
+
+
+def save_gold(out_dir: str | os.PathLike, records: list[dict[str, Any]]) -> list[Path]:
+    """Merge gold records (from ``generate_gold``) into ``<out_dir>/<task_name>.json``, one file per task.
+
+    File format: {"task_name", "simplification", "variations": {"<variation>": record}}; each file is written
+    atomically. Returns the paths written. Raises ValueError if a file holds another simplification.
+    """
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        by_task.setdefault(record["task_name"], []).append(record)
+    paths = []
+    for name, task_records in by_task.items():
+        simplification = task_records[0]["simplification"]
+        if any(r["simplification"] != simplification for r in task_records):
+            raise ValueError(f"gold records of {name!r} mix simplifications; save them to separate directories")
+        path = gold_file(out_dir, name)
+        data: dict[str, Any] = {"task_name": name, "simplification": simplification, "variations": {}}
+        if path.exists():
+            existing = json.loads(path.read_text())
+            if existing.get("simplification") != simplification:
+                raise ValueError(f"{path} holds simplification {existing.get('simplification')!r}, not "
+                                 f"{simplification!r}; use another output directory")
+            data["variations"].update(existing.get("variations", {}))
+        data["variations"].update({str(r["variation"]): r for r in task_records})
+        data["variations"] = dict(sorted(data["variations"].items(), key=lambda kv: int(kv[0])))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        paths.append(path)
+    return paths
+
+
+def load_gold(task: str | int, out_dir: str | os.PathLike = "data/scienceworld_gold",
+              simplification: str = "easy") -> dict[int, dict[str, Any]]:
+    """Read a task's cached gold trajectories: ``{variation: record}`` (record as in ``generate_gold``).
+
+    Raises FileNotFoundError (saying how to create the cache) or ValueError on a simplification mismatch.
+    """
+    path = gold_file(out_dir, task)
+    if not path.exists():
+        raise FileNotFoundError(f"No gold trajectories at {path}; create them with "
+                                f"`python scripts/cache_gold_trajectories.py --task {resolve_task(task)} "
+                                f"--out-dir {out_dir}`")
+    data = json.loads(path.read_text())
+    if data.get("simplification") != simplification:
+        raise ValueError(f"{path} holds simplification {data.get('simplification')!r}, expected "
+                         f"{simplification!r}")
+    return {int(v): rec for v, rec in data["variations"].items()}
+
+
+__all__ = ["ScienceWorldEnv", "PAPER_IDS", "TASK_NAMES", "DEFAULT_MAX_STEPS", "MAX_STEPS_OVERRIDES",
+           "resolve_task", "default_max_steps", "parse_action", "generate_gold", "save_gold", "load_gold",
+           "gold_file"]

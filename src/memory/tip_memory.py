@@ -1,0 +1,445 @@
+"""Tip memory: partitioned FAISS store of self-generated tips (SPEC §2.7).
+
+Each partition (a str chosen by the caller: per task variation, per task, or one global key) holds a
+``faiss.IndexFlatIP`` over L2-normalised state keys, so inner product = cosine, plus one ``TipEntry`` per
+vector in the same order (row i of the index is entry i). Writes deduplicate by content and keep at most
+``capacity`` entries per partition (FIFO). Reads keep entries with cosine > ``threshold`` and return the
+``top_k`` with the highest stored score (the authors' choice) or highest similarity.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+_FORMAT = "empo2.tip_memory.v1"
+_META_FILE = "meta.json"
+_RANK_BY = ("score", "similarity")
+_NORM_TOL = 1e-3
+
+
+@dataclass(frozen=True)
+class TipEntry:
+    """One stored tip.
+
+    content: the full formatted line (see ``format_entry``); score: the episode's final return R in environment
+    units (points for ScienceWorld, [0,1] for WebShop); step: the step index k in its episode; created_at: unix
+    time of the write; iteration: training iteration of the write, if the caller gives it.
+    """
+
+    content: str
+    score: float
+    step: int
+    created_at: float
+    iteration: int | None = None
+
+
+def _fmt_number(x: float) -> str:
+    """100.0 → "100", 0.75 → "0.75", -12.5 → "-12.5"; at most 4 decimals (float noise such as 0.30000000000000004
+    would otherwise leak into prompts)."""
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"expected a finite number, got {x!r}")
+    s = f"{x:.4f}".rstrip("0").rstrip(".")
+    return "0" if s in ("-0", "") else s
+
+
+def format_entry(tip: str, action: str, final_score: float, max_score: float) -> str:
+    """The stored tip line (SPEC §2.7):
+    ``"<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>."``
+
+    Whitespace runs (including newlines) in ``tip`` and ``action`` are collapsed to single spaces so each entry is
+    one line in the prompt. Scores are in environment units and printed without trailing zeros (100 → "100").
+
+    Raises:
+        ValueError: a non-finite score.
+    """
+    tip = " ".join(str(tip).split())
+    action = " ".join(str(action).split())
+    return (
+        f"{tip}; At that step the action taken was {action}; "
+        f"the episode's final score was {_fmt_number(final_score)}/{_fmt_number(max_score)}."
+    )
+
+
+class _Partition:
+    __slots__ = ("index", "entries", "contents")
+
+    def __init__(self, dim: int) -> None:
+        self.index = faiss.IndexFlatIP(dim)
+        self.entries: list[TipEntry] = []
+        self.contents: set[str] = set()
+
+
+class TipMemory:
+    """Partitioned tip store (SPEC §2.7).
+
+    Args:
+        dim: key dimension (must equal the embedder's).
+        embedder_name: the embedder's name; saved with the memory, and a load with another name is refused.
+        capacity: max entries per partition; the oldest leave first.
+        threshold: a tip is a candidate when cosine(key, query) > threshold (strict).
+        top_k: max tips returned per query.
+        rank_by: "score" (highest stored episode score first, ties by similarity) or "similarity".
+
+    Raises:
+        ValueError: any argument out of range, naming it.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        embedder_name: str,
+        capacity: int = 1000,
+        threshold: float = 0.5,
+        top_k: int = 10,
+        rank_by: str = "score",
+    ) -> None:
+        if int(dim) < 1:
+            raise ValueError(f"dim must be >= 1, got {dim!r}")
+        if not isinstance(embedder_name, str) or not embedder_name:
+            raise ValueError(f"embedder_name must be a non-empty str, got {embedder_name!r}")
+        if int(capacity) < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
+        if not -1.0 <= float(threshold) <= 1.0:
+            raise ValueError(f"threshold is a cosine and must be in [-1, 1], got {threshold!r}")
+        if int(top_k) < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k!r}")
+        if rank_by not in _RANK_BY:
+            raise ValueError(f"rank_by must be one of {_RANK_BY}, got {rank_by!r}")
+        self.dim = int(dim)
+        self.embedder_name = embedder_name
+        self.capacity = int(capacity)
+        self.threshold = float(threshold)
+        self.top_k = int(top_k)
+        self.rank_by = rank_by
+        self._parts: dict[str, _Partition] = {}
+        self._counters = {"added": 0, "duplicates": 0, "evicted": 0}
+
+    # ------------------------------------------------------------------ write
+    def add(
+        self,
+        partition: str,
+        keys: np.ndarray,
+        contents: list[str],
+        scores: list[float] | np.ndarray,
+        steps: list[int] | np.ndarray,
+        iteration: int | None = None,
+    ) -> int:
+        """Store N tips in one partition.
+
+        Args:
+            partition: partition key (str).
+            keys: float [N, dim], L2-normalised state embeddings (norm within 1e-3 of 1).
+            contents: N formatted tip lines (``format_entry``).
+            scores: N episode final scores R (environment units).
+            steps: N step indices.
+            iteration: optional training iteration stored on every entry.
+
+        Returns:
+            Number of entries stored: N minus contents already in the partition or repeated in the batch, and
+            minus the oldest of the batch itself when the batch alone exceeds ``capacity``. Older entries beyond
+            ``capacity`` are evicted (FIFO).
+
+        Raises:
+            TypeError: partition is not a str.
+            ValueError: shape/length mismatch, non-finite or non-normalised keys, non-finite scores.
+        """
+        self._check_partition(partition)
+        keys = self._check_keys(keys, "keys")
+        n = keys.shape[0]
+        contents = list(contents)
+        scores = [float(s) for s in scores]
+        steps = [int(s) for s in steps]
+        for name, seq in (("contents", contents), ("scores", scores), ("steps", steps)):
+            if len(seq) != n:
+                raise ValueError(f"{name} has length {len(seq)} but keys has {n} rows")
+        for i, c in enumerate(contents):
+            if not isinstance(c, str):
+                raise ValueError(f"contents[{i}] must be str, got {type(c).__name__}")
+        for i, s in enumerate(scores):
+            if not math.isfinite(s):
+                raise ValueError(f"scores[{i}] must be finite, got {s!r}")
+
+        part = self._parts.get(partition)
+        if part is None:
+            part = self._parts[partition] = _Partition(self.dim)
+        keep: list[int] = []
+        seen = set(part.contents)
+        for i, c in enumerate(contents):
+            if c in seen:
+                self._counters["duplicates"] += 1
+                continue
+            seen.add(c)
+            keep.append(i)
+        # Entries that would be evicted by the same call never enter.
+        keep = keep[-self.capacity:] if keep else keep
+        if not keep:
+            return 0
+
+        now = time.time()
+        it = None if iteration is None else int(iteration)
+        part.index.add(np.ascontiguousarray(keys[keep]))
+        for i in keep:
+            part.entries.append(TipEntry(contents[i], scores[i], steps[i], now, it))
+            part.contents.add(contents[i])
+        self._counters["added"] += len(keep)
+        self._evict(part)
+        return len(keep)
+
+    def _evict(self, part: _Partition) -> None:
+        extra = len(part.entries) - self.capacity
+        if extra <= 0:
+            return
+        # IndexFlat.remove_ids compacts the remaining rows in order, so row i stays entry i.
+        removed = part.index.remove_ids(faiss.IDSelectorRange(0, extra))
+        if removed != extra:
+            raise RuntimeError(f"FAISS removed {removed} rows, expected {extra}")
+        for e in part.entries[:extra]:
+            part.contents.discard(e.content)
+        del part.entries[:extra]
+        self._counters["evicted"] += extra
+
+    # ------------------------------------------------------------------ read
+    def retrieve(self, partitions: list[str], queries: np.ndarray) -> list[list[TipEntry]]:
+        """Tips for a batch of queries.
+
+        Args:
+            partitions: B partition keys, one per query.
+            queries: float [B, dim], L2-normalised state embeddings.
+
+        Returns:
+            B lists of at most ``top_k`` ``TipEntry``: entries of the query's partition with cosine > threshold,
+            ordered by ``rank_by`` (score: highest score first, ties by higher similarity, then older first;
+            similarity: highest cosine first, ties by higher score). An unknown or empty partition gives [].
+
+        Raises:
+            ValueError: len(partitions) != B, bad query shape or non-normalised queries.
+            TypeError: a partition key is not a str.
+        """
+        queries = self._check_keys(queries, "queries")
+        partitions = list(partitions)
+        if len(partitions) != queries.shape[0]:
+            raise ValueError(f"got {len(partitions)} partitions for {queries.shape[0]} queries")
+        groups: dict[str, list[int]] = {}
+        for qi, p in enumerate(partitions):
+            self._check_partition(p)
+            groups.setdefault(p, []).append(qi)
+
+        out: list[list[TipEntry]] = [[] for _ in partitions]
+        for p, qidx in groups.items():
+            part = self._parts.get(p)
+            if part is None or not part.entries:
+                continue
+            # k = partition size: exact, and at most `capacity` columns.
+            sims, ids = part.index.search(np.ascontiguousarray(queries[qidx]), len(part.entries))
+            for row, qi in enumerate(qidx):
+                cand = [(float(s), int(j)) for s, j in zip(sims[row], ids[row]) if j >= 0 and s > self.threshold]
+                if self.rank_by == "score":
+                    cand.sort(key=lambda sj: (-part.entries[sj[1]].score, -sj[0], sj[1]))
+                else:
+                    cand.sort(key=lambda sj: (-sj[0], -part.entries[sj[1]].score, sj[1]))
+                out[qi] = [part.entries[j] for _, j in cand[: self.top_k]]
+        return out
+
+    # ------------------------------------------------------------------ info
+    def __len__(self) -> int:
+        return sum(len(p.entries) for p in self._parts.values())
+
+    def sizes(self) -> dict[str, int]:
+        """Entries per partition."""
+        return {k: len(p.entries) for k, p in self._parts.items()}
+
+    def entries(self, partition: str) -> list[TipEntry]:
+        """The entries of one partition, oldest first ([] if unknown)."""
+        part = self._parts.get(partition)
+        return list(part.entries) if part else []
+
+    def stats(self) -> dict[str, float]:
+        """num_partitions, num_entries, max_partition_size, and cumulative added / duplicates / evicted counts."""
+        sizes = self.sizes()
+        return {
+            "num_partitions": len(sizes),
+            "num_entries": sum(sizes.values()),
+            "max_partition_size": max(sizes.values(), default=0),
+            **self._counters,
+        }
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """Plain objects for a Lightning checkpoint.
+
+        Keys are stored as CPU ``torch.Tensor`` float32 [n, dim] rather than numpy: Lightning 2.6 resumes with
+        ``torch.load(weights_only=True)``, which refuses numpy arrays.
+        """
+        import torch
+
+        return {
+            "format": _FORMAT,
+            "embedder_name": self.embedder_name,
+            "dim": self.dim,
+            "counters": dict(self._counters),
+            "partitions": {
+                name: {
+                    "keys": torch.from_numpy(self._keys(part).copy()),
+                    "entries": [asdict(e) for e in part.entries],
+                }
+                for name, part in self._parts.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the contents with ``state`` (from ``state_dict``). This instance's capacity / threshold / top_k /
+        rank_by are kept; a partition larger than ``capacity`` keeps its newest entries.
+
+        Raises:
+            ValueError: wrong format, or embedder name / dim different from this memory's (naming both).
+        """
+        if state.get("format") != _FORMAT:
+            raise ValueError(f"not a tip-memory state (format {state.get('format')!r}, expected {_FORMAT!r})")
+        self._check_compatible(state["embedder_name"], int(state["dim"]), self.embedder_name, self.dim)
+        parts: dict[str, _Partition] = {}
+        for name, p in state["partitions"].items():
+            keys = np.asarray(p["keys"], dtype=np.float32).reshape(-1, self.dim)
+            entries = [TipEntry(**e) for e in p["entries"]]
+            parts[name] = self._build_partition(name, keys, entries)
+        self._parts = parts
+        self._counters = {k: int(state.get("counters", {}).get(k, 0)) for k in self._counters}
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write ``directory`` as a whole: one ``partition_<i>.faiss`` per partition (``faiss.write_index``) plus
+        ``meta.json`` (format, embedder name, dim, config, counters, partition names and entries).
+
+        The files are written to a temporary sibling directory which then replaces ``directory``, so a crash never
+        leaves a half-written memory in place.
+        """
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+        try:
+            meta_parts = []
+            for i, (name, part) in enumerate(self._parts.items()):
+                fname = f"partition_{i}.faiss"
+                faiss.write_index(part.index, str(tmp / fname))
+                meta_parts.append({"name": name, "index_file": fname, "entries": [asdict(e) for e in part.entries]})
+            meta = {
+                "format": _FORMAT,
+                "embedder_name": self.embedder_name,
+                "dim": self.dim,
+                "config": {
+                    "capacity": self.capacity,
+                    "threshold": self.threshold,
+                    "top_k": self.top_k,
+                    "rank_by": self.rank_by,
+                },
+                "counters": self._counters,
+                "partitions": meta_parts,
+            }
+            with open(tmp / _META_FILE, "w", encoding="utf-8") as f:
+                json.dump(meta, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if directory.exists():
+                old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex}"
+                os.replace(directory, old)
+                os.replace(tmp, directory)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, embedder_name: str, dim: int) -> "TipMemory":
+        """Read a memory written by ``save``; capacity / threshold / top_k / rank_by come from the saved config.
+
+        Args:
+            directory: the saved directory.
+            embedder_name, dim: the embedder the caller will query with.
+
+        Raises:
+            FileNotFoundError: no ``meta.json`` in ``directory``.
+            ValueError: wrong format, embedder name or dim mismatch (naming both), or an index file whose size
+                disagrees with its metadata.
+        """
+        directory = Path(directory)
+        meta_path = directory / _META_FILE
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"no tip memory at {directory} ({_META_FILE} missing)")
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"{meta_path}: format {meta.get('format')!r}, expected {_FORMAT!r}")
+        cls._check_compatible(meta["embedder_name"], int(meta["dim"]), embedder_name, int(dim))
+        mem = cls(dim=int(meta["dim"]), embedder_name=meta["embedder_name"], **meta["config"])
+        for p in meta["partitions"]:
+            index = faiss.read_index(str(directory / p["index_file"]))
+            entries = [TipEntry(**e) for e in p["entries"]]
+            if index.d != mem.dim or index.ntotal != len(entries):
+                raise ValueError(
+                    f"{directory / p['index_file']}: index has dim {index.d} and {index.ntotal} rows, "
+                    f"metadata says dim {mem.dim} and {len(entries)} entries"
+                )
+            keys = index.reconstruct_n(0, index.ntotal) if index.ntotal else np.zeros((0, mem.dim), np.float32)
+            mem._parts[p["name"]] = mem._build_partition(p["name"], keys, entries)
+        mem._counters = {k: int(meta.get("counters", {}).get(k, 0)) for k in mem._counters}
+        return mem
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _check_compatible(stored_name: str, stored_dim: int, current_name: str, current_dim: int) -> None:
+        if (stored_name, stored_dim) != (current_name, current_dim):
+            raise ValueError(
+                f"tip memory embedder mismatch: stored with embedder {stored_name!r} (dim {stored_dim}), "
+                f"but the current embedder is {current_name!r} (dim {current_dim}); keys from different "
+                f"embedders are not comparable"
+            )
+
+    def _build_partition(self, name: str, keys: np.ndarray, entries: list[TipEntry]) -> _Partition:
+        if keys.shape != (len(entries), self.dim):
+            raise ValueError(
+                f"partition {name!r}: keys have shape {keys.shape}, expected ({len(entries)}, {self.dim})"
+            )
+        if len(entries) > self.capacity:
+            keys, entries = keys[-self.capacity:], entries[-self.capacity:]
+        part = _Partition(self.dim)
+        if len(entries):
+            part.index.add(np.ascontiguousarray(keys, dtype=np.float32))
+        part.entries = list(entries)
+        part.contents = {e.content for e in entries}
+        return part
+
+    def _keys(self, part: _Partition) -> np.ndarray:
+        n = part.index.ntotal
+        return part.index.reconstruct_n(0, n) if n else np.zeros((0, self.dim), np.float32)
+
+    def _check_keys(self, x: np.ndarray, what: str) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.dim:
+            raise ValueError(f"{what} must have shape [N, {self.dim}], got {x.shape}")
+        if not np.isfinite(x).all():
+            raise ValueError(f"{what} contain non-finite values")
+        if x.shape[0]:
+            norms = np.linalg.norm(x, axis=1)
+            bad = np.abs(norms - 1.0) > _NORM_TOL
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"{what} must be L2-normalised; row {i} has norm {norms[i]:.6f}")
+        return np.ascontiguousarray(x)
+
+    @staticmethod
+    def _check_partition(p: Any) -> None:
+        # str only: int keys would silently become str after a JSON round trip and stop matching.
+        if not isinstance(p, str):
+            raise TypeError(f"partition keys must be str, got {type(p).__name__} {p!r}")

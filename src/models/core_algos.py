@@ -1,0 +1,462 @@
+"""Pure advantage and loss functions for GRPO / EMPO² (SPEC §2.2–§2.5).
+
+Plain torch, no Lightning: every function takes tensors and returns tensors (losses also return a
+``metrics`` dict of python floats for logging). Shapes: ``E`` episodes, ``B`` responses (rows) in a
+(micro-)batch, ``T`` response tokens per row (right-padded, ``response_mask`` marks real tokens), ``V`` vocab.
+
+Loss aggregation contract (SPEC §2.3): the same global batch must give the same gradient whatever the
+micro-batching or the number of DDP ranks. For that, count the denominators once on the whole global batch
+with :func:`loss_denominators` (all-reduced across ranks by the caller) and pass them as
+``global_token_count`` / ``global_seq_count``; each micro-batch loss is then a partial sum, and the SUM of
+the micro-batch losses (not their mean) over micro-batches and ranks equals the full-batch loss. With DDP,
+which averages gradients over ranks, the caller multiplies each rank's loss by the world size.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
+MASK_LEVELS = ("token", "sequence")
+
+# exp() of a float32 log-ratio overflows to inf above ~88; a stale or off-policy token can reach that, and
+# inf * 0 (a zero advantage) is NaN. |log ρ| = 20 (ρ ≈ 5e8 or 2e-9) is far outside every clip range, so
+# the clamp changes no loss value that matters: those tokens are clipped (zero gradient) or have ρ·A ≈ 0.
+_MAX_LOG_RATIO = 20.0
+
+
+def _check_shape(name: str, t: Tensor, shape: torch.Size | tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def _check_count(name: str, count: int | float | Tensor | None) -> None:
+    # Tensors (e.g. all-reduced counts) are not checked here, to avoid a device sync.
+    if count is not None and not isinstance(count, Tensor) and count <= 0:
+        raise ValueError(f"{name} must be > 0, got {count}")
+
+
+# ----------------------------------------------------------------------------------------------- advantages
+
+
+def compute_grpo_advantages(
+    returns: Tensor,
+    group_index: Tensor,
+    norm_adv_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, dict[str, float]]:
+    """Trajectory-level GRPO advantages, normalised within each group (SPEC §2.2).
+
+    ``A_i = (R_i - mean_g) / (std_g + eps)`` with the Bessel-corrected std over the group's valid
+    episodes; ``norm_adv_by_std=False`` gives the Dr.GRPO form ``A_i = R_i - mean_g``.
+
+    Degenerate cases give exactly 0, never NaN/inf: a group whose valid returns are all equal (e.g. all
+    -100), and a group with fewer than two valid episodes. A non-finite return (NaN = failed episode; ±inf
+    is treated the same way) is left out of its group's mean/std and gets advantage 0.
+
+    Args:
+        returns: ``[E]`` float, the episode returns R_i (environment reward units).
+        group_index: ``[E]`` integer, the group (task instance) of each episode; any integer ids, need
+            not be contiguous or sorted.
+        norm_adv_by_std: divide by the group std (GRPO) or not (Dr.GRPO).
+        eps: added to the std.
+
+    Returns:
+        ``(advantages [E] in the dtype of returns, metrics)``; metrics: ``adv_mean`` / ``adv_std`` (over
+        valid episodes), ``return_mean`` (valid episodes), ``zero_var_group_frac`` (fraction of groups whose
+        advantages are all 0: equal returns or < 2 valid episodes), ``num_failed_episodes``, ``num_groups``.
+
+    Raises:
+        ValueError: ``returns`` not 1-D, ``group_index`` of another shape or not an integer tensor.
+    """
+    if returns.ndim != 1:
+        raise ValueError(f"returns must be 1-D [E], got shape {tuple(returns.shape)}")
+    _check_shape("group_index", group_index, returns.shape)
+    if group_index.is_floating_point() or group_index.is_complex() or group_index.dtype == torch.bool:
+        raise ValueError(f"group_index must be an integer tensor, got dtype {group_index.dtype}")
+    out_dtype = returns.dtype if returns.is_floating_point() else torch.float32
+    if returns.numel() == 0:
+        metrics = dict(adv_mean=0.0, adv_std=0.0, return_mean=0.0, zero_var_group_frac=0.0,
+                       num_failed_episodes=0.0, num_groups=0.0)
+        return returns.new_zeros(0, dtype=out_dtype), metrics
+
+    _, gid = torch.unique(group_index, return_inverse=True)
+    num_groups = int(gid.max()) + 1
+    # float64 so that group sums of large returns keep their precision.
+    r = returns.double()
+    valid = torch.isfinite(r)
+    zeros = r.new_zeros(num_groups)
+    n = zeros.index_add(0, gid, valid.double())
+    mean = zeros.index_add(0, gid, torch.where(valid, r, 0.0)) / n.clamp(min=1)
+    dev = torch.where(valid, r - mean[gid], 0.0)
+    std = (zeros.index_add(0, gid, dev.square()) / (n - 1).clamp(min=1)).sqrt()
+    # Equality is tested on the raw returns: mean([3.7]*3) need not round back to 3.7, so R - mean
+    # alone would give a tiny non-zero advantage (and, divided by std + eps, a large one).
+    r_max = r.new_full((num_groups,), -torch.inf).scatter_reduce(
+        0, gid, torch.where(valid, r, -torch.inf), "amax")
+    r_min = r.new_full((num_groups,), torch.inf).scatter_reduce(
+        0, gid, torch.where(valid, r, torch.inf), "amin")
+    degenerate = (n < 2) | (r_max == r_min)
+    adv = dev / (std[gid] + eps) if norm_adv_by_std else dev
+    adv = torch.where(valid & ~degenerate[gid], adv, 0.0)
+
+    n_valid = int(valid.sum())
+    adv_valid, r_valid = adv[valid], r[valid]
+    metrics = dict(
+        adv_mean=float(adv_valid.mean()) if n_valid else 0.0,
+        adv_std=float(adv_valid.std()) if n_valid > 1 else 0.0,
+        return_mean=float(r_valid.mean()) if n_valid else 0.0,
+        zero_var_group_frac=float(degenerate.double().mean()),
+        num_failed_episodes=float(returns.numel() - n_valid),
+        num_groups=float(num_groups),
+    )
+    return adv.to(out_dtype), metrics
+
+
+# ---------------------------------------------------------------------------------------- masks and counts
+
+
+def low_prob_token_mask(
+    log_probs: Tensor,
+    response_mask: Tensor,
+    log_threshold: float = -5.0,
+    level: str = "token",
+) -> Tensor:
+    """Keep-mask of low-probability token masking (SPEC §2.5).
+
+    ``token``: keep response tokens with ``log_prob >= log_threshold``. ``sequence``: keep a whole row
+    only if its minimum response-token log-prob is ``>= log_threshold``, else drop every token of it.
+
+    Args:
+        log_probs: ``[B, T]`` current-policy token log-probs (nats); detached here, the mask never
+            carries a gradient.
+        response_mask: ``[B, T]`` 0/1 or bool, the real response tokens.
+        log_threshold: log δ (default -5, δ ≈ 0.0067).
+        level: ``"token"`` or ``"sequence"``.
+
+    Returns:
+        ``[B, T]`` bool, True where the token keeps its policy-gradient term; always False on padding.
+
+    Raises:
+        ValueError: unknown ``level``; shapes differ.
+    """
+    if level not in MASK_LEVELS:
+        raise ValueError(f"unknown mask level {level!r}; expected one of {MASK_LEVELS}")
+    _check_shape("response_mask", response_mask, log_probs.shape)
+    lp = log_probs.detach()
+    resp = response_mask.bool()
+    if level == "token":
+        return resp & (lp >= log_threshold)
+    row_min = torch.where(resp, lp, torch.inf).amin(dim=-1, keepdim=True)
+    return resp & (row_min >= log_threshold)
+
+
+def loss_denominators(response_mask: Tensor) -> tuple[int, int]:
+    """Token and sequence counts of a batch, as :func:`aggregate_loss` counts them.
+
+    Args:
+        response_mask: ``[B, T]`` 0/1 or bool.
+
+    Returns:
+        ``(num_response_tokens, num_sequences_with_at_least_one_response_token)``; sum these over
+        micro-batches (and all-reduce over ranks) to get ``global_token_count`` / ``global_seq_count``.
+    """
+    resp = response_mask.bool()
+    return int(resp.sum()), int(resp.any(dim=-1).sum())
+
+
+# ------------------------------------------------------------------------------------------------- losses
+
+
+def aggregate_loss(
+    loss_mat: Tensor,
+    mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    global_token_count: int | float | Tensor | None = None,
+    global_seq_count: int | float | Tensor | None = None,
+) -> Tensor:
+    """Reduce a per-token loss matrix to a scalar (SPEC §2.3 ``loss_agg_mode``).
+
+    - ``token-mean``: sum of all masked tokens / token count.
+    - ``seq-mean-token-mean``: per-row mean over its tokens, then sum over rows / sequence count.
+    - ``seq-mean-token-sum``: per-row sum over its tokens, then sum over rows / sequence count.
+
+    The token count defaults to ``mask.sum()``, the sequence count to the number of rows with at least
+    one masked token (rows with none contribute 0 and are not counted; they never give NaN). Passing the
+    global counts (see :func:`loss_denominators`) makes the loss a partial sum, so summing it over
+    micro-batches reproduces the full-batch loss and gradient exactly.
+
+    Args:
+        loss_mat: ``[B, T]`` per-token loss.
+        mask: ``[B, T]`` 0/1 or bool; values outside it (even NaN) are ignored.
+        loss_agg_mode: one of ``LOSS_AGG_MODES``.
+        global_token_count: denominator of ``token-mean`` instead of the local token count.
+        global_seq_count: denominator of the ``seq-mean-*`` modes instead of the local sequence count.
+
+    Returns:
+        ``[]`` scalar in the dtype of ``loss_mat``.
+
+    Raises:
+        ValueError: unknown mode, shapes differ, or a python-number count ``<= 0``.
+    """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
+    _check_shape("mask", mask, loss_mat.shape)
+    _check_count("global_token_count", global_token_count)
+    _check_count("global_seq_count", global_seq_count)
+    m = mask.bool()
+    masked = torch.where(m, loss_mat, 0.0)
+    if loss_agg_mode == "token-mean":
+        denom = m.sum().clamp(min=1) if global_token_count is None else global_token_count
+        return masked.sum() / denom
+    tokens_per_row = m.sum(dim=-1)
+    row_loss = masked.sum(dim=-1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        row_loss = row_loss / tokens_per_row.clamp(min=1)
+    denom = (tokens_per_row > 0).sum().clamp(min=1) if global_seq_count is None else global_seq_count
+    return row_loss.sum() / denom
+
+
+def compute_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.3,
+    clip_ratio_c: float = 10.0,
+    loss_agg_mode: str = "token-mean",
+    keep_mask: Tensor | None = None,
+    global_token_count: int | float | Tensor | None = None,
+    global_seq_count: int | float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO-clip policy loss with asymmetric clipping and dual clip (SPEC §2.3), low-prob masking (§2.5).
+
+    Per response token, ``ρ = exp(logπ - logπ_old)``,
+    ``L = -min(ρA, clip(ρ, 1 - clip_ratio_low, 1 + clip_ratio_high) A)``, and for ``A < 0`` also
+    ``L = min(L, -clip_ratio_c · A)``. Tokens with ``keep_mask`` False get ``L = 0`` (no gradient) but
+    stay in the aggregation denominator (the response-token count before masking), so the global counts
+    can be computed before the forward pass.
+
+    Args:
+        log_probs: ``[B, T]`` current-policy token log-probs (differentiable).
+        old_log_probs: ``[B, T]`` behaviour-policy log-probs (detached here).
+        advantages: ``[B]`` (one per response, broadcast over tokens) or ``[B, T]`` (detached here).
+        response_mask: ``[B, T]`` 0/1 or bool.
+        clip_ratio_low, clip_ratio_high: ε_low in [0, 1), ε_high >= 0.
+        clip_ratio_c: dual-clip constant c > 1.
+        loss_agg_mode, global_token_count, global_seq_count: see :func:`aggregate_loss`.
+        keep_mask: ``[B, T]`` bool from :func:`low_prob_token_mask`, or None (keep all).
+
+    Returns:
+        ``(loss [], metrics)``; metrics over response tokens: ``pg_loss``, ``clip_frac`` (the clipped
+        term is the active one), ``dual_clip_frac``, ``approx_kl`` (k3: mean((ρ-1) - log ρ)),
+        ``ratio_mean``, ``ratio_max``, ``masked_frac`` (fraction removed by ``keep_mask``).
+
+    Raises:
+        ValueError: shapes differ, clip parameters out of range, unknown ``loss_agg_mode``.
+    """
+    if not 0.0 <= clip_ratio_low < 1.0 or clip_ratio_high < 0.0:
+        raise ValueError(f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got "
+                         f"{clip_ratio_low}, {clip_ratio_high}")
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+    if log_probs.ndim != 2:
+        raise ValueError(f"log_probs must be [B, T], got shape {tuple(log_probs.shape)}")
+    _check_shape("old_log_probs", old_log_probs, log_probs.shape)
+    _check_shape("response_mask", response_mask, log_probs.shape)
+    if advantages.shape == log_probs.shape[:1]:
+        advantages = advantages.unsqueeze(-1)
+    elif advantages.shape != log_probs.shape:
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "
+                         f"{tuple(log_probs.shape[:1])} or {tuple(log_probs.shape)}")
+    advantages = advantages.detach()
+    resp = response_mask.bool()
+
+    log_ratio = (log_probs - old_log_probs.detach()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -advantages * ratio
+    pg_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    pg_dual_bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    pg_losses = torch.where(negative, torch.minimum(pg, pg_dual_bound), pg)
+
+    if keep_mask is not None:
+        _check_shape("keep_mask", keep_mask, log_probs.shape)
+    keep = resp if keep_mask is None else resp & keep_mask.bool()
+    loss = aggregate_loss(torch.where(keep, pg_losses, 0.0), resp, loss_agg_mode,
+                          global_token_count, global_seq_count)
+
+    with torch.no_grad():
+        n = resp.sum().clamp(min=1)
+        # float32 metrics, or float64 when the inputs are float64
+        md = torch.promote_types(log_probs.dtype, torch.float32)
+
+        def masked_mean(x: Tensor) -> Tensor:
+            return torch.where(resp, x.to(md), 0.0).sum() / n
+
+        # ratio > 0, so 0 on padding never wins the max; amax of an empty tensor raises.
+        ratio_max = torch.where(resp, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(())
+        # One .tolist() for all metrics: a single device sync instead of one per metric.
+        values = torch.stack([
+            loss.detach().to(md),
+            masked_mean(pg_clipped > pg_unclipped),
+            masked_mean(negative & (pg > pg_dual_bound)),
+            masked_mean(ratio - 1.0 - log_ratio),
+            masked_mean(ratio),
+            ratio_max.to(md),
+            masked_mean(resp & ~keep),
+        ]).tolist()
+    names = ("pg_loss", "clip_frac", "dual_clip_frac", "approx_kl", "ratio_mean", "ratio_max", "masked_frac")
+    return loss, dict(zip(names, values))
+
+
+def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl") -> Tensor:
+    """Per-token KL estimate between the current and reference policy (SPEC §2.3, Schulman's k1/k2/k3).
+
+    - ``kl`` (k1): ``logp - ref``
+    - ``abs``: ``|logp - ref|``
+    - ``mse`` (k2): ``½ (logp - ref)²``
+    - ``low_var_kl`` (k3): ``exp(ref - logp) - (ref - logp) - 1``, clamped to [-10, 10] as verl does.
+
+    Args:
+        log_probs, ref_log_probs: ``[B, T]`` token log-probs (nats); ``ref_log_probs`` is detached.
+        kind: one of ``KL_KINDS``.
+
+    Returns:
+        ``[B, T]`` per-token penalty (aggregate with :func:`aggregate_loss`).
+
+    Raises:
+        ValueError: unknown ``kind``; shapes differ.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown kl kind {kind!r}; expected one of {KL_KINDS}")
+    _check_shape("ref_log_probs", ref_log_probs, log_probs.shape)
+    diff = log_probs - ref_log_probs.detach()
+    if kind == "kl":
+        return diff
+    if kind == "abs":
+        return diff.abs()
+    if kind == "mse":
+        return 0.5 * diff.square()
+    # Clamp before exp for the same overflow reason as the policy ratio; the final clamp bounds the
+    # penalty (and its gradient) on tokens where the two policies disagree wildly.
+    log_ratio = (-diff).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
+
+
+def compute_kl_loss(
+    log_probs: Tensor,
+    ref_log_probs: Tensor,
+    response_mask: Tensor,
+    kind: str = "low_var_kl",
+    loss_agg_mode: str = "token-mean",
+    global_token_count: int | float | Tensor | None = None,
+    global_seq_count: int | float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """:func:`kl_penalty` aggregated like the policy loss. Returns ``(loss [], {"kl_loss": float})``;
+    the caller adds ``β · loss`` (SPEC §2.3)."""
+    loss = aggregate_loss(kl_penalty(log_probs, ref_log_probs, kind), response_mask, loss_agg_mode,
+                          global_token_count, global_seq_count)
+    return loss, {"kl_loss": float(loss.detach())}
+
+
+# ------------------------------------------------------------------------------------ logits → log-probs
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # bf16/fp16 logits are upcast to float32; float64 stays float64 (exact gradient checks).
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _token_log_probs(logits: Tensor, labels: Tensor) -> Tensor:
+    z = logits.to(_compute_dtype(logits.dtype))
+    return z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+def _token_entropy(logits: Tensor) -> Tensor:
+    z = logits.to(_compute_dtype(logits.dtype))
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    p = torch.exp(z - lse)
+    return lse.squeeze(-1) - (p * z).sum(dim=-1)
+
+
+def _chunked(fn, logits: Tensor, labels: Tensor | None, chunk_tokens: int) -> Tensor:
+    """Apply ``fn`` to ``[b, t, V]`` slices of at most ~``chunk_tokens`` tokens and reassemble ``[B, T]``.
+
+    Slices are views (no copy of the logits, even non-contiguous ones such as ``logits[:, :-1]``); only one
+    slice at a time is upcast. With autograd, each slice is checkpointed: the upcast copy is not kept for
+    backward but recomputed slice by slice, so neither pass ever holds a full float32 ``[B, T, V]``.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if logits.ndim != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    B, T, _ = logits.shape
+    out_dtype = _compute_dtype(logits.dtype)
+    if B == 0 or T == 0:
+        return logits.new_zeros((B, T), dtype=out_dtype)
+    t_step = min(T, chunk_tokens)
+    b_step = max(1, chunk_tokens // T)
+    use_ckpt = torch.is_grad_enabled() and logits.requires_grad
+    row_blocks = []
+    for b0 in range(0, B, b_step):
+        parts = []
+        for t0 in range(0, T, t_step):
+            args = [logits[b0:b0 + b_step, t0:t0 + t_step]]
+            if labels is not None:
+                args.append(labels[b0:b0 + b_step, t0:t0 + t_step])
+            parts.append(checkpoint(fn, *args, use_reentrant=False) if use_ckpt else fn(*args))
+        row_blocks.append(torch.cat(parts, dim=1))
+    return torch.cat(row_blocks, dim=0)
+
+
+def log_probs_from_logits(logits: Tensor, labels: Tensor, chunk_tokens: int = 1024) -> Tensor:
+    """Log-probability of each label token, ``log_softmax(logits)[..., label]``, memory-efficiently.
+
+    Computed as ``logit[label] - logsumexp(logits)`` in float32 (float64 stays float64), over slices of
+    about ``chunk_tokens`` tokens, so bf16 logits such as ``[8, 1024, 49152]`` are never upcast or
+    log-softmaxed as a whole. Differentiable w.r.t. ``logits``.
+
+    Args:
+        logits: ``[B, T, V]`` (any float dtype; may be a non-contiguous view).
+        labels: ``[B, T]`` integer token ids in ``[0, V)`` (put any valid id, e.g. the pad id, on padding).
+        chunk_tokens: tokens per slice (~``chunk_tokens · V · 4`` bytes of float32 temporaries).
+
+    Returns:
+        ``[B, T]`` float32 (float64 for float64 logits) log-probs in nats.
+
+    Raises:
+        ValueError: bad shapes, non-integer labels or labels outside ``[0, V)``.
+    """
+    if logits.ndim != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    _check_shape("labels", labels, logits.shape[:2])
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor, got dtype {labels.dtype}")
+    V = logits.shape[-1]
+    if labels.numel() and bool(((labels < 0) | (labels >= V)).any()):
+        raise ValueError(f"labels must lie in [0, {V}); got min {int(labels.min())}, max {int(labels.max())}")
+    return _chunked(_token_log_probs, logits, labels.long(), chunk_tokens)
+
+
+def entropy_from_logits(logits: Tensor, chunk_tokens: int = 1024) -> Tensor:
+    """Entropy (nats) of the softmax distribution at each position, ``-Σ p log p``, memory-efficiently.
+
+    Computed as ``logsumexp(z) - Σ softmax(z)·z`` in float32 over slices, like
+    :func:`log_probs_from_logits`. Differentiable w.r.t. ``logits``.
+
+    Args:
+        logits: ``[B, T, V]`` (finite values).
+        chunk_tokens: tokens per slice.
+
+    Returns:
+        ``[B, T]`` float32 (float64 for float64 logits).
+
+    Raises:
+        ValueError: ``logits`` not 3-D.
+    """
+    return _chunked(_token_entropy, logits, None, chunk_tokens)

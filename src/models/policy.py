@@ -1,0 +1,192 @@
+"""The policy: a Hugging Face causal LM behind one small class (SPEC §2.1, §4).
+
+It does three things and nothing else:
+
+- ``encode`` renders structured chat messages to prompt token ids with the tokenizer's chat template;
+- ``generate`` samples responses for a batch of prompts and returns the sampled token ids with their
+  per-token log-probs under the sampling distribution (these ids are what the trainer trains on: a response
+  is never decoded and re-encoded);
+- ``log_probs`` recomputes per-token log-probs (and optionally entropies) of given responses for given
+  prompts, in one padded forward pass.
+
+Batches are laid out as ``[left-padded prompt | right-padded response]``: every prompt ends at column ``P``
+and every response starts there, so the logits predicting response token ``j`` are at column ``P - 1 + j``.
+Position ids are derived from the attention mask, so padding never shifts positions.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from src.models.core_algos import entropy_from_logits, log_probs_from_logits
+
+
+@dataclass
+class Generation:
+    """Sampled responses of one ``Policy.generate`` call, one entry per prompt.
+
+    ``response_ids[i]``: the generated token ids, cut after the first EOS (the EOS is kept: the policy must
+    learn to stop). ``log_probs[i]``: float list of the same length, log-prob of each sampled token under the
+    sampling distribution (logits / temperature). ``texts[i]``: the decoded response without special tokens.
+    ``truncated[i]``: no EOS within ``max_new_tokens``.
+    """
+
+    response_ids: list[list[int]]
+    log_probs: list[list[float]]
+    texts: list[str]
+    truncated: list[bool]
+
+
+def pack_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int) -> dict[str, Tensor]:
+    """Lay out prompts and responses as ``[left-padded prompt | right-padded response]``.
+
+    Returns ``input_ids``, ``attention_mask``, ``position_ids`` of shape [B, P + R] and ``response_mask``
+    [B, R] (1 for real response tokens), where P and R are the longest prompt and response.
+
+    Raises:
+        ValueError: the two lists differ in length, or a prompt is empty.
+    """
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("an empty prompt was given; every prompt needs at least one token")
+    batch = len(prompt_ids)
+    p_len = max(len(p) for p in prompt_ids)
+    r_len = max((len(r) for r in response_ids), default=0)
+    input_ids = torch.full((batch, p_len + r_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, p_len + r_len), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        input_ids[i, p_len - len(p):p_len] = torch.tensor(p, dtype=torch.long)
+        attention_mask[i, p_len - len(p):p_len + len(r)] = 1
+        if r:
+            input_ids[i, p_len:p_len + len(r)] = torch.tensor(r, dtype=torch.long)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "response_mask": attention_mask[:, p_len:].clone(),
+    }
+
+
+class Policy(nn.Module):
+    """A causal LM policy with its tokenizer.
+
+    Args:
+        model: a ``PreTrainedModel`` (optionally a PEFT model with LoRA adapters).
+        tokenizer: its tokenizer (must have a chat template).
+        max_response_tokens: cap on generated tokens per step (SPEC §2.8: 32 ScienceWorld, 512 WebShop).
+        max_prompt_tokens: prompts longer than this are cut from the left (oldest history first),
+            keeping the chat template's head; a warning counter is exposed as ``num_prompts_truncated``.
+        temperature: default sampling temperature (rollout 1.0, evaluation 0.4 in the paper).
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_response_tokens: int = 32,
+                 max_prompt_tokens: int = 4096, temperature: float = 1.0):
+        super().__init__()
+        if max_response_tokens < 1:
+            raise ValueError(f"max_response_tokens must be >= 1, got {max_response_tokens}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_response_tokens = max_response_tokens
+        self.max_prompt_tokens = max_prompt_tokens
+        self.temperature = temperature
+        self.num_prompts_truncated = 0
+        eos = tokenizer.eos_token_id
+        gen_eos = getattr(model.generation_config, "eos_token_id", None)
+        ids = set([eos] if isinstance(eos, int) else eos or [])
+        ids |= set([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
+        self.eos_token_ids = sorted(ids)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ------------------------------------------------------------------ prompts
+    def encode(self, messages: list[dict[str, str]]) -> list[int]:
+        """Render chat ``messages`` (``[{"role", "content"}]``) to prompt ids ending with the assistant header."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = list(ids)
+        if len(ids) > self.max_prompt_tokens:
+            # Keep the end (current observation and the generation header); the prompt builder already
+            # bounds the history, so this is a last-resort guard.
+            self.num_prompts_truncated += 1
+            ids = ids[-self.max_prompt_tokens:]
+        return ids
+
+    # ------------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int | None = None, temperature: float | None = None,
+                 do_sample: bool = True) -> Generation:
+        """Sample one response per prompt in one batched call.
+
+        Sampling uses the full softmax of ``logits / temperature`` (top-k and top-p disabled) so the returned
+        log-probs are exactly the behaviour policy's. ``do_sample=False`` is greedy (log-probs still reported
+        at the given temperature).
+        """
+        max_new_tokens = max_new_tokens or self.max_response_tokens
+        temperature = self.temperature if temperature is None else temperature
+        if not prompt_ids:
+            return Generation([], [], [], [])
+        pad = self.tokenizer.pad_token_id
+        batch = pack_batch(prompt_ids, [[] for _ in prompt_ids], pad)
+        batch = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = self.model.generate(
+                **batch, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature if do_sample else None,
+                top_k=0, top_p=1.0, output_logits=True, return_dict_in_generate=True, pad_token_id=pad,
+                eos_token_id=self.eos_token_ids,
+            )
+        finally:
+            self.model.train(was_training)
+        p_len = batch["input_ids"].shape[1]
+        sequences = out.sequences[:, p_len:].cpu()
+        # output_logits holds the raw logits of each step: [steps] x [B, V]
+        logits = torch.stack(out.logits, dim=1).float().cpu() / temperature
+        token_log_probs = log_probs_from_logits(logits, sequences)
+        eos = torch.tensor(self.eos_token_ids)
+        response_ids, log_probs, truncated = [], [], []
+        for i in range(sequences.shape[0]):
+            row = sequences[i].tolist()
+            hits = torch.isin(sequences[i], eos).nonzero()
+            n = int(hits[0]) + 1 if len(hits) else len(row)
+            response_ids.append(row[:n])
+            log_probs.append(token_log_probs[i, :n].tolist())
+            truncated.append(len(hits) == 0)
+        texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+        return Generation(response_ids, log_probs, texts, truncated)
+
+    # ------------------------------------------------------------------ scoring
+    def log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float = 1.0,
+                  with_entropy: bool = False, disable_adapters: bool = False) -> dict[str, Tensor]:
+        """Per-token log-probs of ``response_ids`` given ``prompt_ids`` (differentiable unless under no_grad).
+
+        Returns ``log_probs`` [B, R] (float32, 0 where masked), ``response_mask`` [B, R] (float32) and, with
+        ``with_entropy``, ``entropy`` [B, R] of the (temperature-scaled) next-token distribution.
+        ``disable_adapters=True`` evaluates the base model of a PEFT policy (the KL reference, SPEC §2.3).
+        """
+        batch = pack_batch(prompt_ids, response_ids, self.tokenizer.pad_token_id)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        p_len = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+        ctx = self.model.disable_adapter() if disable_adapters else contextlib.nullcontext()
+        r_len = batch["response_mask"].shape[1]
+        with ctx:
+            # Responses are right-aligned after column P, so only the last R + 1 positions' logits are needed;
+            # asking for just those avoids a [B, P + R, V] tensor (GBs for long prompts).
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                position_ids=batch["position_ids"], use_cache=False, logits_to_keep=r_len + 1).logits
+        logits = logits[:, :-1]
+        if temperature != 1.0:
+            logits = logits / temperature
+        response = batch["input_ids"][:, p_len:]
+        mask = batch["response_mask"].float()
+        out = {"log_probs": log_probs_from_logits(logits, response) * mask, "response_mask": mask}
+        if with_entropy:
+            out["entropy"] = entropy_from_logits(logits) * mask
+        return out

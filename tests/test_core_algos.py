@@ -1,0 +1,394 @@
+"""Known-answer tests for src/models/core_algos.py (SPEC §2.2–§2.5). Expected values are worked out by
+hand in the comments; float64 is used where the arithmetic is compared tightly."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from src.models.core_algos import (
+    aggregate_loss,
+    compute_grpo_advantages,
+    compute_kl_loss,
+    compute_policy_loss,
+    entropy_from_logits,
+    kl_penalty,
+    log_probs_from_logits,
+    loss_denominators,
+    low_prob_token_mask,
+)
+
+EPS = 1e-6
+F64 = torch.float64
+
+
+def t(x, dtype=F64):
+    return torch.tensor(x, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------- advantages
+
+
+def test_grpo_single_group_known_answer():
+    # [1, 2, 3]: mean 2, Bessel var ((1)² + 0 + (1)²) / 2 = 1, std 1 -> [-1, 0, 1] / (1 + 1e-6)
+    adv, m = compute_grpo_advantages(t([1.0, 2.0, 3.0]), torch.tensor([0, 0, 0]))
+    torch.testing.assert_close(adv, t([-1.0, 0.0, 1.0]) / (1 + EPS), rtol=0, atol=1e-15)
+    assert m["num_failed_episodes"] == 0 and m["num_groups"] == 1 and m["zero_var_group_frac"] == 0
+
+
+def test_grpo_interleaved_groups_with_arbitrary_ids():
+    # group 7: [1, 2, 3] -> [-1, 0, 1]/(1+eps); group 3: [10, 20, 30]: mean 20, var (100+0+100)/2 = 100,
+    # std 10 -> [-10, 0, 10]/(10+eps)
+    returns = t([1.0, 10.0, 2.0, 20.0, 3.0, 30.0])
+    adv, _ = compute_grpo_advantages(returns, torch.tensor([7, 3, 7, 3, 7, 3]))
+    expected = t([-1 / (1 + EPS), -10 / (10 + EPS), 0.0, 0.0, 1 / (1 + EPS), 10 / (10 + EPS)])
+    torch.testing.assert_close(adv, expected, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("value", [-100.0, 3.7])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_grpo_all_equal_group_is_exactly_zero(value, dtype):
+    adv, m = compute_grpo_advantages(torch.full((4,), value, dtype=dtype), torch.zeros(4, dtype=torch.long))
+    assert torch.equal(adv, torch.zeros(4, dtype=dtype))
+    assert m["zero_var_group_frac"] == 1.0
+    adv, _ = compute_grpo_advantages(torch.full((4,), value, dtype=dtype), torch.zeros(4, dtype=torch.long),
+                                     norm_adv_by_std=False)
+    assert torch.equal(adv, torch.zeros(4, dtype=dtype))
+
+
+def test_grpo_nan_episode_excluded():
+    # valid [1, 3, 5]: mean 3, var (4 + 0 + 4)/2 = 4, std 2 -> [-2, 0, 2]/(2+eps); the NaN one -> 0
+    returns = t([1.0, float("nan"), 3.0, 5.0])
+    adv, m = compute_grpo_advantages(returns, torch.zeros(4, dtype=torch.long))
+    assert torch.isfinite(adv).all()
+    torch.testing.assert_close(adv, t([-2 / (2 + EPS), 0.0, 0.0, 2 / (2 + EPS)]), rtol=0, atol=1e-15)
+    assert m["num_failed_episodes"] == 1
+    assert all(math.isfinite(v) for v in m.values())
+
+
+def test_grpo_dr_grpo_mode():
+    # R - mean: group 0 [1, 2, 3] - 2 = [-1, 0, 1]; group 1 [0, 4] - 2 = [-2, 2] (interleaved)
+    adv, _ = compute_grpo_advantages(t([1.0, 0.0, 2.0, 4.0, 3.0]), torch.tensor([0, 1, 0, 1, 0]),
+                                     norm_adv_by_std=False)
+    assert torch.equal(adv, t([-1.0, -2.0, 0.0, 2.0, 1.0]))
+
+
+def test_grpo_single_valid_episode_groups_are_zero():
+    # group 0: one episode; group 1: one valid + one NaN; group 2: [4, 4]; group 3: [0, 2] -> ±1/(√2 + eps)
+    # (mean 1, var (1 + 1)/1 = 2)
+    returns = t([5.0, 1.0, float("nan"), 4.0, 4.0, 0.0, 2.0])
+    adv, m = compute_grpo_advantages(returns, torch.tensor([0, 1, 1, 2, 2, 3, 3]))
+    s = 1 / (math.sqrt(2) + EPS)
+    torch.testing.assert_close(adv, t([0.0, 0.0, 0.0, 0.0, 0.0, -s, s]), rtol=0, atol=1e-15)
+    assert m["zero_var_group_frac"] == 0.75  # groups 0, 1, 2 of 4
+    assert m["num_failed_episodes"] == 1
+
+
+def test_grpo_bad_input():
+    with pytest.raises(ValueError, match="1-D"):
+        compute_grpo_advantages(torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer"):
+        compute_grpo_advantages(torch.zeros(3), torch.zeros(3))
+    with pytest.raises(ValueError, match="group_index"):
+        compute_grpo_advantages(torch.zeros(3), torch.zeros(2, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------------- policy loss
+
+
+def _lp(ratios):
+    """log_probs, old_log_probs [1, T] (float64) with the given ratios; log_probs requires grad."""
+    old = t([[-1.0] * len(ratios)])
+    lp = (old + torch.log(t([ratios]))).requires_grad_()
+    return lp, old
+
+
+def test_policy_loss_clip_cases_known_answer():
+    # ε_low 0.2, ε_high 0.3, c 10; per token L:
+    # ρ=1.1, A=+1: -min(1.1, 1.1) = -1.1                       (not clipped)
+    # ρ=1.5, A=+1: -min(1.5, 1.3) = -1.3                       (clipped)
+    # ρ=0.5, A=-1: -min(-0.5, -0.8) = 0.8; min(0.8, 10) = 0.8  (clipped)
+    # ρ=20,  A=-1: -min(-20, -1.3) = 20; min(20, -c·A = 10) = 10  (dual clip, plain clip not active)
+    # ρ=0.5, A=+2: -min(1.0, 0.8·2 = 1.6) = -1.0               (not clipped)
+    # token-mean = (-1.1 - 1.3 + 0.8 + 10 - 1.0) / 5 = 7.4 / 5 = 1.48
+    ratios = [1.1, 1.5, 0.5, 20.0, 0.5]
+    lp, old = _lp(ratios)
+    adv = t([[1.0, 1.0, -1.0, -1.0, 2.0]])
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    loss, m = compute_policy_loss(lp, old, adv, mask)
+    assert loss.item() == pytest.approx(1.48, abs=1e-12)
+    assert m["pg_loss"] == pytest.approx(1.48, abs=1e-12)
+    assert m["clip_frac"] == pytest.approx(2 / 5)
+    assert m["dual_clip_frac"] == pytest.approx(1 / 5)
+    # k3 per token: (ρ - 1) - ln ρ
+    kl = [(r - 1) - math.log(r) for r in ratios]
+    assert m["approx_kl"] == pytest.approx(sum(kl) / 5, abs=1e-12)
+    assert m["ratio_mean"] == pytest.approx(23.6 / 5) and m["ratio_max"] == pytest.approx(20.0)
+    assert m["masked_frac"] == 0.0
+    # dL/dlogp = -A·ρ/5 on the unclipped tokens (1 and 5), 0 on clipped / dual-clipped ones
+    loss.backward()
+    torch.testing.assert_close(lp.grad, t([[-1.1 / 5, 0.0, 0.0, 0.0, -2 * 0.5 / 5]]), rtol=0, atol=1e-12)
+
+
+def test_policy_loss_asymmetric_clip():
+    # A=+1: ρ=1.25 < 1.3 -> L=-1.25 (not clipped); ρ=1.35 -> L=-1.3 (clipped)
+    # A=-1: ρ=0.85 > 0.8 -> -min(-0.85, -0.8) = 0.85 (not clipped); ρ=0.75 -> -min(-0.75, -0.8) = 0.8
+    for ratio, a, expected, clipped in [(1.25, 1.0, -1.25, 0.0), (1.35, 1.0, -1.3, 1.0),
+                                        (0.85, -1.0, 0.85, 0.0), (0.75, -1.0, 0.8, 1.0)]:
+        lp, old = _lp([ratio])
+        loss, m = compute_policy_loss(lp, old, t([a]), torch.ones(1, 1), clip_ratio_low=0.2, clip_ratio_high=0.3)
+        assert loss.item() == pytest.approx(expected, abs=1e-12), ratio
+        assert m["clip_frac"] == clipped, ratio
+
+
+def test_policy_loss_broadcast_advantages_and_padding():
+    # rows: A=+1 with ρ=[1.1, pad], A=-1 with ρ=[1.0, 1.2]; padding has a NaN log-prob (ignored)
+    # L: row0 [-1.1], row1 [-min(-1, -1) = 1, -min(-1.2, -1.2) = 1.2] -> token-mean (-1.1 + 1 + 1.2)/3 = 1.1/3
+    old = t([[-1.0, -1.0], [-1.0, -1.0]])
+    lp = old + torch.log(t([[1.1, 1.0], [1.0, 1.2]]))
+    lp[0, 1] = float("nan")
+    mask = t([[1, 0], [1, 1]])
+    loss_b, m = compute_policy_loss(lp, old, t([1.0, -1.0]), mask)
+    loss_bt, _ = compute_policy_loss(lp, old, t([[1.0, 1.0], [-1.0, -1.0]]), mask)
+    assert loss_b.item() == pytest.approx(1.1 / 3, abs=1e-12)
+    assert loss_bt.item() == loss_b.item()
+    assert all(math.isfinite(v) for v in m.values())
+
+
+def test_policy_loss_bad_input():
+    lp = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="advantages"):
+        compute_policy_loss(lp, lp, torch.zeros(3), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        compute_policy_loss(lp, lp, torch.zeros(2), torch.ones(2, 3), clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        compute_policy_loss(lp, lp, torch.zeros(2), torch.ones(2, 3), loss_agg_mode="mean")
+
+
+# ------------------------------------------------------------------------------------------------ masking
+
+
+def test_low_prob_mask_token_and_sequence():
+    lp = t([[-1.0, -6.0, -5.0], [-0.1, -4.99, -5.01]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # token: keep >= -5 (so -5 itself is kept); padding always False
+    expected_tok = torch.tensor([[True, False, True], [True, True, False]])
+    assert torch.equal(low_prob_token_mask(lp, mask, -5.0, "token"), expected_tok)
+    # sequence: row 0 min -6 < -5 -> dropped; row 1 min over real tokens is -4.99 (the -5.01 is padding)
+    expected_seq = torch.tensor([[False, False, False], [True, True, False]])
+    assert torch.equal(low_prob_token_mask(lp, mask, -5.0, "sequence"), expected_seq)
+    with pytest.raises(ValueError, match="'step'"):
+        low_prob_token_mask(lp, mask, level="step")
+
+
+def test_masked_tokens_zero_gradient_denominator_unchanged():
+    # ρ = 1, A = +1 -> L = -1 per token; token 1 masked -> 0; token-mean over all 4 response tokens:
+    # (-1 + 0 - 1 - 1) / 4 = -0.75 (not -1: the masked token stays in the denominator)
+    lp, old = _lp([1.0, 1.0, 1.0, 1.0])
+    keep = torch.tensor([[True, False, True, True]])
+    loss, m = compute_policy_loss(lp, old, t([1.0]), torch.ones(1, 4), keep_mask=keep)
+    assert loss.item() == pytest.approx(-0.75, abs=1e-12)
+    assert m["masked_frac"] == pytest.approx(0.25)
+    loss.backward()
+    # dL/dlogp = -A·ρ/4 = -0.25 on kept tokens, exactly 0 on the masked one
+    torch.testing.assert_close(lp.grad, t([[-0.25, 0.0, -0.25, -0.25]]), rtol=0, atol=1e-12)
+    assert lp.grad[0, 1].item() == 0.0
+
+
+def test_low_prob_mask_through_policy_loss():
+    # current log-probs [-1, -7] (ρ = 1 each, A = +1), threshold -5 -> token 1 masked; loss = (-1 + 0)/2
+    lp = t([[-1.0, -7.0]]).requires_grad_()
+    keep = low_prob_token_mask(lp, torch.ones(1, 2))
+    loss, m = compute_policy_loss(lp, lp.detach(), t([1.0]), torch.ones(1, 2), keep_mask=keep)
+    assert loss.item() == pytest.approx(-0.5) and m["masked_frac"] == 0.5
+
+
+# -------------------------------------------------------------------------------------------- aggregation
+
+LOSS = t([[1.0, 2.0, 3.0], [4.0, 5.0, float("nan")]])  # the NaN sits on padding: must be ignored
+RAGGED = torch.tensor([[1, 1, 1], [1, 0, 0]])
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("token-mean", 2.5),            # (1 + 2 + 3 + 4) / 4
+    ("seq-mean-token-mean", 3.0),   # (6/3 + 4/1) / 2 = (2 + 4) / 2
+    ("seq-mean-token-sum", 5.0),    # (6 + 4) / 2
+])
+def test_aggregate_modes_known_answer(mode, expected):
+    assert aggregate_loss(LOSS, RAGGED, mode).item() == pytest.approx(expected)
+
+
+def test_aggregate_global_counts():
+    # token-mean: 10 / 8; seq modes: (2 + 4) / 4 and (6 + 4) / 5
+    assert aggregate_loss(LOSS, RAGGED, "token-mean", global_token_count=8).item() == pytest.approx(1.25)
+    assert aggregate_loss(LOSS, RAGGED, "seq-mean-token-mean", global_seq_count=4).item() == pytest.approx(1.5)
+    assert aggregate_loss(LOSS, RAGGED, "seq-mean-token-sum", global_seq_count=5).item() == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="global_token_count"):
+        aggregate_loss(LOSS, RAGGED, global_token_count=0)
+
+
+def test_aggregate_empty_rows():
+    # row 1 has no response token: it is not counted as a sequence and yields no NaN
+    mask = torch.tensor([[1, 1, 1], [0, 0, 0]])
+    assert aggregate_loss(LOSS, mask, "token-mean").item() == pytest.approx(2.0)           # 6 / 3
+    assert aggregate_loss(LOSS, mask, "seq-mean-token-mean").item() == pytest.approx(2.0)  # (6/3) / 1
+    assert aggregate_loss(LOSS, mask, "seq-mean-token-sum").item() == pytest.approx(6.0)   # 6 / 1
+    assert loss_denominators(mask) == (3, 1)
+    empty = torch.zeros(2, 3)
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        assert aggregate_loss(LOSS, empty, mode).item() == 0.0
+    with pytest.raises(ValueError, match="token-mean"):
+        aggregate_loss(LOSS, RAGGED, "sum")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_micro_batching_invariance(mode):
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 5
+    old = -torch.rand(B, T, generator=g, dtype=F64) * 3
+    lp = (old + 0.4 * torch.randn(B, T, generator=g, dtype=F64)).requires_grad_()
+    adv = torch.randn(B, generator=g, dtype=F64)
+    lengths = torch.tensor([5, 1, 3, 0, 4, 2])  # ragged, with one empty row
+    mask = torch.arange(T) < lengths[:, None]
+    keep = low_prob_token_mask(lp, mask, log_threshold=-2.5)
+
+    full, _ = compute_policy_loss(lp, old, adv, mask, loss_agg_mode=mode, keep_mask=keep)
+    (grad_full,) = torch.autograd.grad(full, lp)
+
+    n_tok, n_seq = loss_denominators(mask)
+    assert (n_tok, n_seq) == (15, 5)
+    total = 0.0
+    for sl in (slice(0, 2), slice(2, 3), slice(3, 6)):  # uneven micro-batches
+        part, _ = compute_policy_loss(lp[sl], old[sl], adv[sl], mask[sl], loss_agg_mode=mode, keep_mask=keep[sl],
+                                      global_token_count=n_tok, global_seq_count=n_seq)
+        total = total + part
+    (grad_micro,) = torch.autograd.grad(total, lp)
+    torch.testing.assert_close(total, full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad_micro, grad_full, rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------------ KL
+
+
+def test_kl_kinds_known_answer():
+    # token 0: logp = ln .5, ref = ln .25 -> d = logp - ref = ln 2; token 1: d = -ln 2
+    # k1 = d; abs = |d|; k2 = ½ d² ; k3 = exp(-d) + d - 1: 0.5 + ln2 - 1, 2 - ln2 - 1
+    lp, ref = t([[math.log(0.5), math.log(0.25)]]), t([[math.log(0.25), math.log(0.5)]])
+    ln2 = math.log(2)
+    expected = {
+        "kl": [ln2, -ln2],
+        "abs": [ln2, ln2],
+        "mse": [0.5 * ln2 ** 2, 0.5 * ln2 ** 2],
+        "low_var_kl": [0.5 + ln2 - 1, 2 - ln2 - 1],
+    }
+    for kind, values in expected.items():
+        torch.testing.assert_close(kl_penalty(lp, ref, kind), t([values]), rtol=0, atol=1e-12)
+    # k3 mean = (0.5 + ln2 - 1 + 2 - ln2 - 1) / 2 = 0.25
+    loss, m = compute_kl_loss(lp, ref, torch.ones(1, 2))
+    assert loss.item() == pytest.approx(0.25) and m["kl_loss"] == pytest.approx(0.25)
+    # ref - logp = 30: exp(20) - 20 - 1 after the log-ratio clamp, then clamped to 10
+    assert kl_penalty(t([[-30.0]]), t([[0.0]])).item() == 10.0
+    with pytest.raises(ValueError, match="'k3'"):
+        kl_penalty(lp, ref, "k3")
+
+
+# ---------------------------------------------------------------------------------------- logits helpers
+
+
+def _naive_lp(logits, labels):
+    return torch.log_softmax(logits.float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def _naive_entropy(logits):
+    logp = torch.log_softmax(logits.float(), -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def test_logits_helpers_uniform_known_answer():
+    # zero logits over V = 4: p = 1/4 everywhere -> log p = -ln 4, entropy = ln 4
+    logits, labels = torch.zeros(2, 3, 4), torch.tensor([[0, 1, 2], [3, 0, 1]])
+    torch.testing.assert_close(log_probs_from_logits(logits, labels), torch.full((2, 3), -math.log(4)))
+    torch.testing.assert_close(entropy_from_logits(logits), torch.full((2, 3), math.log(4)))
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 16, 1024])  # within-row chunks, multi-row chunks, one chunk
+def test_logits_helpers_match_naive_with_grad(chunk_tokens):
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(3, 8, 11, generator=g) * 3
+    labels = torch.randint(0, 11, (3, 7), generator=g)
+    w = torch.randn(3, 7, generator=g)
+    for fn, naive, args in [(log_probs_from_logits, _naive_lp, (labels,)), (entropy_from_logits, _naive_entropy, ())]:
+        x1, x2 = base.clone().requires_grad_(), base.clone().requires_grad_()
+        # logits[:, :-1] is a non-contiguous view, as in a causal-LM shift
+        out = fn(x1[:, :-1], *args, chunk_tokens=chunk_tokens)
+        ref = naive(x2[:, :-1], *args)
+        assert out.dtype == torch.float32 and out.shape == (3, 7)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        (out * w).sum().backward()
+        (ref * w).sum().backward()
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_logits_helpers_bf16_and_no_grad():
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(2, 5, 13, generator=g) * 4).bfloat16()
+    labels = torch.randint(0, 13, (2, 5), generator=g)
+    with torch.no_grad():
+        out = log_probs_from_logits(logits, labels, chunk_tokens=3)
+        ent = entropy_from_logits(logits, chunk_tokens=3)
+    assert out.dtype == torch.float32 and ent.dtype == torch.float32
+    # same bf16 values upcast: float32 arithmetic on both sides
+    torch.testing.assert_close(out, _naive_lp(logits, labels), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, _naive_entropy(logits), rtol=1e-5, atol=1e-5)
+    # against a bf16 log_softmax: bf16 rounding tolerance
+    naive_bf16 = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1).float()
+    torch.testing.assert_close(out, naive_bf16, rtol=2e-2, atol=5e-2)
+    # gradients flow into bf16 logits
+    x = logits.clone().requires_grad_()
+    log_probs_from_logits(x, labels, chunk_tokens=3).sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16 and x.grad.abs().sum() > 0
+
+
+def test_logits_helpers_gradcheck_float64():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 5, generator=g, dtype=F64, requires_grad=True)
+    labels = torch.randint(0, 5, (2, 3), generator=g)
+    assert torch.autograd.gradcheck(lambda z: log_probs_from_logits(z, labels, chunk_tokens=2), (x,))
+    assert torch.autograd.gradcheck(lambda z: entropy_from_logits(z, chunk_tokens=2), (x,))
+
+
+def test_logits_helpers_bad_input():
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        log_probs_from_logits(torch.zeros(1, 2, 4), torch.tensor([[0, 4]]))
+    with pytest.raises(ValueError, match="integer"):
+        log_probs_from_logits(torch.zeros(1, 2, 4), torch.zeros(1, 2))
+    with pytest.raises(ValueError, match=r"\[B, T, V\]"):
+        entropy_from_logits(torch.zeros(2, 4))
+
+
+def test_log_probs_do_not_save_full_fp32_logits_for_backward():
+    # Bytes saved for backward in tensors other than views of the logits themselves: the checkpointed
+    # slices keep only such views (no new memory); the naive path keeps a float32 [B, T, V] copy.
+    logits = torch.randn(4, 64, 512).bfloat16().requires_grad_()
+    labels = torch.randint(0, 512, (4, 64))
+    full_fp32_bytes = logits.numel() * 4
+    logits_storage = logits.untyped_storage().data_ptr()
+
+    def saved_bytes(fn):
+        total = 0
+
+        def pack(x):
+            nonlocal total
+            if x.untyped_storage().data_ptr() != logits_storage:
+                total += x.numel() * x.element_size()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            out = fn()
+        out.sum().backward()
+        return total
+
+    assert saved_bytes(lambda: _naive_lp(logits, labels)) >= full_fp32_bytes
+    assert saved_bytes(lambda: log_probs_from_logits(logits, labels, chunk_tokens=64)) < full_fp32_bytes / 8
+    assert saved_bytes(lambda: entropy_from_logits(logits, chunk_tokens=64)) < full_fp32_bytes / 8
