@@ -148,7 +148,9 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
                           observation=observations[i], admissible_actions=infos[i].get("admissible_actions"),
                           history_length=cfg.history_length, tips_scope=cfg.tips_scope,
                           step=len(episodes[i].steps), max_steps=max_steps)
-            ids = policy.encode(build_step_messages(tips=tips[j] if cfg.use_tips else None, **common))
+            step_tips = _fit_prompt(policy, common, tips[j] if cfg.use_tips else None)
+            tips[j] = step_tips or []
+            ids = policy.encode(build_step_messages(tips=step_tips, **common))
             prompts.append(ids)
             update_prompts.append(policy.encode(build_step_messages(tips=None, **common))
                                   if cfg.use_tips and cfg.strip_tips_for_update else ids)
@@ -195,6 +197,22 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
     metrics = dict(timers, rollout_s=elapsed, generated_tokens=float(generated_tokens),
                    rollout_tokens_per_s=generated_tokens / max(timers["generate_s"], 1e-9))
     return episodes, metrics
+
+
+def _fit_prompt(policy: Policy, common: dict, tips: list[str] | None) -> list[str] | None:
+    """Shrink the prompt until it fits ``policy.max_prompt_tokens``: oldest history first, then the lowest-ranked
+    tips. ``common`` is updated in place (its ``history_length``); returns the tips that fit."""
+    def length() -> int:
+        return len(policy.encode(build_step_messages(tips=tips, **common), truncate=False))
+
+    while length() > policy.max_prompt_tokens:
+        if common["history_length"] > 0 and common["history"]:
+            common["history_length"] = min(common["history_length"], len(common["history"])) - 1
+        elif tips:
+            tips = tips[:-1]
+        else:
+            break  # the current observation alone is too long: Policy.encode cuts it
+    return tips
 
 
 def _embed_states(memory, episodes, observations, indices, timers, keys=None):

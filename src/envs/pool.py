@@ -4,7 +4,7 @@ in parallel).
 Each worker builds its environment from a picklable ``_target_`` config with ``hydra.utils.instantiate`` and
 serves reset/step/tasks over a pipe. A call to several workers is sent to all of them before any answer is
 read, so the environments work in parallel. A worker that dies, breaks its pipe, raises inside its
-environment, or does not answer within ``timeout`` seconds is killed and restarted, and that call's result
+environment, or does not answer within ``timeout_s`` seconds is killed and restarted, and that call's result
 for it is an error result (SPEC §2.2: the caller marks the episode failed and drops it from its group).
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -111,8 +112,8 @@ class EnvPool:
         env_cfg: Hydra-instantiable environment config, e.g. ``{"_target_":
             "src.envs.scienceworld.ScienceWorldEnv", "task": "4-2"}``; must be picklable once resolved.
         num_workers: number of worker processes (≥ 1).
-        timeout: seconds a call may take per worker before that worker is killed and restarted.
-        start_timeout: extra seconds allowed for a worker that is still building its environment (JVM start).
+        timeout_s: seconds a call may take per worker before that worker is killed and restarted.
+        start_timeout_s: extra seconds allowed for a worker that is still building its environment (JVM start).
 
     Calls take ``(worker_index, argument)`` pairs (each index at most once per call) and return results in the
     same order. Error results: reset → ``("", {"error": msg, "worker": i})``; step → ``("", nan, True, False,
@@ -126,11 +127,11 @@ class EnvPool:
             traceback), or ``tasks``/``system_prompt`` fail.
     """
 
-    def __init__(self, env_cfg: Any, num_workers: int, timeout: float = 120.0,
-                 start_timeout: float = 300.0) -> None:
+    def __init__(self, env_cfg: Any, num_workers: int, timeout_s: float = 120.0,
+                 start_timeout_s: float = 300.0) -> None:
         self.env_cfg = _plain_config(env_cfg)
-        self.timeout = float(timeout)
-        self.start_timeout = float(start_timeout)
+        self.timeout_s = float(timeout_s)
+        self.start_timeout_s = float(start_timeout_s)
         self.num_restarts = 0
         # Not fork: the parent holds torch/BLAS threads and py4j sockets that a forked child would inherit.
         self._ctx = mp.get_context("spawn")
@@ -161,46 +162,61 @@ class EnvPool:
         child_conn.close()  # so the parent sees EOF when the worker dies
         return _Worker(process, parent_conn)
 
-    def _stop(self, worker: _Worker, graceful: bool) -> None:
-        if graceful and worker.process.is_alive():
-            try:
-                worker.conn.send(("close", None))
-                worker.process.join(timeout=10)
-            except (OSError, ValueError):
-                pass
+    @staticmethod
+    def _ask_to_close(worker: _Worker) -> None:
+        try:
+            worker.conn.send(("close", None))
+        except (OSError, ValueError):  # already gone
+            pass
+
+    @staticmethod
+    def _stop(worker: _Worker, wait: float = 0.0) -> None:
+        """Join the worker for up to ``wait`` seconds, then kill it if it is still alive."""
+        if wait > 0:
+            worker.process.join(timeout=wait)
         if worker.process.is_alive():
-            worker.process.kill()
-        worker.process.join(timeout=10)
+            worker.process.kill()  # its JVM exits too: py4j starts it with --die-on-broken-pipe
+            worker.process.join(timeout=10)
         worker.conn.close()
 
     def _restart(self, i: int, reason: str) -> None:
-        logger.warning("EnvPool: restarting worker %d (pid %s): %s", i, self._workers[i].process.pid,
-                       reason.strip().splitlines()[-1] if reason.strip() else reason)
-        self._stop(self._workers[i], graceful=False)
+        last_line = reason.strip().splitlines()[-1] if reason.strip() else reason
+        logger.warning("EnvPool: restarting worker %d (pid %s): %s", i, self._workers[i].process.pid, last_line)
+        self._stop(self._workers[i])
         self._workers[i] = self._spawn()
         self.num_restarts += 1
 
     def resize(self, num_workers: int) -> None:
-        """Grow (start workers and wait until their environments are built) or shrink (close the last ones)."""
+        """Grow (start workers and wait until their environments are built) or shrink (close the last ones).
+
+        Raises RuntimeError, leaving the pool as it was, if a new worker cannot build its environment.
+        """
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers={num_workers!r}: expected an int ≥ 1")
         if self._closed:
             raise RuntimeError("EnvPool is closed")
-        while len(self._workers) > num_workers:
-            self._stop(self._workers.pop(), graceful=True)
-        new = list(range(len(self._workers), num_workers))
-        self._workers.extend(self._spawn() for _ in new)
-        deadline = time.monotonic() + self.start_timeout
-        for i in new:
-            worker = self._workers[i]
-            msg = self._recv(worker, deadline)
+        extra = self._workers[num_workers:]
+        del self._workers[num_workers:]
+        for worker in extra:
+            self._ask_to_close(worker)
+        for worker in extra:
+            self._stop(worker, wait=10)
+        first_new = len(self._workers)
+        self._workers.extend(self._spawn() for _ in range(first_new, num_workers))
+        deadline = time.monotonic() + self.start_timeout_s
+        for i in range(first_new, num_workers):
+            try:
+                msg = self._recv(self._workers[i], deadline)
+            except (EOFError, OSError) as exc:
+                msg = ("init_error", f"worker exited before reporting ({exc!r})")
             if msg is None or msg[0] != "ready":
-                detail = msg[1] if msg else f"no answer within {self.start_timeout:.0f} s"
-                del self._workers[new[0]:]
-                self.close()
+                detail = msg[1] if msg else f"no answer within {self.start_timeout_s:.0f} s"
+                for worker in self._workers[first_new:]:
+                    self._stop(worker)
+                del self._workers[first_new:]
                 raise RuntimeError(f"EnvPool: worker {i} could not build its environment "
                                    f"({self.env_cfg['_target_']}):\n{detail}")
-            worker.ready = True
+            self._workers[i].ready = True
 
     # ------------------------------------------------------------------ calls
     @staticmethod
@@ -222,11 +238,14 @@ class EnvPool:
         if len(set(indices)) != len(indices):
             raise ValueError(f"worker indices {indices}: each worker may appear once per call")
 
+        # Pickle everything before sending anything: a bad argument must not leave some workers with a
+        # request whose answer nobody reads.
+        messages = [ForkingPickler.dumps((cmd, arg)) for _, arg in requests]
         results: list[tuple[str, Any] | None] = [None] * len(requests)
         start = time.monotonic()
-        for k, (i, arg) in enumerate(requests):
+        for k, (i, _) in enumerate(requests):
             try:
-                self._workers[i].conn.send((cmd, arg))
+                self._workers[i].conn.send_bytes(messages[k])
             except (OSError, ValueError) as exc:  # broken pipe / closed connection: the worker is gone
                 results[k] = ("error", f"worker {i}: could not send {cmd!r}: {exc!r}; restarted")
                 self._restart(i, repr(exc))
@@ -242,7 +261,7 @@ class EnvPool:
     def _answer(self, i: int, cmd: str, start: float) -> tuple[str, Any]:
         worker = self._workers[i]
         while True:
-            limit = self.timeout + (0.0 if worker.ready else self.start_timeout)
+            limit = self.timeout_s + (0.0 if worker.ready else self.start_timeout_s)
             try:
                 msg = self._recv(worker, start + limit)
             except (EOFError, OSError):
@@ -296,12 +315,9 @@ class EnvPool:
             return
         self._closed = True
         for worker in self._workers:
-            try:
-                worker.conn.send(("close", None))
-            except (OSError, ValueError):
-                pass
+            self._ask_to_close(worker)
         for worker in self._workers:
-            self._stop(worker, graceful=True)
+            self._stop(worker, wait=10)
         self._workers = []
 
     def __enter__(self) -> EnvPool:

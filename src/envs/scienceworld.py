@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import os
 import re
 import shutil
@@ -196,8 +197,12 @@ class ScienceWorldEnv:
         self._sw = _start_jvm(jvm_heap)
         self._server = self._sw.server
         self._closed = False
-        self._check_simplification()
-        self._splits = {name: self._variation_splits(name) for name in dict.fromkeys(self.task_names)}
+        try:
+            self._check_simplification()
+            self._splits = {name: self._variation_splits(name) for name in dict.fromkeys(self.task_names)}
+        except BaseException:
+            self.close()
+            raise
 
         self._task_name: str | None = None
         self._variation: int | None = None
@@ -255,8 +260,9 @@ class ScienceWorldEnv:
             raise ValueError(f"task={task!r}: expected a dict with keys 'task_name' and 'variation'")
         name = resolve_task(task["task_name"])
         variation = task["variation"]
-        if isinstance(variation, bool) or not isinstance(variation, int):
+        if isinstance(variation, bool) or not isinstance(variation, numbers.Integral):
             raise ValueError(f"variation={variation!r}: expected an int")
+        variation = int(variation)
         self._load(name, variation)
         # The package's load() -> reset() -> step("look around") sequence, on the server directly.
         self._server.reset()
@@ -283,11 +289,12 @@ class ScienceWorldEnv:
         if self._done:
             raise RuntimeError("ScienceWorldEnv.step() called after the episode ended; call reset() first")
         action = parse_action(response)
-        valid_actions = None
         if self.action_correction:
+            from thefuzz import fuzz, process, utils
+
             valid_actions = self._valid_actions()
-            if action not in valid_actions and valid_actions:
-                from thefuzz import fuzz, process
+            # Text without letters or digits matches nothing and stays an invalid no-op.
+            if valid_actions and action not in valid_actions and utils.full_process(action):
                 action = process.extractOne(action, valid_actions, scorer=fuzz.ratio)[0]
         observation, executed, valid = self._execute(action)
         self._steps += 1
@@ -314,6 +321,8 @@ class ScienceWorldEnv:
             if options:
                 number, action = min(options, key=lambda opt: opt[1])
                 observation = str(self._server.step(number))
+            else:  # unreadable option list: cancel (blank answer) rather than leave the parser waiting
+                observation = "ERROR: " + str(self._server.step(""))
         valid = not observation.startswith(_INVALID_PREFIXES)
         return observation.strip(), action, valid
 

@@ -21,6 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 log = logging.getLogger(__name__)
 
 EMBEDDED_SMOLLM2 = "embedded:SmolLM2-135M-Instruct"
+# A tiny randomly initialised model with SmolLM2's tokenizer, for tests and smoke runs (no download).
+EMBEDDED_TINY = "embedded:tiny-random-llama"
 
 
 def _smollm2_gguf() -> tuple[str, str]:
@@ -79,8 +81,11 @@ def resolve_name_or_path(name_or_path: str, cache_dir: str | Path) -> str:
     """Map ``embedded:SmolLM2-135M-Instruct`` to its converted local directory; pass anything else through."""
     if name_or_path == EMBEDDED_SMOLLM2:
         return str(convert_embedded_smollm2(Path(cache_dir) / "SmolLM2-135M-Instruct"))
+    if name_or_path == EMBEDDED_TINY:
+        smollm2 = convert_embedded_smollm2(Path(cache_dir) / "SmolLM2-135M-Instruct")
+        return str(build_tiny_model(smollm2, Path(cache_dir) / "tiny-random-llama"))
     if name_or_path.startswith("embedded:"):
-        raise ValueError(f"Unknown embedded model {name_or_path!r}; the only one is {EMBEDDED_SMOLLM2!r}.")
+        raise ValueError(f"Unknown embedded model {name_or_path!r}; expected {EMBEDDED_SMOLLM2!r} or {EMBEDDED_TINY!r}.")
     return name_or_path
 
 

@@ -107,11 +107,14 @@ class Policy(nn.Module):
         return next(self.model.parameters()).device
 
     # ------------------------------------------------------------------ prompts
-    def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        """Render chat ``messages`` (``[{"role", "content"}]``) to prompt ids ending with the assistant header."""
+    def encode(self, messages: list[dict[str, str]], truncate: bool = True) -> list[int]:
+        """Render chat ``messages`` (``[{"role", "content"}]``) to prompt ids ending with the assistant header.
+
+        With ``truncate``, a prompt over ``max_prompt_tokens`` keeps its last ``max_prompt_tokens`` ids.
+        """
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         ids = list(ids)
-        if len(ids) > self.max_prompt_tokens:
+        if truncate and len(ids) > self.max_prompt_tokens:
             # Keep the end (current observation and the generation header); the prompt builder already
             # bounds the history, so this is a last-resort guard.
             self.num_prompts_truncated += 1

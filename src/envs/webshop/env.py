@@ -1,0 +1,312 @@
+"""WebShop environments: the original text-mode state machine and the agent wrapper (SPEC §3, §3.2).
+
+- ``WebShopTextEnv``: the original ``web_agent_text_env`` surface on raw actions ``search[...]`` /
+  ``click[...]`` (regex ``(.+)\\[(.+)\\]``, argument lower-cased), pages search -> results -> item ->
+  description/features/reviews -> done, reward on Buy Now only; anything not clickable is a no-op.
+- ``WebShopEnv``: the project's env contract (src/envs/base.py): parses ``<action>...</action>`` from the
+  policy's text, applies the step cap and format penalty, shapes the train reward and fills ``info``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from src.envs.webshop import pages
+from src.envs.webshop.catalog import ensure_generated_catalog
+from src.envs.webshop.data import WebShopData, load_webshop_data, split_goal_indices
+from src.envs.webshop.reward import get_reward
+from src.envs.webshop.search import SearchEngine
+
+ACTION_RE = re.compile(r'(.+)\[(.+)\]')  # the original's parse_action
+ACTION_TAG_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
+SEARCH_PLACEHOLDER = "search[<query>]"
+TOP_K = 50  # the original shows the top-50 hits
+SUB_PAGES = ("description", "features", "reviews")
+
+
+def parse_raw_action(action: str) -> tuple[str, str | None]:
+    """The original ``parse_action``: (name, lower-cased argument) or (action, None) when it does not match."""
+    m = ACTION_RE.match(action)
+    if m is None:
+        return action, None
+    name, arg = m.groups()
+    return name, arg.lower()
+
+
+class WebShopTextEnv:
+    """One shopping session on a loaded catalog, stepping raw actions like the original text env.
+
+    ``reset(goal_idx)`` starts at the search page of goal ``goal_idx``; ``step(action)`` returns
+    (observation, reward in [0, 1], done, valid) where valid is False for a no-op (not clickable, bad syntax).
+    """
+
+    def __init__(self, data: WebShopData, engine: SearchEngine):
+        self.data = data
+        self.engine = engine
+        self.goal: dict | None = None
+        self._results_cache: dict[str, list[str]] = {}
+
+    # ------------------------------------------------------------------ state
+    def reset(self, goal_idx: int) -> str:
+        self.goal = self.data.goals[goal_idx]
+        self._reset_session()
+        self.done = False
+        self.reward = 0.0
+        self.reward_info: dict | None = None
+        return self.observation
+
+    def _reset_session(self) -> None:
+        self.page = "search"
+        self.keywords: str | None = None
+        self.page_num = 1
+        self.asin: str | None = None
+        self.options: dict[str, str] = {}
+
+    @property
+    def instruction(self) -> str:
+        return self.goal["instruction_text"]
+
+    @property
+    def product(self) -> dict | None:
+        return self.data.product_by_asin[self.asin] if self.asin is not None else None
+
+    def results(self) -> list[str]:
+        """Top-50 asins for the current keywords (cached per query)."""
+        if self.keywords not in self._results_cache:
+            self._results_cache[self.keywords] = self.engine.search(self.keywords, TOP_K)
+        return self._results_cache[self.keywords]
+
+    def page_items(self) -> list[dict]:
+        start = (self.page_num - 1) * pages.RESULTS_PER_PAGE
+        asins = self.results()[start:start + pages.RESULTS_PER_PAGE]
+        return [self.data.product_by_asin[a] for a in asins]
+
+    # ------------------------------------------------------------------ rendering
+    @property
+    def observation(self) -> str:
+        ins = self.instruction
+        if self.page == "search":
+            return pages.search_page(ins)
+        if self.page == "results":
+            return pages.results_page(ins, self.page_num, len(self.results()), self.page_items())
+        if self.page == "item":
+            return pages.item_page(ins, self.product)
+        if self.page == "description":
+            return pages.description_page(ins, self.product)
+        if self.page == "features":
+            return pages.features_page(ins, self.product)
+        if self.page == "reviews":
+            return pages.reviews_page(ins, self.product)
+        return pages.done_page(self.asin, self.options, self.reward)
+
+    def option_clickables(self) -> dict[str, str]:
+        """Option value -> option name on the item page (a value shared by two options maps to the last one,
+        as in the original's text_to_clickable dict)."""
+        out: dict[str, str] = {}
+        for name, values in self.product["options"].items():
+            for v in values:
+                out[v] = name
+        return out
+
+    def available_actions(self) -> dict[str, Any]:
+        """The original ``get_available_actions``: {'has_search_bar': bool, 'clickables': [lower-cased texts]}."""
+        if self.page == "search":
+            return {"has_search_bar": True, "clickables": ["search"]}
+        clickables = ["back to search"]
+        if self.page == "results":
+            if self.page_num > 1:
+                clickables.append("< prev")
+            clickables.append("next >")
+            clickables += [p["asin"].lower() for p in self.page_items()]
+        elif self.page == "item":
+            clickables += ["< prev", "description", "features", "reviews", "buy now"]
+            clickables += [v for v in self.option_clickables() if v not in clickables]
+        elif self.page in SUB_PAGES:
+            clickables.append("< prev")
+        else:  # done
+            clickables = []
+        return {"has_search_bar": False, "clickables": clickables}
+
+    def admissible_actions(self) -> list[str]:
+        """``search[<query>]`` while the search bar shows, plus ``click[x]`` for every clickable but 'search'."""
+        avail = self.available_actions()
+        acts = [SEARCH_PLACEHOLDER] if avail["has_search_bar"] else []
+        return acts + [f"click[{c}]" for c in avail["clickables"] if c != "search"]
+
+    # ------------------------------------------------------------------ transitions
+    def step(self, action: str) -> tuple[str, float, bool, bool]:
+        """Apply one raw action. ``search[kw]`` works on any page (as in the original, although it is only
+        advertised on the search page); ``click[x]`` needs x among the current clickables."""
+        if self.goal is None:
+            raise RuntimeError("WebShopTextEnv.step called before reset")
+        if self.done:
+            raise RuntimeError("WebShopTextEnv.step called after Buy Now; call reset")
+        name, arg = parse_raw_action(action)
+        if name == "search" and arg is not None and arg != "":
+            self._reset_session()
+            self.keywords, self.page = arg, "results"
+            return self.observation, 0.0, False, True
+        if name == "click" and arg is not None and arg != "search" \
+                and arg in self.available_actions()["clickables"]:
+            self._click(arg)
+            return self.observation, self.reward, self.done, True
+        return self.observation, 0.0, False, False
+
+    def _click(self, arg: str) -> None:
+        if arg == "back to search":
+            self._reset_session()
+        elif arg == "next >":
+            self.page_num += 1
+        elif arg == "< prev":
+            if self.page == "results":
+                self.page_num -= 1
+            elif self.page == "item":
+                self.page, self.asin, self.options = "results", None, {}
+            else:  # a sub-page: back to the item, options kept
+                self.page = "item"
+        elif arg == "buy now":
+            self.reward, self.reward_info = get_reward(self.product, self.goal, self.data.prices[self.asin],
+                                                       self.options)
+            self.done, self.page = True, "done"
+        elif arg in SUB_PAGES and self.page == "item":
+            self.page = arg
+        elif self.page == "results":
+            self.asin = next(p["asin"] for p in self.page_items() if p["asin"].lower() == arg)
+            self.page, self.options = "item", {}
+        else:  # an option value on the item page
+            self.options[self.option_clickables()[arg]] = arg
+
+
+@functools.lru_cache(maxsize=4)
+def _load(source_dir: str, cache_dir: str, num_products: int | None, human_goals: bool, price_seed: int,
+          stemmer: str) -> tuple[WebShopData, SearchEngine]:
+    """Load data + search index once per process for a given configuration."""
+    data = load_webshop_data(source_dir, num_products=num_products, human_goals=human_goals, price_seed=price_seed)
+    return data, SearchEngine(data.products, cache_dir, stemmer=stemmer)
+
+
+class WebShopEnv:
+    """The WebShop environment for agents (src/envs/base.py contract; SPEC §3.2).
+
+    Data: ``real_data_dir`` (or the ``WEBSHOP_DATA_DIR`` environment variable) names a directory with the
+    original files; without it a catalog of ``catalog_size`` products is generated from ``catalog_seed`` into
+    ``data_dir`` on first use. The BM25 index is cached in ``data_dir``.
+
+    Args:
+        data_dir: writable directory for the generated catalog and the search index cache.
+        real_data_dir: directory with the original items_shuffle / items_ins_v2 / items_human_ins files.
+        num_products: keep only the first N products of the file (the original's option; None = all).
+        human_goals: human instructions (True) or synthetic option-combination goals (False).
+        catalog_size, catalog_seed: size and seed of the generated catalog.
+        price_seed: seed of the price and price-cap draws (unseeded in the original).
+        max_steps: action cap per episode (verl-agent: 15); reaching it truncates.
+        format_penalty: reward subtracted when the response has no ``<action>...</action>``.
+        reward_mode: "score" (train reward = score in [0, 1]) or "success" (10 × (score == 1)).
+        num_test_goals, num_dev_goals: split sizes (test = goals[:500], dev next, train = the rest).
+        stemmer: search analyzer stemming, "porter" (original) or "none".
+    Raises ValueError for a bad setting, WebShopDataError for missing/malformed data files.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike = "data/webshop", real_data_dir: str | None = None, *,
+                 num_products: int | None = None, human_goals: bool = True, catalog_size: int = 1000,
+                 catalog_seed: int = 0, price_seed: int = 0, max_steps: int = 15, format_penalty: float = 0.1,
+                 reward_mode: str = "score", num_test_goals: int = 500, num_dev_goals: int = 0,
+                 stemmer: str = "porter"):
+        if reward_mode not in ("score", "success"):
+            raise ValueError(f"reward_mode must be 'score' or 'success', got {reward_mode!r}")
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        if num_test_goals < 0 or num_dev_goals < 0:
+            raise ValueError(f"num_test_goals/num_dev_goals must be >= 0, got {num_test_goals}/{num_dev_goals}")
+        real = real_data_dir or os.environ.get("WEBSHOP_DATA_DIR") or None
+        data_dir = Path(data_dir).resolve()
+        source = Path(real).resolve() if real else ensure_generated_catalog(data_dir, catalog_size, catalog_seed)
+        self.data, self.engine = _load(str(source), str(data_dir), num_products, human_goals, price_seed, stemmer)
+        self.uses_real_data = bool(real)
+        self.max_steps = max_steps
+        self.format_penalty = float(format_penalty)
+        self.reward_mode = reward_mode
+        self.num_test_goals, self.num_dev_goals = num_test_goals, num_dev_goals
+        self.text_env = WebShopTextEnv(self.data, self.engine)
+        self.system_prompt = SYSTEM_PROMPT.format(max_steps=max_steps)
+        self._active = False
+
+    # ------------------------------------------------------------------ contract
+    def tasks(self, split: str) -> list[dict[str, Any]]:
+        """``[{"goal_idx": i, "split": split}, ...]`` for the split's goal indices (see data.split_goal_indices)."""
+        idx = split_goal_indices(len(self.data.goals), split, self.num_test_goals, self.num_dev_goals)
+        return [{"goal_idx": i, "split": split} for i in idx]
+
+    @property
+    def goal(self) -> dict:
+        return self.text_env.goal
+
+    def reset(self, task: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Start goal ``task["goal_idx"]``. Raises ValueError for a missing/out-of-range index or one outside
+        ``task["split"]`` when given."""
+        idx = task.get("goal_idx") if isinstance(task, dict) else None
+        if not isinstance(idx, int) or isinstance(idx, bool) or not 0 <= idx < len(self.data.goals):
+            raise ValueError(f"WebShop task needs an int 'goal_idx' in [0, {len(self.data.goals)}), got {task!r}")
+        split = task.get("split")
+        if split is not None and idx not in split_goal_indices(len(self.data.goals), split, self.num_test_goals,
+                                                                self.num_dev_goals):
+            raise ValueError(f"goal_idx {idx} is not in the {split!r} split")
+        self.goal_idx = idx
+        obs = self.text_env.reset(idx)
+        self.steps = 0
+        self._active = True
+        return obs, self._info(action="", valid=True, format_ok=True)
+
+    def step(self, response: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Parse the last ``<action>...</action>`` of ``response`` and apply it. No tag (or an empty one): no-op,
+        reward = -format_penalty. Invalid action: no-op, reward 0. Raises RuntimeError after the episode ended."""
+        if not self._active:
+            raise RuntimeError("WebShopEnv.step called before reset or after the episode ended")
+        self.steps += 1
+        tags = ACTION_TAG_RE.findall(response)
+        action = tags[-1].strip() if tags else ""
+        if not action:
+            obs, reward, done, valid, format_ok = self.text_env.observation, -self.format_penalty, False, False, False
+        else:
+            obs, score, done, valid = self.text_env.step(action)
+            format_ok = True
+            reward = 0.0
+            if done:
+                reward = score if self.reward_mode == "score" else 10.0 * float(score == 1.0)
+        truncated = not done and self.steps >= self.max_steps
+        if done or truncated:
+            self._active = False
+        return obs, float(reward), done, truncated, self._info(action=action, valid=valid, format_ok=format_ok)
+
+    def close(self) -> None:
+        self._active = False
+
+    # ------------------------------------------------------------------ helpers
+    def _info(self, action: str, valid: bool, format_ok: bool) -> dict[str, Any]:
+        te = self.text_env
+        score = float(te.reward) if te.done else 0.0
+        info = {
+            "score": score, "success": score == 1.0, "won": score == 1.0, "max_score": 1.0,
+            "instruction": te.instruction, "task_id": f"webshop-{self.goal_idx}", "variation": self.goal_idx,
+            "admissible_actions": te.admissible_actions(), "valid_action": valid, "action": action,
+            "format_ok": format_ok, "page": te.page, "step": self.steps,
+        }
+        if te.done:
+            info["reward_info"] = te.reward_info
+        return info
+
+
+SYSTEM_PROMPT = """You are a shopping agent on the WebShop website. Buy the product that best matches the \
+instruction: its attributes, its options (such as color and size) and the price limit.
+Each turn you see the current web page as text (page elements separated by [SEP]) and the admissible actions.
+Actions:
+- search[keywords]: search the store, e.g. search[red running shoes] (available while the search box is shown).
+- click[element]: click a button, a product id or an option exactly as listed in the admissible actions, \
+e.g. click[b09abc1234], click[large], click[next >], click[< prev], click[back to search], click[buy now].
+On a product page click the options you need before click[buy now]; buying ends the episode and scores the \
+purchase. You have at most {max_steps} actions.
+Think briefly inside <think>...</think>, then give exactly one action inside <action>...</action>, e.g.
+<think>The instruction asks for red running shoes under 50 dollars.</think><action>search[red running shoes]</action>"""

@@ -1,0 +1,82 @@
+"""The original WebShop text observations (``observation_mode='text'``), page by page (WEBSHOP.md).
+
+The original renders HTML and joins the visible text nodes with ' [SEP] ' (each node stripped; nodes that
+are exactly '\\n' dropped). Each function below lists those nodes in page order. A node exists only for
+non-empty text (an empty description or bullet renders no node), which ``join_nodes`` reproduces.
+"""
+from __future__ import annotations
+
+import json
+
+SEP = " [SEP] "
+RESULTS_PER_PAGE = 10
+
+
+def join_nodes(nodes: list[str]) -> str:
+    """Join visible text nodes like the original: drop empty nodes and '\\n', strip the rest."""
+    return SEP.join(n.strip() for n in nodes if n != "" and n != "\n")
+
+
+def search_page(instruction: str) -> str:
+    """``WebShop [SEP] Instruction: [SEP] <instruction> [SEP] Search``."""
+    return join_nodes(["WebShop", "Instruction:", instruction, "Search"])
+
+
+def _header(instruction: str) -> list[str]:
+    return ["Instruction:", instruction, "Back to Search"]
+
+
+def results_page(instruction: str, page: int, total: int, items: list[dict]) -> str:
+    """Results page ``page`` (1-based) of ``total`` hits; ``items`` are this page's products (<= 10).
+    ``< Prev`` appears from page 2 on; ``Next >`` always."""
+    nodes = _header(instruction) + [f"Page {page} (Total results: {total})"]
+    if page > 1:
+        nodes.append("< Prev")
+    nodes.append("Next >")
+    for p in items:
+        nodes += [p["asin"], p["Title"], p["Price"]]
+    return join_nodes(nodes)
+
+
+def item_page(instruction: str, product: dict) -> str:
+    """Item page: option names and values, title, price tag, rating, the four buttons (chosen options are
+    not marked in this mode)."""
+    nodes = _header(instruction) + ["< Prev"]
+    for name, values in product["options"].items():
+        nodes.append(name)
+        nodes += values
+    nodes += [product["Title"], f"Price: {product['Price']}", f"Rating: {product['Rating']}",
+              "Description", "Features", "Reviews", "Buy Now"]
+    return join_nodes(nodes)
+
+
+def description_page(instruction: str, product: dict) -> str:
+    return join_nodes(_header(instruction) + ["< Prev", product["Description"]])
+
+
+def features_page(instruction: str, product: dict) -> str:
+    return join_nodes(_header(instruction) + ["< Prev"] + list(product["BulletPoints"]))
+
+
+def reviews_page(instruction: str, product: dict) -> str:
+    """Reviews are never loaded by the original (``Reviews = []``), so only the header shows."""
+    nodes = _header(instruction) + ["< Prev"]
+    for r in product["Reviews"]:
+        nodes += [str(r.get("title", "")), str(r.get("score", "")), str(r.get("body", ""))]
+    return join_nodes(nodes)
+
+
+def _tojson(obj) -> str:
+    """Flask/Jinja ``tojson``: sorted keys, ASCII, and HTML-unsafe characters escaped."""
+    s = json.dumps(obj, sort_keys=True)
+    return s.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").replace("'", "\\u0027")
+
+
+def done_page(asin: str, options: dict[str, str], reward: float) -> str:
+    """The page after Buy Now, as the original text env shows it (goal details are not rendered there)."""
+    nodes = ["Thank you for shopping with us!", "Your code:", "None", "(Paste it in your MTurk interface.)",
+             "Purchased", "asin", asin, "options", _tojson(options), "attrs", "None", "category", "None",
+             "query", "None", "product category", "None", "Target", "asin", "options", "attrs", "price upper",
+             "instuction text", "category", "product category", "query", "Goal", "None", "Reward",
+             "Your score (min 0.0, max 1.0)", str(reward), "Reward Details", "None"]
+    return join_nodes(nodes)

@@ -1,0 +1,192 @@
+"""The original WebShop purchase reward (WEBSHOP.md "Reward"; SPEC §3.2).
+
+reward = (n_attr_matched + n_opt_matched + price_ok) / (|goal attrs| + |goal opts| + 1) × r_type, in [0, 1];
+success means reward == 1.0. Fuzzy matching uses ``thefuzz.fuzz.token_set_ratio`` (lower-cases, strips
+non-alphanumerics, rounds to an int; ``force_ascii`` stringifies non-str input, which makes the original's
+synthetic-goal quirk of passing ``(name, value)`` tuples work the same way here).
+
+The type factor needs the nouns of product names. The original uses spaCy ``en_core_web_sm`` (POS in
+NOUN/PROPN). It is used here when that model is installed; otherwise a deterministic fallback keeps every
+alphabetic token of length >= 2 that is not an English function word, an adjective from a fixed list or a
+number (``info['noun_extractor']`` says which one ran). Titles are mostly Title Case, which spaCy tags
+largely as PROPN, so "all content words" is the closest simple stand-in.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+from typing import Any, Iterable
+
+from thefuzz import fuzz
+
+# The original's colour list (web_agent_site/utils normalize.py), in its order: the FIRST entry that is a
+# substring of an option wins, so e.g. "navy blue" -> "blue" but "navy" -> "navy".
+COLOR_SET = [
+    'alabaster', 'apricot', 'aqua', 'ash', 'asphalt', 'azure', 'banana', 'beige', 'black', 'blue', 'blush',
+    'bordeaux', 'bronze', 'brown', 'burgundy', 'camel', 'camo', 'caramel', 'champagne', 'charcoal', 'cheetah',
+    'chestnut', 'chocolate', 'christmas', 'coffee', 'cognac', 'copper', 'coral', 'cranberry', 'cream', 'crystal',
+    'dark', 'denim', 'eggplant', 'elephant', 'espresso', 'fuchsia', 'gold', 'granite', 'grape', 'graphite', 'grass',
+    'gray', 'green', 'grey', 'heather', 'indigo', 'ivory', 'ivy', 'khaki', 'lavender', 'lemon', 'leopard', 'light',
+    'lilac', 'lime', 'magenta', 'maroon', 'mauve', 'merlot', 'midnight', 'mint', 'mocha', 'multicolor', 'mushroom',
+    'mustard', 'natural', 'navy', 'nude', 'olive', 'orange', 'peach', 'pewter', 'pink', 'plum', 'purple', 'rainbow',
+    'red', 'rose', 'royal', 'rust', 'sand', 'sapphire', 'seashell', 'silver', 'skull', 'slate', 'steel', 'stone',
+    'stonewash', 'sunflower', 'tan', 'taupe', 'teal', 'tiger', 'turquoise', 'violet', 'walnut', 'wheat', 'white',
+    'wine', 'yellow',
+]
+
+FUZZY_THRESHOLD = 85  # a match needs token_set_ratio strictly above this (original)
+
+# Fallback noun extractor: words that are never nouns in product names (function words) or usually
+# adjectives/modifiers in them. Fixed list so the result is deterministic across machines.
+_FUNCTION_WORDS = frozenset("""
+a an the and or nor but for with without of in on to by from at as is are was were be been being it its this that
+these those into onto over under up down out off per plus via vs than then so too very not no yes all any each every
+both either neither some such own same other another more most much many few less least only just also s t d ll m re
+ve your you our we my me i he she they them their his her us can will may must should would could
+""".split())
+_ADJECTIVES = frozenset("""
+new premium professional portable small large big mini extra super ultra soft hard heavy light long short high low
+natural organic durable adjustable compatible multi non anti easy quick fast best great perfect cute comfortable
+casual classic modern vintage elegant stylish slim loose tight warm cool hot cold fresh pure real true full half
+double single dual triple quality upgraded improved original genuine latest deluxe luxury plush thick thin wide
+narrow tall mens womens kids unisex assorted various multiple black white red blue green yellow pink purple grey
+gray brown beige navy orange silver gold
+""".split())
+
+
+def normalize_color(option: Any) -> Any:
+    """The original's ``normalize_color``: the first ``COLOR_SET`` entry contained in ``option``, else ``option``.
+
+    ``option`` is a str (substring test, case-sensitive as in the original) or, for synthetic goals, a
+    ``(name, value)`` tuple (then ``in`` tests element equality — the original's quirk, kept).
+    """
+    for color in COLOR_SET:
+        if color in option:
+            return color
+    return option
+
+
+def option_matches(purchased: Any, goal: Any) -> bool:
+    """True when one purchased option satisfies one goal option (colour-normalised, fuzzy > 85)."""
+    return fuzz.token_set_ratio(normalize_color(purchased), normalize_color(goal)) > FUZZY_THRESHOLD
+
+
+@functools.lru_cache(maxsize=1)
+def _spacy_nlp():
+    """The spaCy pipeline if ``spacy`` and ``en_core_web_sm`` are both installed, else None (nothing downloads)."""
+    if importlib.util.find_spec("spacy") is None or importlib.util.find_spec("en_core_web_sm") is None:
+        return None
+    import spacy  # noqa: PLC0415 - optional dependency
+
+    return spacy.load("en_core_web_sm")
+
+
+def noun_extractor_name() -> str:
+    """``"spacy"`` when ``en_core_web_sm`` is installed, else ``"fallback"``."""
+    return "spacy" if _spacy_nlp() is not None else "fallback"
+
+
+@functools.lru_cache(maxsize=100_000)
+def title_nouns(name: str) -> tuple[str, ...]:
+    """Lower-cased nouns of a product name (original: spaCy tokens with POS in NOUN/PROPN); see module doc."""
+    nlp = _spacy_nlp()
+    if nlp is not None:
+        return tuple(t.text.lower() for t in nlp(name) if t.pos_ in ('PNOUN', 'NOUN', 'PROPN'))
+    return tuple(w for w in re.findall(r"[a-z]+", name.lower())
+                 if len(w) >= 2 and w not in _FUNCTION_WORDS and w not in _ADJECTIVES)
+
+
+def type_reward(product: dict, goal: dict) -> dict[str, Any]:
+    """The original's ``get_type_reward``: r_type in {0, 0.1, 0.5, 1} plus its three signals.
+
+    Uses ``product['query']``, ``product['product_category']`` (levels split on '›'), ``product['name']``
+    and the same keys of ``goal``.
+    """
+    query_match = product['query'] == goal['query']
+    p_cat = {x.strip() for x in product['product_category'].split('›')}
+    g_cat = {x.strip() for x in goal['product_category'].split('›')}
+    category_match = len(p_cat & g_cat) >= 2
+    p_nouns = title_nouns(product['name'])
+    g_nouns = title_nouns(goal['name'])
+    title_score = 0.2 if not g_nouns else len(set(p_nouns) & set(g_nouns)) / len(g_nouns)
+    r_type = 1.0
+    if not (query_match or category_match or title_score > 0.2):
+        r_type = 0.5
+    if title_score < 0.1:
+        r_type = 0.1
+    if title_score == 0.0:
+        r_type = 0.0
+    return {"r_type": r_type, "query_match": query_match, "category_match": category_match,
+            "title_score": title_score}
+
+
+def attribute_matches(product: dict, goal_attrs: Iterable[str]) -> int:
+    """Number of goal attributes matched by a product attribute (fuzzy > 85) or found as a substring of the
+    lower-cased Title, joined BulletPoints or Description (original ``get_attribute_reward``)."""
+    title = product['Title'].lower()
+    bullets = ' '.join(product['BulletPoints']).lower()
+    desc = product['Description'].lower()
+    n = 0
+    for g in goal_attrs:
+        if any(fuzz.token_set_ratio(p, g) > FUZZY_THRESHOLD for p in product['Attributes']):
+            n += 1
+        elif g in title or g in bullets or g in desc:
+            n += 1
+    return n
+
+
+def option_match_count(purchased_options: Iterable[Any], goal_options: Iterable[Any]) -> int:
+    """Goal options (each counted once) matched by any purchased option (original ``get_option_reward``)."""
+    purchased = [normalize_color(o) for o in purchased_options]
+    n = 0
+    for g in goal_options:
+        g = normalize_color(g)
+        if any(fuzz.token_set_ratio(p, g) > FUZZY_THRESHOLD for p in purchased):
+            n += 1
+    return n
+
+
+def get_reward(product: dict, goal: dict, price: float, options: dict[str, str]) -> tuple[float, dict[str, Any]]:
+    """Score a purchase: returns (reward in [0, 1], reward_info).
+
+    Args:
+        product: the normalised purchased product (keys Title, BulletPoints, Description, Attributes, name,
+            query, product_category, asin).
+        goal: the goal dict (attributes, goal_options as a list — human goals — or a dict — synthetic goals,
+            price_upper, query, product_category, name, asin).
+        price: the purchased product's drawn price in dollars.
+        options: {option name: chosen value} the agent clicked on the item page.
+    reward_info carries every component: r_att, n_attr_matched, r_option (None when the goal has no
+    options), n_opt_matched, r_price, price, price_upper, r_type, query_match, category_match, title_score,
+    w_att / w_option / w_price (the weights of each part), noun_extractor, purchased/goal asin and options.
+    """
+    goal_opts = goal['goal_options']
+    # Original quirk: synthetic goals pass dict.items(), i.e. (name, value) tuples.
+    goal_opt_items = list(goal_opts.items()) if isinstance(goal_opts, dict) else list(goal_opts)
+    n_attrs, n_opts = len(goal['attributes']), len(goal_opts)
+    denom = n_attrs + n_opts + 1
+    t = type_reward(product, goal)
+    r_price = price <= goal['price_upper']
+    n_attr = attribute_matches(product, goal['attributes'])
+    n_opt = option_match_count(list(options.values()), goal_opt_items)
+    reward = (n_attr + n_opt + r_price) / denom * t['r_type']
+    info = {
+        "r_att": n_attr / n_attrs if n_attrs else None,
+        "n_attr_matched": n_attr,
+        "r_option": n_opt / n_opts if n_opts else None,
+        "n_opt_matched": n_opt,
+        "r_price": bool(r_price),
+        "price": price,
+        "price_upper": goal['price_upper'],
+        **t,
+        "w_att": n_attrs / denom,
+        "w_option": n_opts / denom,
+        "w_price": 1 / denom,
+        "noun_extractor": noun_extractor_name(),
+        "purchased_asin": product['asin'],
+        "goal_asin": goal['asin'],
+        "purchased_options": dict(options),
+        "goal_options": goal_opts,
+    }
+    return reward, info

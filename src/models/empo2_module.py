@@ -1,0 +1,219 @@
+"""The LightningModule: the policy and the hybrid EMPO²/GRPO update (SPEC §2.2–§2.5).
+
+One training batch is one micro-batch of step samples from ``RolloutDataModule`` (update prompt ids, response
+ids, old log-probs, advantage). The update reads top to bottom in the paper's terms:
+
+    log π_θ(a|s)  →  low-probability mask (modes in ``mask_modes``)  →  PPO-clip + dual clip (+ KL)
+    →  aggregation with the mini-batch's global token count  →  backward; optimizer step after the
+    mini-batch's last micro-batch.
+
+Optimization is manual because a mini-batch is a variable number of micro-batches (episode lengths vary).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from src.data.rollout_datamodule import MODES
+from src.models.core_algos import aggregate_loss, compute_kl_loss, compute_policy_loss, low_prob_token_mask
+from src.models.hub import load_causal_lm, load_tokenizer, resolve_name_or_path
+from src.models.policy import Policy
+
+log = logging.getLogger(__name__)
+
+
+def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r[:width]
+    return out
+
+
+def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", max_response_tokens: int = 32,
+                 max_prompt_tokens: int = 4096, temperature: float = 1.0, gradient_checkpointing: bool = False,
+                 lora: dict | None = None, attn_implementation: str | None = None) -> Policy:
+    """Load tokenizer + causal LM (optionally wrapped with PEFT LoRA) into a ``Policy`` (SPEC §4)."""
+    path = resolve_name_or_path(name_or_path, cache_dir)
+    tokenizer = load_tokenizer(path)
+    model = load_causal_lm(path, dtype=dtype, attn_implementation=attn_implementation)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora and lora.get("enabled"):
+        from peft import LoraConfig, get_peft_model
+
+        if gradient_checkpointing:
+            model.enable_input_require_grads()
+        model = get_peft_model(model, LoraConfig(
+            r=int(lora.get("r", 16)), lora_alpha=int(lora.get("alpha", 32)), lora_dropout=float(lora.get("dropout", 0.0)),
+            target_modules=lora.get("target_modules", "all-linear"), task_type="CAUSAL_LM"))
+    return Policy(model, tokenizer, max_response_tokens=max_response_tokens, max_prompt_tokens=max_prompt_tokens,
+                  temperature=temperature)
+
+
+class EMPO2Module(L.LightningModule):
+    """Holds the policy (and a frozen reference when needed) and applies the hybrid loss.
+
+    Args:
+        policy: kwargs of ``build_policy`` (``name_or_path``, ``cache_dir``, ``dtype``, ``lora``, ...).
+        algorithm: ``clip_ratio_low/high``, ``clip_ratio_c``, ``loss_agg_mode``, ``mask_modes`` (modes that use
+            low-probability masking), ``lowprob_log_threshold``, ``mask_level``, ``kl_coef``, ``kl_type``,
+            ``entropy_coef``, ``temperature`` (rollout temperature; log-probs are taken at it).
+        optimizer: a partial ``torch.optim`` constructor (Hydra ``_partial_``).
+        gradient_clip_val: max global grad norm (manual optimization clips here, not in the Trainer).
+    """
+
+    def __init__(self, policy: dict[str, Any], algorithm: dict[str, Any], optimizer, gradient_clip_val: float | None = 1.0):
+        super().__init__()
+        self.save_hyperparameters(logger=False)
+        self.automatic_optimization = False
+        self.algorithm = dict(algorithm)
+        self.policy = build_policy(**policy)
+        self.ref_policy = None
+        lora = (policy.get("lora") or {}).get("enabled", False)
+        if float(self.algorithm.get("kl_coef", 0.0)) > 0 and not lora:
+            # Without LoRA the reference is a frozen copy; with LoRA it is the base model (adapters off).
+            self.ref_policy = build_policy(**{**policy, "gradient_checkpointing": False})
+            self.ref_policy.requires_grad_(False)
+        self._step_stats: dict[str, float] = {}
+        self._train_tokens = 0
+        self._train_time = 0.0
+
+    # ------------------------------------------------------------------ rollout-time helpers
+    @contextlib.contextmanager
+    def rollout_context(self):
+        """Eval mode, no grad, the Trainer's precision context (autocast under bf16-mixed)."""
+        was_training = self.policy.training
+        self.policy.eval()
+        ctx = self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext()
+        try:
+            with torch.no_grad(), ctx:
+                yield
+        finally:
+            self.policy.train(was_training)
+
+    @torch.no_grad()
+    def score_samples(self, samples: list[dict], mode: str, micro_batch_size: int = 8) -> None:
+        """Attach ``old_log_probs`` (and ``ref_log_probs`` when KL is on) to each sample, in place.
+
+        Old log-probs are recomputed by a forward pass over the behaviour prompt (with tips, or without under
+        ``offpolicy_old_logprob: without_tips``), so the first update's ratio is exactly 1 where nothing
+        changed; the sampling log-probs kept from generation serve as a consistency check.
+        """
+        temperature = float(self.algorithm.get("temperature", 1.0))
+        kl = float(self.algorithm.get("kl_coef", 0.0)) > 0
+        for start in range(0, len(samples), micro_batch_size):
+            chunk = samples[start:start + micro_batch_size]
+            responses = [s["response_ids"] for s in chunk]
+            out = self.policy.log_probs([s["old_prompt_ids"] for s in chunk], responses, temperature=temperature)
+            ref = None
+            if kl:
+                if self.ref_policy is not None:
+                    ref = self.ref_policy.log_probs([s["prompt_ids"] for s in chunk], responses, temperature=temperature)
+                else:
+                    ref = self.policy.log_probs([s["prompt_ids"] for s in chunk], responses, temperature=temperature,
+                                                disable_adapters=True)
+            for i, s in enumerate(chunk):
+                n = len(s["response_ids"])
+                s["old_log_probs"] = out["log_probs"][i, :n].float().cpu()
+                if ref is not None:
+                    s["ref_log_probs"] = ref["log_probs"][i, :n].float().cpu()
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        tic = time.perf_counter()
+        algo = self.algorithm
+        samples = batch["samples"]
+        prompts = [s["prompt_ids"] for s in samples]
+        responses = [s["response_ids"] for s in samples]
+        out = self.policy.log_probs(prompts, responses, temperature=float(algo.get("temperature", 1.0)), with_entropy=True)
+        log_probs, mask = out["log_probs"], out["response_mask"]
+        width = log_probs.shape[1]
+        old_log_probs = _pad_rows([s["old_log_probs"] for s in samples], width).to(log_probs.device)
+        advantages = torch.tensor([s["advantage"] for s in samples], dtype=torch.float32, device=log_probs.device)
+        keep = None
+        if batch["mode"] in algo.get("mask_modes", []):
+            keep = low_prob_token_mask(log_probs.detach(), mask, float(algo.get("lowprob_log_threshold", -5.0)),
+                                       algo.get("mask_level", "token"))
+        agg = dict(loss_agg_mode=algo.get("loss_agg_mode", "token-mean"),
+                   global_token_count=batch["global_token_count"], global_seq_count=batch["global_seq_count"])
+        loss, metrics = compute_policy_loss(
+            log_probs, old_log_probs, advantages, mask, clip_ratio_low=float(algo.get("clip_ratio_low", 0.2)),
+            clip_ratio_high=float(algo.get("clip_ratio_high", 0.3)), clip_ratio_c=float(algo.get("clip_ratio_c", 10.0)),
+            keep_mask=keep, **agg)
+        kl_coef = float(algo.get("kl_coef", 0.0))
+        if kl_coef > 0:
+            ref = _pad_rows([s["ref_log_probs"] for s in samples], width).to(log_probs.device)
+            kl_loss, kl_metrics = compute_kl_loss(log_probs, ref, mask, kind=algo.get("kl_type", "low_var_kl"), **agg)
+            loss = loss + kl_coef * kl_loss
+            metrics.update(kl_metrics)
+        entropy_coef = float(algo.get("entropy_coef", 0.0))
+        entropy = aggregate_loss(out["entropy"], mask, **agg)
+        if entropy_coef > 0:
+            loss = loss - entropy_coef * entropy
+        metrics["entropy"] = float(entropy.detach())
+        # The loss is a partial sum over this rank's share of the global batch; DDP/FSDP average gradients
+        # over ranks, so scale back up to get the global token-mean (SPEC §2.3).
+        world = self.trainer.world_size if self._trainer is not None else 1
+        self.manual_backward(loss * world * batch["loss_scale"])
+        n_tokens = float(mask.sum())
+        self._accumulate(metrics, n_tokens * batch["loss_scale"])
+        self._train_tokens += int(sum(len(p) + len(r) for p, r in zip(prompts, responses)))
+        if batch["last_micro"]:
+            opt = self.optimizers()
+            grad_norm = _grad_norm(self.policy)  # before clipping: what the loss asked for
+            clip = self.hparams.gradient_clip_val
+            if clip:
+                self.clip_gradients(opt, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            self._log_update(batch, grad_norm)
+        self._train_time += time.perf_counter() - tic
+        if batch["metrics"]:
+            modes = {f"rollout/mode_{m}": float(m == batch["mode"]) for m in MODES}
+            self.log_dict({**batch["metrics"], **modes, "iteration": float(batch["iteration"]),
+                           "rollout/global_step_at_rollout": float(batch["rollout_global_step"])},
+                          on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
+        return loss.detach()
+
+    def _accumulate(self, metrics: dict[str, float], weight: float) -> None:
+        s = self._step_stats
+        s["_w"] = s.get("_w", 0.0) + weight
+        for k, v in metrics.items():
+            if k in ("pg_loss", "kl_loss"):
+                s[k] = s.get(k, 0.0) + v  # partial sums of the mini-batch loss
+            elif k == "ratio_max":
+                s[k] = max(s.get(k, 0.0), v)
+            else:
+                s[k] = s.get(k, 0.0) + v * weight
+
+    def _log_update(self, batch: dict[str, Any], grad_norm: float) -> None:
+        s, self._step_stats = self._step_stats, {}
+        w = max(s.pop("_w", 0.0), 1e-9)
+        out = {}
+        for k, v in s.items():
+            out[f"train/{k}"] = v if k in ("pg_loss", "kl_loss", "ratio_max") else v / w
+        out["train/grad_norm"] = grad_norm
+        out["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
+        out["train/tokens_per_s"] = self._train_tokens / max(self._train_time, 1e-9)
+        self._train_tokens, self._train_time = 0, 0.0
+        self.log_dict(out, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+
+    # ------------------------------------------------------------------ validation
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self.log_dict({f"val/{k}": v for k, v in batch["metrics"].items()}, on_step=False, on_epoch=True,
+                      batch_size=1, sync_dist=True)
+
+    def configure_optimizers(self):
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        return self.hparams.optimizer(params=params)
+
+
+def _grad_norm(policy: Policy) -> float:
+    norms = [p.grad.detach().float().norm() for p in policy.parameters() if p.grad is not None]
+    return float(torch.stack(norms).norm()) if norms else 0.0

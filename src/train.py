@@ -1,0 +1,69 @@
+"""Train an LLM agent with EMPO² (default) or GRPO (`algorithm=grpo`).
+
+    python src/train.py experiment=scienceworld
+    python src/train.py experiment=webshop algorithm=grpo
+    python src/train.py experiment=scienceworld ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt  # resume
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import hydra
+import lightning as L
+import rootutils
+from omegaconf import DictConfig, OmegaConf
+
+rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True)
+
+from src.utils.checkpoint_io import AtomicCheckpointIO  # noqa: E402
+from src.utils.instantiate import instantiate_callbacks, instantiate_loggers  # noqa: E402
+from src.utils.logging import log_checkpoint, log_config  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+
+def build(cfg: DictConfig) -> dict[str, Any]:
+    """Instantiate module, datamodule, memory callback, callbacks, loggers and Trainer from the config."""
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    log.info("Instantiating model <%s>", cfg.model._target_)
+    module = hydra.utils.instantiate(cfg.model)
+    memory = hydra.utils.instantiate(cfg.memory) if cfg.get("memory") else None
+    if memory is None and cfg.algorithm.memory_rollout_prob > 0:
+        raise ValueError(f"algorithm {cfg.algorithm.name!r} has memory_rollout_prob="
+                         f"{cfg.algorithm.memory_rollout_prob} but memory is off (memory=none)")
+    datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
+    datamodule.memory = memory
+    callbacks = instantiate_callbacks(cfg.get("callbacks")) + ([memory] if memory is not None else [])
+    loggers = instantiate_loggers(cfg.get("logger"))
+    trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
+                                      plugins=[AtomicCheckpointIO()])
+    return {"module": module, "datamodule": datamodule, "memory": memory, "trainer": trainer, "loggers": loggers}
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Fit; return the built objects and the final logged metrics."""
+    objs = build(cfg)
+    trainer = objs["trainer"]
+    if trainer.is_global_zero:
+        log_config(cfg, objs["loggers"])
+    trainer.fit(objs["module"], datamodule=objs["datamodule"], ckpt_path=cfg.get("ckpt_path"))
+    ckpt = getattr(trainer.checkpoint_callback, "last_model_path", None) if trainer.checkpoint_callback else None
+    if trainer.is_global_zero:
+        log_checkpoint(ckpt, objs["loggers"])
+    objs["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    objs["last_checkpoint"] = ckpt
+    return objs
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
+def main(cfg: DictConfig) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    log.info("Config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""EnvPool with real ScienceWorld workers: parallel == sequential, crash/hang recovery, request checks."""
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+
+from src.envs.pool import EnvPool
+from src.envs.scienceworld import ScienceWorldEnv
+
+FIND = "find-non-living-thing"
+CFG = {"_target_": "src.envs.scienceworld.ScienceWorldEnv", "task": FIND}
+TASKS = [{"task_name": FIND, "variation": 0}, {"task_name": FIND, "variation": 1}]
+# Valid, invalid and ambiguous actions for both variations (variation 1 starts in the art studio).
+SCRIPT = ["open door to kitchen", "go to kitchen", "look around", "look at door", "pick up chair", "xyzzy",
+          "go to hallway", "look around"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with EnvPool(CFG, num_workers=2, timeout_s=60) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same episodes run one after the other in a single in-process environment."""
+    env = ScienceWorldEnv(FIND)
+    runs = []
+    for task in TASKS:
+        runs.append([env.reset(task)] + [env.step(a) for a in SCRIPT])
+    env.close()
+    return runs, env.system_prompt
+
+
+def test_parallel_workers_match_sequential_env(pool, reference):
+    got = [[r] for r in pool.reset(list(enumerate(TASKS)))]
+    for action in SCRIPT:
+        for run, result in zip(got, pool.step([(0, action), (1, action)])):
+            run.append(result)
+    runs, system_prompt = reference
+    assert got == runs
+    assert pool.system_prompt == system_prompt
+    assert pool.tasks("train") == [{"task_name": FIND, "variation": v} for v in range(5)]
+
+
+def test_killed_worker_gives_error_result_and_restarts(pool, reference):
+    pool.reset(list(enumerate(TASKS)))
+    restarts, old_pid = pool.num_restarts, pool.worker_pids[0]
+    os.kill(old_pid, signal.SIGKILL)
+    (obs0, r0, term0, trunc0, info0), second = pool.step([(0, "look around"), (1, SCRIPT[0])])
+    assert obs0 == "" and math.isnan(r0) and term0 and not trunc0
+    assert "died" in info0["error"] and info0["worker"] == 0 and not info0["success"]
+    runs, _ = reference
+    assert second == runs[1][1]  # the other worker is unaffected
+    assert pool.num_restarts == restarts + 1 and pool.worker_pids[0] != old_pid
+    assert pool.reset([(0, TASKS[0])]) == [runs[0][0]]
+
+
+def test_hung_worker_times_out_and_restarts(pool, reference):
+    pool.reset([(1, TASKS[1])])
+    old_pid, pool.timeout_s = pool.worker_pids[1], 2.0
+    try:
+        os.kill(old_pid, signal.SIGSTOP)
+        (obs, reward, terminated, _, info), = pool.step([(1, "look around")])
+    finally:
+        pool.timeout_s = 60.0
+    assert obs == "" and math.isnan(reward) and terminated and "no answer" in info["error"]
+    assert pool.worker_pids[1] != old_pid
+    assert pool.reset([(1, TASKS[1])]) == [reference[0][1][0]]
+
+
+def test_bad_requests(pool):
+    with pytest.raises(ValueError, match="worker indices"):
+        pool.step([(2, "look around")])
+    with pytest.raises(ValueError, match="once per call"):
+        pool.step([(0, "look around"), (0, "look around")])
+    restarts = pool.num_restarts
+    # A caller mistake inside the env is raised here, and the worker is kept.
+    with pytest.raises(ValueError, match="Unknown ScienceWorld task"):
+        pool.reset([(0, {"task_name": "bogus", "variation": 0})])
+    assert pool.num_restarts == restarts
+    assert pool.step([]) == []
+
+
+def test_resize_and_construction_errors(pool):
+    pool.resize(3)
+    assert pool.num_workers == 3
+    obs, info = pool.reset([(2, TASKS[0])])[0]
+    assert info["task_id"] == FIND and "error" not in info
+    pool.resize(2)
+    assert pool.num_workers == 2
+    with pytest.raises(RuntimeError, match="Unknown ScienceWorld task 'bogus'"):
+        EnvPool({**CFG, "task": "bogus"}, num_workers=1)
+    with pytest.raises(ValueError, match="_target_"):
+        EnvPool({"task": FIND}, num_workers=1)
