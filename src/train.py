@@ -11,21 +11,23 @@ import os
 from typing import Any
 
 import hydra
-import lightning as L
 import rootutils
 from omegaconf import DictConfig, OmegaConf
 
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True)
 
-from src.utils.checkpoint_io import AtomicCheckpointIO  # noqa: E402
-from src.utils.instantiate import instantiate_callbacks, instantiate_loggers  # noqa: E402
-from src.utils.logging import log_checkpoint, log_config  # noqa: E402
-
+# Heavy imports (torch, Lightning) live inside the functions: environment workers are spawned processes
+# that re-import this module, and they should not each load torch.
 log = logging.getLogger(__name__)
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate module, datamodule, memory callback, callbacks, loggers and Trainer from the config."""
+    import lightning as L
+
+    from src.utils.checkpoint_io import AtomicCheckpointIO
+    from src.utils.instantiate import instantiate_callbacks, instantiate_loggers
+
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     log.info("Instantiating model <%s>", cfg.model._target_)
@@ -45,6 +47,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit; return the built objects and the final logged metrics."""
+    from src.utils.logging import log_checkpoint, log_config
+
     objs = build(cfg)
     trainer = objs["trainer"]
     if trainer.is_global_zero:

@@ -6,6 +6,7 @@ The same runner serves training rollouts, in-training validation and evaluation 
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ import numpy as np
 
 from src.data.prompts import HistoryItem, build_step_messages
 from src.models.policy import Policy
+
+log = logging.getLogger(__name__)
 
 
 class EpisodeMemory(Protocol):
@@ -192,6 +195,9 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
             timers["memory_s"] += time.perf_counter() - tic
             for i, b in zip(reached, bonus):
                 episodes[i].steps[-1].intrinsic = float(b)
+        log.info("rollout step %d: %d/%d episodes still running (%.1f s, generate %.1f s, env %.1f s, memory %.1f s)",
+                 max(len(e.steps) for e in episodes), len(still_active), len(episodes), time.perf_counter() - t0,
+                 timers["generate_s"], timers["env_s"], timers["memory_s"])
         active = still_active
     elapsed = time.perf_counter() - t0
     metrics = dict(timers, rollout_s=elapsed, generated_tokens=float(generated_tokens),

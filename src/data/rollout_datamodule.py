@@ -126,6 +126,11 @@ class RolloutDataModule(L.LightningDataModule):
         self.val_tasks: list[dict] = []
         self.last_episodes: list[Episode] = []
 
+    @property
+    def steps_per_iteration(self) -> int:
+        """Optimizer steps per iteration: one per mini-batch."""
+        return self.ppo_epochs * self.num_mini_batches
+
     # ------------------------------------------------------------------ setup
     def setup(self, stage: str | None = None) -> None:
         if self.pool is not None:
@@ -168,8 +173,10 @@ class RolloutDataModule(L.LightningDataModule):
     def _iterate(self) -> Iterator[dict[str, Any]]:
         module = self.trainer.lightning_module
         policy = module.policy
-        iteration = self.trainer.current_epoch
         rollout_step = self.trainer.global_step
+        # Derived from the optimizer step count (restored exactly on resume); Lightning's epoch counter can lag by
+        # one when resuming from a checkpoint written at the end of an epoch.
+        iteration = rollout_step // self.steps_per_iteration
         algo = self.algorithm
         mode = draw_mode(self.seed, iteration, algo.get("memory_rollout_prob", 0.0), algo.get("offpolicy_prob", 0.0))
         if mode != "on_policy" and self.memory is None:

@@ -27,6 +27,8 @@ from src.models.policy import Policy
 
 log = logging.getLogger(__name__)
 
+PROGRESS_BAR_KEYS = ("rollout/return", "rollout/score", "rollout/success_rate", "train/pg_loss")
+
 
 def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     out = torch.zeros(len(rows), width, dtype=torch.float32)
@@ -70,7 +72,9 @@ class EMPO2Module(L.LightningModule):
 
     def __init__(self, policy: dict[str, Any], algorithm: dict[str, Any], optimizer, gradient_clip_val: float | None = 1.0):
         super().__init__()
-        self.save_hyperparameters(logger=False)
+        # the optimizer is a callable (Hydra partial): checkpoints must stay loadable with weights_only=True
+        self.save_hyperparameters(logger=False, ignore=["optimizer"])
+        self.optimizer_factory = optimizer
         self.automatic_optimization = False
         self.algorithm = dict(algorithm)
         self.policy = build_policy(**policy)
@@ -176,10 +180,20 @@ class EMPO2Module(L.LightningModule):
         self._train_time += time.perf_counter() - tic
         if batch["metrics"]:
             modes = {f"rollout/mode_{m}": float(m == batch["mode"]) for m in MODES}
-            self.log_dict({**batch["metrics"], **modes, "iteration": float(batch["iteration"]),
-                           "rollout/global_step_at_rollout": float(batch["rollout_global_step"])},
-                          on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
+            metrics = {**batch["metrics"], **modes, "iteration": float(batch["iteration"]),
+                       "rollout/global_step_at_rollout": float(batch["rollout_global_step"])}
+            self._log_metrics(metrics, step=batch["rollout_global_step"])
+            self.log_dict({k: metrics[k] for k in PROGRESS_BAR_KEYS if k in metrics}, logger=False, prog_bar=True,
+                          on_step=True, on_epoch=False, batch_size=1)
         return loss.detach()
+
+    def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """One point per iteration (rollout) or per optimizer step (update), straight to the loggers.
+
+        ``self.log`` would re-log the last value at every micro-batch; these metrics have their own cadence.
+        """
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=step)
 
     def _accumulate(self, metrics: dict[str, float], weight: float) -> None:
         s = self._step_stats
@@ -202,7 +216,9 @@ class EMPO2Module(L.LightningModule):
         out["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
         out["train/tokens_per_s"] = self._train_tokens / max(self._train_time, 1e-9)
         self._train_tokens, self._train_time = 0, 0.0
-        self.log_dict(out, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+        self._log_metrics(out, step=self.global_step)
+        self.log_dict({k: out[k] for k in PROGRESS_BAR_KEYS if k in out}, logger=False, prog_bar=True, on_step=True,
+                      on_epoch=False, batch_size=1)
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -211,7 +227,7 @@ class EMPO2Module(L.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        return self.hparams.optimizer(params=params)
+        return self.optimizer_factory(params=params)
 
 
 def _grad_norm(policy: Policy) -> float:

@@ -22,7 +22,7 @@ from pathlib import Path
 from src.envs.webshop.reward import option_matches
 from src.envs.webshop.vocab import CATEGORIES, OPENERS, OPTION_PHRASES
 
-CATALOG_VERSION = 1  # bump whenever the generator or vocab changes, so stale cached catalogs are not reused
+CATALOG_VERSION = 2  # bump whenever the generator or vocab changes, so stale cached catalogs are not reused
 FILE_NAMES = ("items_shuffle.json", "items_ins_v2.json", "items_human_ins.json")
 _CONTAINERS = {"pair", "box", "bag", "set", "bottle", "tube", "pack"}
 _MASS_WORDS = {"shampoo", "coffee", "jerky", "oil", "tea", "polish", "color"}
@@ -75,6 +75,19 @@ class _Generator:
             if a not in self.asins:
                 self.asins.add(a)
                 return a
+
+    def attrs(self, t: dict, k_min: int, k_max: int, pool: list[str] | None = None,
+              keep: list[str] = ()) -> list[str]:
+        """``keep`` plus k random attributes from ``pool`` (default: all of the type's), never an exclusive pair."""
+        pairs = t.get("exclusive", [])
+        clash = {b for a, b in pairs if a in keep} | {a for a, b in pairs if b in keep}
+        pool = [a for a in (pool if pool is not None else t["attrs"]) if a not in keep and a not in clash]
+        k_max = min(k_max, len(pool))
+        for _ in range(100):
+            chosen = list(keep) + self.rng.sample(pool, self.rng.randint(min(k_min, k_max), k_max))
+            if not any(a in chosen and b in chosen for a, b in pairs):
+                return chosen
+        raise AssertionError(f"no compatible attribute set for {t['query']}; fix vocab.py")
 
     def random_options(self, t: dict) -> dict[str, list[str]]:
         options = {}
@@ -174,7 +187,7 @@ class _Generator:
         """A target, its three distractors and 1-2 siblings, with their human goals."""
         rng = self.rng
         all_attrs = list(t["attrs"])
-        attrs = rng.sample(all_attrs, rng.randint(3, min(5, len(all_attrs) - 1)))
+        attrs = self.attrs(t, 3, min(5, len(all_attrs) - 1))
         options = self.random_options(t)
         target = self.product(cat_name, cat, t, attrs, options, self.random_pricing(t, options))
         goal_attrs = rng.sample(attrs, rng.choice([1, 2, 2, 3]))
@@ -185,7 +198,7 @@ class _Generator:
         # Missing one asked-for attribute (replaced by one the target does not have).
         missing = rng.choice(goal_attrs)
         spare = [a for a in all_attrs if a not in attrs]
-        d_attrs = [a for a in attrs if a != missing] + rng.sample(spare, 1)
+        d_attrs = self.attrs(t, 1, 1, pool=spare, keep=[a for a in attrs if a != missing])
         products.append(self.product(cat_name, cat, t, d_attrs, options, target["_pricing"]))
 
         # Without any value matching an asked-for option of one option group (checked with the reward's matcher).
@@ -205,7 +218,7 @@ class _Generator:
         products.append(self.product(cat_name, cat, t, attrs, options, pricey))
 
         for _ in range(rng.randint(1, 2)):
-            s_attrs = rng.sample(all_attrs, rng.randint(2, min(5, len(all_attrs))))
+            s_attrs = self.attrs(t, 2, 5)
             s_opts = self.random_options(t)
             products.append(self.product(cat_name, cat, t, s_attrs, s_opts, self.random_pricing(t, s_opts)))
         for p in products[1:]:

@@ -207,6 +207,8 @@ class WebShopEnv:
         reward_mode: "score" (train reward = score in [0, 1]) or "success" (10 × (score == 1)).
         num_test_goals, num_dev_goals: split sizes (test = goals[:500], dev next, train = the rest).
         stemmer: search analyzer stemming, "porter" (original) or "none".
+        seed: accepted so every environment takes the same config keys; unused (episodes are deterministic
+            given the goal; the catalog and prices have their own seeds).
     Raises ValueError for a bad setting, WebShopDataError for missing/malformed data files.
     """
 
@@ -214,7 +216,7 @@ class WebShopEnv:
                  num_products: int | None = None, human_goals: bool = True, catalog_size: int = 1000,
                  catalog_seed: int = 0, price_seed: int = 0, max_steps: int = 15, format_penalty: float = 0.1,
                  reward_mode: str = "score", num_test_goals: int = 500, num_dev_goals: int = 0,
-                 stemmer: str = "porter"):
+                 stemmer: str = "porter", seed: int | None = None):
         if reward_mode not in ("score", "success"):
             raise ValueError(f"reward_mode must be 'score' or 'success', got {reward_mode!r}")
         if max_steps < 1:

@@ -51,7 +51,8 @@ JERKY_FLAVORS = ["Original", "Teriyaki", "Peppered", "Sweet & Spicy", "Hickory S
 # ------------------------------------------------------------------------------------- categories and types
 # Each type: query (the original's Amazon search query), path (product_category levels), nouns (title heads),
 # prefix (audience words in the title), goal_nouns (how a shopper names it), attrs {phrase: sentence with the
-# phrase verbatim}, options [(Name, pool, k_min, k_max, contiguous)], price (lo, hi) dollars.
+# phrase verbatim}, options [(Name, pool, k_min, k_max, contiguous)], price (lo, hi) dollars, and optionally
+# exclusive: attribute pairs no product has together (e.g. slim fit and relaxed fit).
 CATEGORIES: dict[str, dict] = {
     "fashion": {
         "brands": ["Solvera", "Kintaro", "Marlowe & Finch", "Ardenne", "Velocita", "Northpine", "Oakridge Co.",
@@ -78,7 +79,7 @@ CATEGORIES: dict[str, dict] = {
                     "breathable mesh": "An upper of breathable mesh keeps feet cool.",
                     "memory foam": "A memory foam insole molds to the shape of your foot.",
                     "wide toe box": "The wide toe box lets toes spread naturally.",
-                    "slip on": "An elastic collar makes it a true slip on design.",
+                    "elastic laces": "Elastic laces let you pull them on without tying.",
                 },
                 "options": [("Color", APPAREL_COLORS, 3, 6, False), ("Size", SHOE_SIZES, 4, 9, True)],
                 "price": (24.0, 95.0),
@@ -135,6 +136,7 @@ CATEGORIES: dict[str, dict] = {
                 },
                 "options": [("Color", ["Dark Wash", "Medium Wash", "Light Wash", "Black", "Stonewash", "Indigo",
                                        "Grey"], 3, 5, False), ("Size", JEANS_SIZES, 4, 8, True)],
+                "exclusive": [("slim fit", "relaxed fit")],
                 "price": (22.0, 80.0),
             },
             {
@@ -217,6 +219,7 @@ CATEGORIES: dict[str, dict] = {
                     "tangle free": "The tangle free cuticle stays smooth.",
                     "double weft": "A double weft gives extra volume.",
                 },
+                "exclusive": [("human hair", "heat resistant")],
                 "options": [("Color", HAIR_COLORS, 3, 6, False),
                             ("Size", ["14 Inch", "16 Inch", "18 Inch", "20 Inch", "22 Inch", "24 Inch"], 2, 5, True)],
                 "price": (15.0, 120.0),
@@ -388,6 +391,7 @@ CATEGORIES: dict[str, dict] = {
                     "family size": "The family size bag shares well.",
                     "whole30 approved": "These snacks are whole30 approved.",
                 },
+                "exclusive": [("kettle cooked", "baked not fried")],
                 "options": [("Flavor Name", SNACK_FLAVORS, 2, 5, False),
                             ("Size", ["1 Ounce (Pack of 24)", "5 Ounce (Pack of 1)", "8 Ounce (Pack of 4)",
                                       "Pack of 12"], 1, 3, True)],
@@ -444,7 +448,8 @@ CATEGORIES: dict[str, dict] = {
         "types": [
             {
                 "query": "Wireless Earbuds",
-                "path": ["Electronics", "Headphones, Earbuds & Accessories", "Headphones & Earbuds", "Earbud Headphones"],
+                "path": ["Electronics", "Headphones, Earbuds & Accessories",
+                         "Headphones & Earbuds", "Earbud Headphones"],
                 "nouns": ["Wireless Earbuds", "Bluetooth Earbuds"], "prefix": "",
                 "goal_nouns": ["wireless earbuds", "pair of bluetooth earbuds", "earbuds"],
                 "attrs": {
@@ -495,7 +500,8 @@ CATEGORIES: dict[str, dict] = {
             },
             {
                 "query": "Bluetooth Speaker",
-                "path": ["Electronics", "Portable Audio & Video", "Portable Speakers & Docks", "Portable Bluetooth Speakers"],
+                "path": ["Electronics", "Portable Audio & Video",
+                         "Portable Speakers & Docks", "Portable Bluetooth Speakers"],
                 "nouns": ["Bluetooth Speaker", "Portable Speaker"], "prefix": "",
                 "goal_nouns": ["bluetooth speaker", "portable speaker", "wireless speaker"],
                 "attrs": {
@@ -560,7 +566,8 @@ CATEGORIES: dict[str, dict] = {
         "types": [
             {
                 "query": "Throw Pillow Covers",
-                "path": ["Home & Kitchen", "Home Décor Products", "Decorative Pillows, Inserts & Covers", "Throw Pillow Covers"],
+                "path": ["Home & Kitchen", "Home Décor Products",
+                         "Decorative Pillows, Inserts & Covers", "Throw Pillow Covers"],
                 "nouns": ["Throw Pillow Covers", "Cushion Covers"], "prefix": "",
                 "goal_nouns": ["throw pillow covers", "set of pillow covers", "cushion covers"],
                 "attrs": {
@@ -588,6 +595,7 @@ CATEGORIES: dict[str, dict] = {
                     "adjustable shelves": "Adjustable shelves fit tall binders.",
                     "corner": "Its corner footprint saves space.",
                 },
+                "exclusive": [("industrial", "solid wood")],
                 "options": [("Color", HOME_COLORS, 2, 5, False)],
                 "price": (45.0, 260.0),
             },
@@ -658,6 +666,7 @@ CATEGORIES: dict[str, dict] = {
                 },
                 "options": [("Color", HOME_COLORS, 3, 6, False),
                             ("Size", ["Twin", "Full", "Queen", "King", "California King"], 2, 5, True)],
+                "exclusive": [("egyptian cotton", "microfiber")],
                 "price": (20.0, 110.0),
             },
         ],

@@ -1,0 +1,35 @@
+"""Shared fixtures: a tiny random policy with SmolLM2's tokenizer, built offline once per session."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def model_cache_dir() -> Path:
+    """Where converted/built models live (the project's data dir, so the SmolLM2 conversion is reused)."""
+    return Path(os.environ.get("EMPO2_DATA_DIR", ROOT / "data")) / "models"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(model_cache_dir) -> str:
+    from src.models.hub import EMBEDDED_TINY, resolve_name_or_path
+
+    return resolve_name_or_path(EMBEDDED_TINY, model_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tiny_model_dir, model_cache_dir):
+    import torch
+
+    from src.models.empo2_module import build_policy
+
+    torch.manual_seed(0)
+    return build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir), dtype="float32",
+                        max_response_tokens=8, max_prompt_tokens=1024)

@@ -1,0 +1,111 @@
+"""Policy: batch layout, sampled ids/log-probs vs recomputation, chat rendering, hub-style loading from local files."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from src.models.policy import Policy, pack_batch
+
+
+def test_pack_batch_layout_known_answer():
+    # prompts [5,6] and [7]; responses [8] and [9,10]; pad 0 -> P=2, R=2
+    b = pack_batch([[5, 6], [7]], [[8], [9, 10]], pad_token_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 8, 0], [0, 7, 9, 10]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 0], [0, 1, 1, 1]]
+    # positions count only real tokens, so left padding does not shift them
+    assert b["position_ids"].tolist() == [[0, 1, 2, 2], [0, 0, 1, 2]]
+    assert b["response_mask"].tolist() == [[1, 0], [1, 1]]
+
+
+def test_pack_batch_rejects_bad_input():
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        pack_batch([[1], [2]], [[3]], 0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        pack_batch([[]], [[3]], 0)
+
+
+def test_generate_ids_and_log_probs_match_recomputation(tiny_policy: Policy):
+    """The ids the policy sampled and their sampling log-probs line up with a fresh forward pass."""
+    torch.manual_seed(1)
+    messages = [[{"role": "system", "content": "You are an agent."}, {"role": "user", "content": f"Task {k}: go."}]
+                for k in range(3)]
+    prompts = [tiny_policy.encode(m) for m in messages]
+    # uneven prompt lengths exercise the left padding
+    prompts[1] = prompts[1] + prompts[1][-3:]
+    gen = tiny_policy.generate(prompts, max_new_tokens=6, temperature=1.0)
+    assert [len(r) for r in gen.response_ids] == [len(lp) for lp in gen.log_probs]
+    eos = set(tiny_policy.eos_token_ids)
+    for ids, truncated in zip(gen.response_ids, gen.truncated):
+        assert 1 <= len(ids) <= 6
+        # cut right after the first EOS; no EOS means truncated
+        assert all(t not in eos for t in ids[:-1])
+        assert truncated == (ids[-1] not in eos)
+    out = tiny_policy.log_probs(prompts, gen.response_ids, temperature=1.0)
+    for i, lp in enumerate(gen.log_probs):
+        n = len(lp)
+        assert out["response_mask"][i].tolist() == [1.0] * n + [0.0] * (out["response_mask"].shape[1] - n)
+        torch.testing.assert_close(out["log_probs"][i, :n], torch.tensor(lp), atol=1e-4, rtol=1e-4)
+    # the decoded text is derived from the ids, never the other way round
+    assert gen.texts == tiny_policy.tokenizer.batch_decode(gen.response_ids, skip_special_tokens=True)
+
+
+def test_generate_log_probs_use_the_sampling_temperature(tiny_policy: Policy):
+    torch.manual_seed(2)
+    prompts = [tiny_policy.encode([{"role": "user", "content": "hello"}])]
+    gen = tiny_policy.generate(prompts, max_new_tokens=4, temperature=0.5)
+    at_half = tiny_policy.log_probs(prompts, gen.response_ids, temperature=0.5)["log_probs"][0, : len(gen.log_probs[0])]
+    torch.testing.assert_close(at_half, torch.tensor(gen.log_probs[0]), atol=1e-4, rtol=1e-4)
+
+
+def test_encode_renders_the_chat_template(tiny_policy: Policy):
+    messages = [{"role": "system", "content": "SYS"}, {"role": "user", "content": "USER TEXT"}]
+    text = tiny_policy.tokenizer.decode(tiny_policy.encode(messages))
+    assert text.index("SYS") < text.index("USER TEXT")
+    assert text.rstrip().endswith("assistant")  # generation prompt (SmolLM2's <|im_start|>assistant)
+
+
+def test_log_probs_gradients_flow_and_entropy_shape(tiny_policy: Policy):
+    prompts = [tiny_policy.encode([{"role": "user", "content": "a"}])]
+    out = tiny_policy.log_probs(prompts, [[10, 11, 12]], with_entropy=True)
+    assert out["log_probs"].shape == out["entropy"].shape == (1, 3)
+    out["log_probs"].sum().backward()
+    grads = [p.grad for p in tiny_policy.parameters() if p.requires_grad]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    tiny_policy.zero_grad(set_to_none=True)
+
+
+def test_hub_loading_path_on_local_files(tiny_model_dir, model_cache_dir):
+    """The hub-id code path (from_pretrained on a name_or_path) works on a local directory."""
+    from src.models.empo2_module import build_policy
+
+    policy = build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir), dtype="float32")
+    assert policy.tokenizer.padding_side == "left"
+    assert policy.model.config.num_hidden_layers == 2
+
+
+def test_unknown_embedded_model_is_a_clear_error(model_cache_dir):
+    from src.models.hub import resolve_name_or_path
+
+    with pytest.raises(ValueError, match="embedded:nope"):
+        resolve_name_or_path("embedded:nope", model_cache_dir)
+
+
+def test_lora_reference_is_the_base_model(tiny_model_dir, model_cache_dir):
+    """With LoRA, disabling adapters gives the base model's log-probs (the KL reference, SPEC §2.3)."""
+    from src.models.empo2_module import build_policy
+
+    policy = build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir), dtype="float32",
+                          lora={"enabled": True, "r": 4, "alpha": 8, "target_modules": "all-linear"})
+    prompts = [policy.encode([{"role": "user", "content": "x"}])]
+    with torch.no_grad():
+        base = policy.log_probs(prompts, [[5, 6]], disable_adapters=True)["log_probs"]
+        # move the adapters away from their zero init so the adapted model differs from the base
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.5)
+        adapted = policy.log_probs(prompts, [[5, 6]])["log_probs"]
+        base_again = policy.log_probs(prompts, [[5, 6]], disable_adapters=True)["log_probs"]
+    torch.testing.assert_close(base, base_again)
+    assert not torch.allclose(base, adapted)
+    trainable = [n for n, p in policy.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
