@@ -97,6 +97,12 @@ def test_batch_ids_masks_and_old_log_probs_line_up(pool, tiny_policy):
         assert s["old_log_probs"].shape == (len(s["response_ids"]),)
         # recomputed old log-probs = the log-probs the tokens were sampled with (same weights)
         torch.testing.assert_close(s["old_log_probs"], torch.tensor(s["sample_log_probs"]), atol=1e-4, rtol=1e-4)
+    # without recomputation the behaviour log-probs are the sampling log-probs themselves
+    reused, _ = dm.make_samples(episodes, "on_policy")
+    module = _Module(tiny_policy)
+    module.algorithm["recompute_old_log_probs"] = False
+    module.score_samples(reused, "on_policy")
+    assert all(s["old_log_probs"].tolist() == pytest.approx(s["sample_log_probs"]) for s in reused)
     # micro-batches: the response mask marks exactly each sample's response tokens
     micro = list(dm.micro_batches(samples, {"iteration": 0, "mode": "on_policy", "rollout_global_step": 0}, {}, 0))
     assert [len(m["samples"]) for m in micro] == [3, 3]

@@ -105,7 +105,7 @@ def test_resume_restores_memory_and_continues(empo2_run, tmp_path):
 
 def test_grpo_runs_without_memory(tmp_path):
     cfg = _cfg(tmp_path, "algorithm=grpo", "trainer.max_epochs=1", "logger=csv")
-    assert cfg.memory is None
+    assert cfg.algorithm.use_memory is False and cfg.algorithm.memory_rollout_prob == 0
     objs = train(cfg)
     assert objs["memory"] is None and objs["trainer"].global_step == 1
     ckpt = torch.load(objs["last_checkpoint"], map_location="cpu", weights_only=False)

@@ -34,7 +34,7 @@ def _tips_block(tips: list[str]) -> str:
 def build_step_messages(system_prompt: str, instruction: str, history: list[HistoryItem], observation: str,
                         tips: list[str] | None = None, admissible_actions: list[str] | None = None,
                         history_length: int = 5, tips_scope: str = "current", step: int = 0,
-                        max_steps: int | None = None) -> list[dict[str, str]]:
+                        max_steps: int | None = None, history_obs_chars: int | None = None) -> list[dict[str, str]]:
     """Messages for the policy at one step.
 
     Args:
@@ -48,6 +48,8 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
         tips_scope: ``current`` — only the current step's tips; ``all_steps`` — also each shown past step's
             tips (the authors' code). A tip-free prompt (``tips=None``) drops all of them.
         step, max_steps: shown so the agent knows its budget.
+        history_obs_chars: past observations longer than this are cut (with " ...") to keep prompts short on
+            CPU; the current observation is always shown whole. ``None`` keeps them whole.
 
     Raises:
         ValueError: unknown ``tips_scope``.
@@ -61,7 +63,10 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
         first = len(history) - len(shown) + 1
         lines = [f"Your last {len(shown)} steps (of {len(history)} so far):"]
         for k, item in enumerate(shown, start=first):
-            lines.append(f"[Step {k}] Observation: {item.observation}")
+            past = item.observation
+            if history_obs_chars is not None and len(past) > history_obs_chars:
+                past = past[:history_obs_chars].rstrip() + " ..."
+            lines.append(f"[Step {k}] Observation: {past}")
             if with_tips and tips_scope == "all_steps" and item.tips:
                 lines.append(_tips_block(item.tips))
             lines.append(f"[Step {k}] Action: {item.action}")

@@ -88,6 +88,7 @@ class RolloutConfig:
     temperature: float = 1.0
     max_response_tokens: int = 32
     history_length: int = 5
+    history_obs_chars: int | None = None
     use_tips: bool = False
     strip_tips_for_update: bool = False
     tips_scope: str = "current"
@@ -149,7 +150,8 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
         for j, i in enumerate(active):
             common = dict(system_prompt=pool.system_prompt, instruction=episodes[i].instruction, history=histories[i],
                           observation=observations[i], admissible_actions=infos[i].get("admissible_actions"),
-                          history_length=cfg.history_length, tips_scope=cfg.tips_scope,
+                          history_length=cfg.history_length, history_obs_chars=cfg.history_obs_chars,
+                          tips_scope=cfg.tips_scope,
                           step=len(episodes[i].steps), max_steps=max_steps)
             step_tips = _fit_prompt(policy, common, tips[j] if cfg.use_tips else None)
             tips[j] = step_tips or []

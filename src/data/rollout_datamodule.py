@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any, Iterator
 
 import lightning as L
@@ -85,6 +86,7 @@ class RolloutDataModule(L.LightningDataModule):
         temperature: rollout sampling temperature (1.0).
         max_response_tokens: tokens per action (32 ScienceWorld, 512 WebShop).
         history_length: past steps shown in the prompt.
+        history_obs_chars: cut past observations to this many characters (null: keep whole).
         max_steps: shown in the prompt as the step budget (the env enforces its cap).
         num_env_workers: pool size; default = the largest number of concurrent episodes needed.
         val: ``{"split", "num_tasks", "episodes_per_task", "temperature"}`` for in-training validation
@@ -95,7 +97,7 @@ class RolloutDataModule(L.LightningDataModule):
     def __init__(self, env: DictConfig | dict, algorithm: DictConfig | dict, tasks_per_iteration: int = 2,
                  group_size: int = 4, train_split: str = "train", ppo_epochs: int = 1, num_mini_batches: int = 1,
                  micro_batch_size: int = 4, temperature: float = 1.0, max_response_tokens: int = 32,
-                 history_length: int = 5, max_steps: int | None = None, num_env_workers: int | None = None,
+                 history_length: int = 5, history_obs_chars: int | None = None, max_steps: int | None = None, num_env_workers: int | None = None,
                  val: DictConfig | dict | None = None, seed: int = 0, pool_timeout_s: float = 300.0):
         super().__init__()
         for name, value in (("tasks_per_iteration", tasks_per_iteration), ("group_size", group_size),
@@ -116,6 +118,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.temperature = temperature
         self.max_response_tokens = max_response_tokens
         self.history_length = history_length
+        self.history_obs_chars = history_obs_chars
         self.max_steps = max_steps
         self.num_env_workers = num_env_workers
         self.seed = seed
@@ -125,6 +128,15 @@ class RolloutDataModule(L.LightningDataModule):
         self.train_tasks: list[dict] = []
         self.val_tasks: list[dict] = []
         self.last_episodes: list[Episode] = []
+
+    def rollout_config(self, use_tips: bool, temperature: float | None = None, strip_tips_for_update: bool = False,
+                       novelty: bool = False) -> RolloutConfig:
+        """How episodes are run; training uses the rollout temperature, validation/evaluation their own."""
+        return RolloutConfig(
+            temperature=self.temperature if temperature is None else float(temperature),
+            max_response_tokens=self.max_response_tokens, history_length=self.history_length,
+            history_obs_chars=self.history_obs_chars, use_tips=use_tips, strip_tips_for_update=strip_tips_for_update,
+            tips_scope=getattr(self.memory, "tips_scope", "current"), novelty=novelty)
 
     @property
     def steps_per_iteration(self) -> int:
@@ -186,17 +198,16 @@ class RolloutDataModule(L.LightningDataModule):
         tasks = self.draw_tasks(iteration)
         episode_tasks = [t for t in tasks for _ in range(self.group_size)]
         groups = [rank * 10_000 + k for k in range(len(tasks)) for _ in range(self.group_size)]
-        cfg = RolloutConfig(temperature=self.temperature, max_response_tokens=self.max_response_tokens,
-                            history_length=self.history_length, use_tips=mode != "on_policy",
-                            strip_tips_for_update=mode == "off_policy",
-                            tips_scope=getattr(self.memory, "tips_scope", "current"),
-                            novelty=self.memory is not None and self.memory.novelty_enabled)
+        cfg = self.rollout_config(use_tips=mode != "on_policy", strip_tips_for_update=mode == "off_policy",
+                                  novelty=self.memory is not None and self.memory.novelty_enabled)
         with module.rollout_context():
             episodes, metrics = run_episodes(self.pool, policy, episode_tasks, groups, cfg, self.memory, self.max_steps)
             if self.memory is not None:
                 metrics.update(self.memory.write_tips(episodes, policy, self.pool.system_prompt))
             samples, adv_metrics = self.make_samples(episodes, mode)
+            tic = time.perf_counter()
             module.score_samples(samples, mode)
+            metrics["old_log_prob_s"] = time.perf_counter() - tic
         self.last_episodes = episodes
         metrics.update(adv_metrics)
         metrics.update(episode_metrics(episodes))
@@ -217,12 +228,19 @@ class RolloutDataModule(L.LightningDataModule):
         if self.algorithm.get("offpolicy_old_logprob", "with_tips") not in ("with_tips", "without_tips"):
             raise ValueError("algorithm.offpolicy_old_logprob must be 'with_tips' or 'without_tips', got "
                              f"{self.algorithm.get('offpolicy_old_logprob')!r}")
-        samples = []
+        # Optional (off by default): zero-advantage steps add no policy gradient, only cost (and token-mean
+        # denominator). Dropping them is DAPO-style filtering; it rescales the loss, so it is opt-in.
+        skip_zero = bool(self.algorithm.get("skip_zero_advantage", False))
+        samples, skipped = [], 0
         for episode, advantage in zip(episodes, advantages.tolist()):
             if episode.failed:
                 continue
+            if skip_zero and advantage == 0.0:
+                skipped += len(episode.steps)
+                continue
             for step in episode.steps:
                 samples.append({
+                    "rollout_prompt_ids": step.rollout_prompt_ids,
                     "prompt_ids": step.update_prompt_ids,
                     # the prompt the behaviour log-prob is taken under (SPEC §2.4)
                     "old_prompt_ids": step.rollout_prompt_ids if (mode != "off_policy" or old_with_tips)
@@ -231,6 +249,8 @@ class RolloutDataModule(L.LightningDataModule):
                     "sample_log_probs": step.sample_log_probs,
                     "advantage": advantage,
                 })
+        metrics["skipped_zero_adv_samples"] = float(skipped)
+        metrics["samples"] = float(len(samples))
         return samples, {f"adv/{k}": v for k, v in metrics.items()}
 
     def micro_batches(self, samples: list[dict], info: dict, metrics: dict, iteration: int) -> Iterator[dict]:
@@ -272,31 +292,32 @@ class RolloutDataModule(L.LightningDataModule):
         if samples:
             return samples[0]
         pad = self.trainer.lightning_module.policy.tokenizer.eos_token_id
-        return {"prompt_ids": [pad], "old_prompt_ids": [pad], "response_ids": [pad], "sample_log_probs": [0.0],
-                "advantage": 0.0, "old_log_probs": torch.zeros(1)}
+        return {"prompt_ids": [pad], "old_prompt_ids": [pad], "rollout_prompt_ids": [pad], "response_ids": [pad],
+                "sample_log_probs": [0.0], "advantage": 0.0, "old_log_probs": torch.zeros(1),
+                "ref_log_probs": torch.zeros(1)}
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> Iterator[dict[str, Any]]:
         """One batch holding the metrics of a no-memory evaluation on the validation tasks (SPEC §5)."""
         if not self.val_cfg or not self.val_tasks:
             return
-        yield {"metrics": evaluate(self.pool, self.trainer.lightning_module, self.val_tasks, self.val_cfg,
-                                   self.max_response_tokens, self.history_length, self.max_steps)}
+        yield {"metrics": evaluate(self.pool, self.trainer.lightning_module, self.val_tasks,
+                                   int(self.val_cfg.get("episodes_per_task", 1)),
+                                   self.rollout_config(use_tips=False, temperature=self.val_cfg.get("temperature", 0.4)),
+                                   self.max_steps)}
 
 
-def evaluate(pool: EnvPool, module, tasks: list[dict], val_cfg: dict, max_response_tokens: int, history_length: int,
+def evaluate(pool: EnvPool, module, tasks: list[dict], episodes_per_task: int, cfg: RolloutConfig,
              max_steps: int | None, memory=None) -> dict[str, float]:
-    """Run ``episodes_per_task`` episodes on each task (this rank's shard) at the evaluation temperature.
+    """Run ``episodes_per_task`` episodes on each task (this rank's shard) with ``cfg`` (its temperature, tips).
 
-    Without ``memory``: the paper's protocol (SPEC §5). Returns episode metrics (``score``, ``success_rate``, ...).
+    Without ``memory`` and ``cfg.use_tips``: the paper's protocol (SPEC §5). Returns episode metrics
+    (``score``, ``success_rate``, ...) and the rollout time.
     """
     rank, world = _dist()
     tasks = tasks[rank::world]
-    per_task = int(val_cfg.get("episodes_per_task", 1))
-    episode_tasks = [t for t in tasks for _ in range(per_task)]
-    groups = [k for k in range(len(tasks)) for _ in range(per_task)]
-    cfg = RolloutConfig(temperature=float(val_cfg.get("temperature", 0.4)), max_response_tokens=max_response_tokens,
-                        history_length=history_length, use_tips=memory is not None)
+    episode_tasks = [t for t in tasks for _ in range(episodes_per_task)]
+    groups = [k for k in range(len(tasks)) for _ in range(episodes_per_task)]
     with module.rollout_context():
         episodes, timing = run_episodes(pool, module.policy, episode_tasks, groups, cfg, memory, max_steps)
     metrics = episode_metrics(episodes)
