@@ -194,7 +194,7 @@ class SFTModule(L.LightningModule):
     ``train/epoch_time_s``; ``epoch_times`` keeps the wall time (s) of each finished epoch.
     """
 
-    def __init__(self, policy: Policy, lr: float = 1e-5, weight_decay: float = 0.0):
+    def __init__(self, policy: Policy, lr: float = 1e-4, weight_decay: float = 0.0):
         super().__init__()
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")

@@ -32,7 +32,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         L.seed_everything(cfg.seed, workers=True)
     log.info("Instantiating model <%s>", cfg.model._target_)
     module = hydra.utils.instantiate(cfg.model)
-    use_memory = cfg.get("memory") is not None and cfg.algorithm.get("use_memory", True)
+    # `memory=none` leaves no `_target_` (an experiment's memory settings may still sit there, unused).
+    use_memory = cfg.algorithm.get("use_memory", True) and "_target_" in (cfg.get("memory") or {})
     memory = hydra.utils.instantiate(cfg.memory) if use_memory else None
     if memory is None and cfg.algorithm.memory_rollout_prob > 0:
         raise ValueError(f"algorithm {cfg.algorithm.name!r} has memory_rollout_prob="

@@ -194,7 +194,7 @@ def test_sft_steps_lower_the_loss_and_save_loads(record, tiny_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sft-find"]
 
 
-def test_run_sft_from_the_hydra_config(record, gold_dir, tmp_path, capsys):
+def test_run_sft_from_the_hydra_config(record, gold_dir, tmp_path):
     from hydra import compose, initialize_config_dir
 
     from src.sft import run_sft
