@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True)
 
 from src.data.prompts import HistoryItem, build_step_messages  # noqa: E402
-from src.data.rollout import RolloutConfig, _fit_prompt, episode_metrics, run_episodes  # noqa: E402
+from src.data.rollout import RolloutConfig, fit_prompt, episode_metrics, run_episodes  # noqa: E402
 from src.envs.scienceworld import default_max_steps, load_gold, resolve_task  # noqa: E402
 from src.models.policy import Policy  # noqa: E402
 
@@ -128,7 +128,7 @@ def build_examples(policy: Policy, records: list[dict[str, Any]], system_prompt:
 
     The state at step t is what the rollout runner sees after executing the first t gold actions: the reset
     observation (t = 0) or the observation after action t − 1, with the last ``history_length`` (observation,
-    action) pairs and the prompt shrunk to ``max_prompt_tokens`` by the runner's own ``_fit_prompt``.
+    action) pairs and the prompt shrunk to ``max_prompt_tokens`` by the runner's own ``fit_prompt``.
     """
     examples = []
     for record in records:
@@ -143,7 +143,7 @@ def build_examples(policy: Policy, records: list[dict[str, Any]], system_prompt:
             common = dict(system_prompt=system_prompt, instruction=record["instruction"], history=history,
                           observation=observation, admissible_actions=None, history_length=history_length,
                           tips_scope="current", step=t, max_steps=max_steps)
-            _fit_prompt(policy, common, None)
+            fit_prompt(policy, common, None)
             prompt = policy.encode(build_step_messages(tips=None, **common))
             examples.append(SFTExample(prompt, action_ids(policy, action), record["task_name"],
                                        int(record["variation"]), t))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 from typing import Any
 
 import hydra
@@ -67,6 +69,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # SIGTERM (a job scheduler, `kill`) unwinds like Ctrl-C, so the environment workers and JVMs are shut down.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     log.info("Config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
     train(cfg)
 

@@ -57,7 +57,7 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
     if tips_scope not in ("current", "all_steps"):
         raise ValueError(f"tips_scope must be 'current' or 'all_steps', got {tips_scope!r}")
     with_tips = tips is not None
-    parts = [f"Your task: {instruction}"]
+    parts = [f"Task:\n{instruction}"]
     shown = history[-history_length:] if history_length > 0 else []
     if shown:
         first = len(history) - len(shown) + 1

@@ -153,7 +153,7 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
                           history_length=cfg.history_length, history_obs_chars=cfg.history_obs_chars,
                           tips_scope=cfg.tips_scope,
                           step=len(episodes[i].steps), max_steps=max_steps)
-            step_tips = _fit_prompt(policy, common, tips[j] if cfg.use_tips else None)
+            step_tips = fit_prompt(policy, common, tips[j] if cfg.use_tips else None)
             tips[j] = step_tips or []
             ids = policy.encode(build_step_messages(tips=step_tips, **common))
             prompts.append(ids)
@@ -207,7 +207,7 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
     return episodes, metrics
 
 
-def _fit_prompt(policy: Policy, common: dict, tips: list[str] | None) -> list[str] | None:
+def fit_prompt(policy: Policy, common: dict, tips: list[str] | None) -> list[str] | None:
     """Shrink the prompt until it fits ``policy.max_prompt_tokens``: oldest history first, then the lowest-ranked
     tips. ``common`` is updated in place (its ``history_length``); returns the tips that fit."""
     def length() -> int:

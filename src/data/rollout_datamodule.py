@@ -308,11 +308,13 @@ class RolloutDataModule(L.LightningDataModule):
 
 
 def evaluate(pool: EnvPool, module, tasks: list[dict], episodes_per_task: int, cfg: RolloutConfig,
-             max_steps: int | None, memory=None) -> dict[str, float]:
+             max_steps: int | None, memory=None, return_episodes: bool = False):
     """Run ``episodes_per_task`` episodes on each task (this rank's shard) with ``cfg`` (its temperature, tips).
 
     Without ``memory`` and ``cfg.use_tips``: the paper's protocol (SPEC §5). Returns episode metrics
-    (``score``, ``success_rate``, ...) and the rollout time.
+    (``score``, ``success_rate``, ...) and the rollout time; with ``return_episodes`` the pair
+    ``(metrics, episodes)``, episodes task-major (all episodes of task 0 first), for per-episode statistics
+    (``src/eval.py``).
     """
     rank, world = _dist()
     tasks = tasks[rank::world]
@@ -322,4 +324,4 @@ def evaluate(pool: EnvPool, module, tasks: list[dict], episodes_per_task: int, c
         episodes, timing = run_episodes(pool, module.policy, episode_tasks, groups, cfg, memory, max_steps)
     metrics = episode_metrics(episodes)
     metrics["rollout_s"] = timing["rollout_s"]
-    return metrics
+    return (metrics, episodes) if return_episodes else metrics

@@ -1,0 +1,153 @@
+"""Launch a small GRPO-vs-EMPO² study on CPU (several seeds, one run at a time), then draw the comparison.
+
+    python scripts/run_study.py --experiment scienceworld --seeds 1 2 3 --iterations 4
+    python scripts/run_study.py --experiment webshop --seeds 1 2 --iterations 3 -- data.group_size=2
+    python scripts/run_study.py --seeds 1 2 --iterations 2 --dry-run        # print the plan and the estimate
+
+Each run is `python src/train.py experiment=<exp> algorithm=<algo> seed=<s> trainer.max_epochs=<N> tags=[...]`
+plus the overrides after `--`; the runs get the extra Hydra tag `study-<id>` so that
+`scripts/compare_runs.py --tag study-<id>` (called at the end) compares exactly this study's runs. Runs go one
+after another because the policy and the environment workers already use every core of a laptop.
+
+Before starting it prints an estimate of the total time: minutes per iteration measured from earlier finished
+runs of the same experiment, algorithm and policy in the MLflow store when there are any, else
+`--minutes-per-iteration` (default: the CPU measurement in DEFAULT_MINUTES_PER_ITERATION).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Measured on a 2-core laptop CPU with the embedded SmolLM2-135M (2 tasks x 4 episodes, 8 env steps, validation
+# every 2nd iteration amortised, process start-up included): minutes per training iteration.
+DEFAULT_MINUTES_PER_ITERATION = {"scienceworld": 4.0, "webshop": 4.0}
+
+
+def compose(experiment: str, overrides: Sequence[str]):
+    """The training config of ``experiment`` with ``overrides`` (Hydra compose, nothing instantiated)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=[f"experiment={experiment}", *overrides])
+
+
+def run_commands(experiment: str, algorithms: Sequence[str], seeds: Sequence[int], iterations: int,
+                 tags: Sequence[str], overrides: Sequence[str]) -> list[list[str]]:
+    """One `src/train.py` command line (argv list) per (algorithm, seed), algorithms outermost."""
+    tag_list = "[" + ",".join(tags) + "]"
+    return [[sys.executable, str(ROOT / "src" / "train.py"), f"experiment={experiment}", f"algorithm={algo}",
+             f"seed={seed}", f"trainer.max_epochs={iterations}", f"tags={tag_list}", *overrides]
+            for algo in algorithms for seed in seeds]
+
+
+def measured_minutes_per_iteration(tracking_uri: str, experiment_name: str, algorithm: str, env_target: str,
+                                   model: str) -> tuple[float, int] | None:
+    """Median minutes per iteration (run duration / iterations logged, start-up and validation included) over
+    the finished runs in the store with the same algorithm, environment and policy, and their number; None if
+    there are none."""
+    import mlflow
+
+    from scripts.compare_runs import run_info
+
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    exp = client.get_experiment_by_name(experiment_name)
+    if exp is None:
+        return None
+    per_iter = []
+    for run in client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
+                                  max_results=200, order_by=["attributes.start_time DESC"]):
+        p = run.data.params
+        if (p.get("algorithm/name"), p.get("env/_target_"), p.get("model/policy/name_or_path")) == (
+                algorithm, env_target, model) and (m := run_info(client, run)["minutes_per_iteration"]):
+            per_iter.append(m)
+    return (statistics.median(per_iter), len(per_iter)) if per_iter else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the study (or print it with ``--dry-run``); return the number of failed training runs."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experiment", default="scienceworld", help="configs/experiment/<name> (default: %(default)s)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--iterations", type=int, default=4, help="training iterations per run (trainer.max_epochs)")
+    ap.add_argument("--algorithms", nargs="+", default=["grpo", "empo2"], help="configs/algorithm/<name>")
+    ap.add_argument("--study-id", default=time.strftime("%Y%m%d-%H%M%S"), help="tag suffix (default: now)")
+    ap.add_argument("--minutes-per-iteration", type=float, default=None,
+                    help="for the estimate when the store has no earlier run to measure")
+    ap.add_argument("--out-dir", default=None, help="comparison output (default: logs/comparison/study-<id>)")
+    ap.add_argument("--adaptation", nargs="+", default=[], help="adaptation summaries to add to the comparison")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands and the estimate, run nothing")
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (after --)")
+    args = ap.parse_args(argv)
+    if args.iterations < 1:
+        ap.error(f"--iterations={args.iterations}: expected at least 1")
+    if len(set(args.seeds)) != len(args.seeds):
+        ap.error(f"--seeds {args.seeds}: expected distinct seeds")
+
+    cfg = compose(args.experiment, [f"algorithm={args.algorithms[0]}", *args.overrides])
+    if "mlflow" not in (cfg.get("logger") or {}):
+        ap.error("the comparison reads MLflow: do not override the logger (logger=mlflow is the default)")
+    study_tag = f"study-{args.study_id}"
+    tags = [*cfg.tags, study_tag]
+    tracking_uri, exp_name = cfg.logger.mlflow.tracking_uri, cfg.logger.mlflow.experiment_name
+    env_target, model = cfg.env._target_, cfg.model.policy.name_or_path
+    env_key = "webshop" if "webshop" in env_target.lower() else "scienceworld"
+    commands = run_commands(args.experiment, args.algorithms, args.seeds, args.iterations, tags, args.overrides)
+
+    total = 0.0
+    print(f"Study {study_tag}: {len(commands)} runs ({', '.join(args.algorithms)} x seeds {args.seeds}), "
+          f"{args.iterations} iterations each, one at a time; policy {model}; MLflow {tracking_uri}")
+    for algo in args.algorithms:
+        measured = measured_minutes_per_iteration(tracking_uri, exp_name, algo, env_target, model)
+        if measured:
+            per_iter, source = measured[0], f"measured on {measured[1]} earlier finished run(s)"
+        else:
+            per_iter = args.minutes_per_iteration or DEFAULT_MINUTES_PER_ITERATION[env_key]
+            source = ("--minutes-per-iteration" if args.minutes_per_iteration
+                      else "no earlier run in the store: default, measured with SmolLM2 on a 2-core CPU")
+        minutes = per_iter * args.iterations * len(args.seeds)
+        total += minutes
+        print(f"  {algo}: {per_iter:.1f} min/iteration ({source}) -> {minutes:.0f} min for {len(args.seeds)} runs")
+    print(f"Estimated total: {total:.0f} min (~{total / 60:.1f} h)")
+    for cmd in commands:
+        print("  python src/train.py " + " ".join(cmd[2:]))
+    out_dir = args.out_dir or str(ROOT / "logs" / "comparison" / study_tag)
+    compare_argv = ["--tracking-uri", tracking_uri, "--experiment", exp_name, "--tag", study_tag, "--out-dir",
+                    out_dir, "--algorithms", *args.algorithms, "--name", f"comparison-{study_tag}"]
+    if args.adaptation:
+        compare_argv += ["--adaptation", *args.adaptation]
+    print("then: python scripts/compare_runs.py " + " ".join(compare_argv))
+    if args.dry_run:
+        return 0
+
+    failed = []
+    start = time.perf_counter()
+    for i, cmd in enumerate(commands):
+        t0 = time.perf_counter()
+        print(f"\n[{i + 1}/{len(commands)}] {' '.join(cmd[2:6])}", flush=True)
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        print(f"[{i + 1}/{len(commands)}] exit {rc} after {(time.perf_counter() - t0) / 60:.1f} min "
+              f"(study so far {(time.perf_counter() - start) / 60:.1f} min)", flush=True)
+        if rc != 0:
+            failed.append(" ".join(cmd[2:6]))
+    if failed:
+        print(f"{len(failed)} run(s) failed: {failed}; comparing the finished ones", file=sys.stderr)
+    if len(failed) < len(commands):
+        from scripts.compare_runs import main as compare_main
+
+        compare_main(compare_argv)
+    return len(failed)
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main() else 0)

@@ -1,0 +1,273 @@
+"""The GRPO-vs-EMPO² comparison (scripts/compare_runs.py) and the study launcher (scripts/run_study.py).
+
+Known-answer tests use a real MLflow sqlite store with runs logged through the MLflow client in the layout of
+src/train.py (values and timestamps chosen by hand); the end-to-end test reads two real short training runs.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import mlflow
+import numpy as np
+import pytest
+from mlflow.entities import Metric, Param
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts import compare_runs, run_study  # noqa: E402
+
+T0 = 1_700_000_000_000  # run start (ms since epoch)
+MIN = 60_000           # one minute in ms
+SW = "src.envs.scienceworld.ScienceWorldEnv"
+CURVE_PX = (550, 1760)  # learning-curve PNG (height, width) = FIGSIZE (16 x 5 in) x 110 dpi
+ADAPT_PX = (550, 880)   # adaptation PNG: 8 x 5 in x 110 dpi
+
+
+def _log_run(client, exp_id: str, algo: str, seed: int, rollouts, vals=(), tags=("scienceworld", "cpu"),
+             env: str = SW, status: str = "FINISHED") -> str:
+    """A run as src/train.py logs it. ``rollouts``: (step, minutes, iteration, score); return = score + 1,
+    success = score >= 50. ``vals``: (step, minutes, val score)."""
+    run = client.create_run(exp_id, start_time=T0, run_name=f"{algo}-{tags[0]}-seed{seed}")
+    rid = run.info.run_id
+    params = {"algorithm/name": algo, "seed": str(seed), "env/_target_": env, "tags": str(list(tags)),
+              "env/task": "find-non-living-thing"}
+    metrics = []
+    for step, minutes, it, score in rollouts:
+        ts = T0 + int(minutes * MIN)
+        metrics += [Metric("iteration", it, ts, step), Metric("rollout/score", score, ts, step),
+                    Metric("rollout/return", score + 1, ts, step),
+                    Metric("rollout/success_rate", float(score >= 50), ts, step)]
+    for step, minutes, score in vals:
+        ts = T0 + int(minutes * MIN)
+        metrics += [Metric("val/score", score, ts, step), Metric("val/success_rate", 0.5, ts, step)]
+    client.log_batch(rid, metrics=metrics, params=[Param(k, v) for k, v in params.items()])
+    if status != "RUNNING":
+        client.set_terminated(rid, status=status, end_time=T0 + 10 * MIN)
+    return rid
+
+
+@pytest.fixture()
+def store(tmp_path):
+    """GRPO seeds 1, 2 and EMPO² seed 1 (finished), plus runs that must not be selected."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp_id = client.create_experiment("empo2", artifact_location=str(tmp_path / "mlartifacts"))
+    ids = {
+        "grpo1": _log_run(client, exp_id, "grpo", 1, [(0, 1, 0, 10.0), (2, 3, 1, 20.0)], [(4, 4, 25.0)]),
+        "grpo2": _log_run(client, exp_id, "grpo", 2, [(0, 2, 0, 30.0), (2, 4, 1, 60.0)], [(4, 5, 35.0)]),
+        "empo1": _log_run(client, exp_id, "empo2", 1, [(0, 2, 0, 0.0), (2, 6, 1, 50.0)], [(4, 7, 40.0)]),
+        # excluded: still running; an SFT run (other tag); a WebShop run
+        "running": _log_run(client, exp_id, "empo2", 3, [(0, 1, 0, 99.0)], status="RUNNING"),
+        "sft": _log_run(client, exp_id, "empo2", 4, [(0, 1, 0, 99.0)], tags=("sft",)),
+        "webshop": _log_run(client, exp_id, "grpo", 5, [(0, 1, 0, 0.5)], tags=("webshop", "cpu"),
+                            env="src.envs.webshop.WebShopEnv"),
+    }
+    return {"uri": uri, "client": client, "exp_id": exp_id, "ids": ids, "tmp": tmp_path}
+
+
+def test_select_runs_by_tag_status_and_algorithm(store):
+    client, ids = store["client"], store["ids"]
+    runs = compare_runs.select_runs(client, "empo2", tags=["scienceworld"])
+    assert {r.info.run_id for r in runs} == {ids["grpo1"], ids["grpo2"], ids["empo1"]}
+    runs = compare_runs.select_runs(client, "empo2", tags=["scienceworld"], include_unfinished=True)
+    assert ids["running"] in {r.info.run_id for r in runs}
+    assert [r.info.run_id for r in compare_runs.select_runs(client, "empo2", run_ids=[ids["sft"]])] == [ids["sft"]]
+    with pytest.raises(ValueError, match="no MLflow experiment named 'nope'"):
+        compare_runs.select_runs(client, "nope")
+    with pytest.raises(ValueError, match=r"tags \['absent'\]"):
+        compare_runs.select_runs(client, "empo2", tags=["absent"])
+    with pytest.raises(ValueError, match="mix environments"):
+        compare_runs.env_kind(compare_runs.select_runs(client, "empo2", tags=["cpu"]))
+    assert compare_runs.env_kind(compare_runs.select_runs(client, "empo2", tags=["webshop"])) == "webshop"
+
+
+def test_curves_carry_iterations_minutes_and_values(store):
+    client = store["client"]
+    run = client.get_run(store["ids"]["grpo2"])
+    c = compare_runs.rollout_curve(client, run, "rollout/score")
+    np.testing.assert_array_equal(c.iteration, [0, 1])
+    np.testing.assert_allclose(c.minutes, [2, 4])
+    np.testing.assert_array_equal(c.value, [30, 60])
+    v = compare_runs.val_curve(client, run, "val/score")
+    # validation after iteration 1 played the policy after 2 iterations of updates
+    np.testing.assert_array_equal(v.iteration, [2])
+    np.testing.assert_allclose(v.minutes, [5])
+    np.testing.assert_array_equal(v.value, [35])
+
+
+def test_iterations_sharing_a_step_are_told_apart_by_timestamp(tmp_path):
+    # an iteration without an optimizer step leaves the next rollout at the same MLflow step
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/m.db")
+    exp_id = client.create_experiment("empo2", artifact_location=str(tmp_path / "a"))
+    rid = _log_run(client, exp_id, "grpo", 1, [(0, 1, 0, 5.0), (0, 2, 1, 7.0), (1, 3, 2, 9.0)])
+    c = compare_runs.rollout_curve(client, client.get_run(rid), "rollout/score")
+    np.testing.assert_array_equal(c.iteration, [0, 1, 2])
+    np.testing.assert_array_equal(c.value, [5, 7, 9])
+
+
+def test_aggregate_mean_and_standard_error_by_hand():
+    a = compare_runs.Curve(np.array([0.0, 1.0]), np.array([1.0, 3.0]), np.array([10.0, 20.0]))
+    b = compare_runs.Curve(np.array([0.0, 1.0, 2.0]), np.array([2.0, 4.0, 6.0]), np.array([30.0, 60.0, 7.0]))
+    agg = compare_runs.aggregate([a, b])
+    np.testing.assert_array_equal(agg.iteration, [0, 1, 2])
+    np.testing.assert_allclose(agg.mean, [20, 40, 7])
+    # s.e. = sample std / sqrt(2): |30 - 10| / 2 = 10 and |60 - 20| / 2 = 20; one seed: undefined
+    np.testing.assert_allclose(agg.sem[:2], [10, 20])
+    assert np.isnan(agg.sem[2])
+    np.testing.assert_allclose(agg.minutes, [1.5, 3.5, 6])
+    np.testing.assert_array_equal(agg.n, [2, 2, 1])
+
+
+def _eval_summary(scores, stderr, ckpt_path) -> dict:
+    """The adaptation summary layout of src/eval.py (eval.protocol=adaptation)."""
+    return {"protocol": "adaptation", "ckpt_path": ckpt_path, "env": SW, "task": "chemistry-mix-paint-secondary-color",
+            "trials": [{"trial": i, "memory": i > 0, "score": s, "score_stderr": e}
+                       for i, (s, e) in enumerate(zip(scores, stderr))]}
+
+
+def _adaptation_files(tmp: Path) -> list[str]:
+    """Two EMPO² evaluations (algorithm found through the checkpoint's Hydra config), a labelled GRPO file in the
+    ``trial_scores`` layout, and a base-model evaluation."""
+    specs = []
+    for name, scores in (("runA", [10, 20, 30]), ("runB", [20, 40, 30])):
+        (tmp / name / ".hydra").mkdir(parents=True, exist_ok=True)
+        (tmp / name / ".hydra" / "config.yaml").write_text("algorithm:\n  name: empo2\nseed: 1\n")
+        path = tmp / name / "eval_summary.json"
+        path.write_text(json.dumps(_eval_summary(scores, [1, 2, 3], str(tmp / name / "checkpoints" / "last.ckpt"))))
+        specs.append(str(path))
+    (tmp / "grpo.json").write_text(json.dumps({"trial_scores": [[10, 30], [40, 40], [15, 25]]}))
+    specs.append(f"GRPO policy={tmp / 'grpo.json'}")
+    (tmp / "base").mkdir(exist_ok=True)
+    (tmp / "base" / "eval_summary.json").write_text(json.dumps(_eval_summary([0, 5, 4], [1, 1, 2], None)))
+    specs.append(str(tmp / "base" / "eval_summary.json"))
+    return specs
+
+
+def test_load_adaptation_formats_and_errors(tmp_path):
+    adapt = compare_runs.load_adaptation(_adaptation_files(tmp_path))
+    assert list(adapt) == ["EMPO²", "GRPO policy", "base model (untrained)"]
+    np.testing.assert_array_equal(adapt["EMPO²"]["scores"], [[10, 20, 30], [20, 40, 30]])
+    assert adapt["EMPO²"]["stderr"] is None  # two evaluations: the band is their standard error
+    np.testing.assert_array_equal(adapt["GRPO policy"]["scores"], [[20, 40, 20]])  # per-episode lists averaged
+    np.testing.assert_array_equal(adapt["base model (untrained)"]["stderr"], [1, 1, 2])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"mean_score": 3.0}))
+    with pytest.raises(ValueError, match="bad.json: no per-trial scores"):
+        compare_runs.load_adaptation([bad])
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({"algorithm": "empo2", "trial_scores": [1, 2]}))
+    with pytest.raises(ValueError, match="short.json: 2 trials"):
+        compare_runs.load_adaptation([*_adaptation_files(tmp_path)[:1], short])
+
+
+def _read_png(path: Path) -> np.ndarray:
+    assert path.stat().st_size > 10_000, path
+    return matplotlib.image.imread(path)
+
+
+def test_main_writes_pngs_json_and_logs_artifacts(store):
+    out = store["tmp"] / "cmp"
+    result = compare_runs.main(["--tracking-uri", store["uri"], "--tag", "scienceworld", "--out-dir", str(out),
+                                "--adaptation", *_adaptation_files(store["tmp"])])
+    names = {"learning_curves_iteration.png", "learning_curves_wallclock.png", "adaptation.png", "curves.json"}
+    assert {f.name for f in result["files"]} == names
+    for name in ("learning_curves_iteration.png", "learning_curves_wallclock.png"):
+        img = _read_png(out / name)
+        assert img.shape[:2] == CURVE_PX and img[..., :3].std() > 0.05  # not blank
+    assert _read_png(out / "adaptation.png").shape[:2] == ADAPT_PX
+    report = json.loads((out / "curves.json").read_text())
+    assert report["env"] == "scienceworld" and "find-non-living-thing" in report["title"]
+    score = report["curves"]["grpo"]["rollout/score"]
+    assert score["iteration"] == [0, 1] and score["mean"] == [20, 40] and score["minutes"] == [1.5, 3.5]
+    np.testing.assert_allclose(score["sem"], [10, 20])
+    assert report["curves"]["grpo"]["val/score"]["mean"] == [30] and report["curves"]["empo2"]["val/score"][
+        "sem"] == [None]
+    assert report["curves"]["empo2"]["rollout/return"]["mean"] == [1, 51]
+    # EMPO² trial means 15, 30, 30 with s.e. |20 - 10| / 2 = 5, 10, 0: best gain (30 - 15) / 15 = 1
+    adapt = report["adaptation"]
+    assert adapt["EMPO²"]["mean"] == [15, 30, 30] and adapt["EMPO²"]["sem"] == pytest.approx([5, 10, 0])
+    assert adapt["EMPO²"]["best_relative_gain"] == pytest.approx(1.0)
+    assert adapt["GRPO policy"]["sem"] == [None, None, None] and adapt["GRPO policy"]["best_relative_gain"] == 1.0
+    # one evaluation: its own per-trial s.e.; a zero trial-0 score leaves the relative gain undefined
+    assert adapt["base model (untrained)"]["sem"] == [1, 1, 2]
+    assert adapt["base model (untrained)"]["best_relative_gain"] is None
+    client = store["client"]
+    comp = client.get_run(result["comparison_run_id"])
+    assert comp.info.run_name == "comparison-scienceworld" and comp.info.status == "FINISHED"
+    assert set(comp.data.params["runs/grpo"].split(",")) == {store["ids"]["grpo1"], store["ids"]["grpo2"]}
+    assert {a.path for a in client.list_artifacts(comp.info.run_id)} == names
+    # the comparison run is not itself picked up as a training run
+    assert len(compare_runs.select_runs(client, "empo2", tags=["scienceworld"])) == 3
+
+
+def test_no_log_writes_files_only(store):
+    out = store["tmp"] / "nolog"
+    result = compare_runs.main(["--tracking-uri", store["uri"], "--run-ids", store["ids"]["grpo1"],
+                                store["ids"]["empo1"], "--out-dir", str(out), "--no-log"])
+    assert result["comparison_run_id"] is None and (out / "learning_curves_wallclock.png").exists()
+    assert len(store["client"].search_runs([store["exp_id"]])) == 6
+
+
+def test_study_dry_run_prints_plan(tmp_path, capsys):
+    uri = f"logger.mlflow.tracking_uri=sqlite:///{tmp_path}/m.db"
+    assert run_study.main(["--seeds", "1", "2", "--iterations", "3", "--study-id", "t1",
+                           "--minutes-per-iteration", "2.5", "--dry-run", "model=tiny", uri]) == 0
+    out = capsys.readouterr().out
+    lines = [ln.strip() for ln in out.splitlines() if "train.py" in ln]
+    assert len(lines) == 4 and lines[0].endswith(
+        "experiment=scienceworld algorithm=grpo seed=1 trainer.max_epochs=3 tags=[scienceworld,cpu,study-t1] "
+        "model=tiny " + uri)
+    assert "algorithm=empo2 seed=2" in lines[3]
+    # no earlier runs in this store: 2.5 min x 3 iterations x 2 seeds x 2 algorithms
+    assert "--tag study-t1" in out and "Estimated total: 30 min" in out
+
+
+def test_study_commands_compose():
+    """The generated overrides (tags list with the study tag) are valid Hydra overrides."""
+    cmd = run_study.run_commands("scienceworld", ["grpo"], [7], 5, ["scienceworld", "cpu", "study-x"],
+                                 ["model=tiny"])[0]
+    cfg = run_study.compose("scienceworld", cmd[3:])
+    assert (cfg.algorithm.name, cfg.seed, cfg.trainer.max_epochs) == ("grpo", 7, 5)
+    assert list(cfg.tags) == ["scienceworld", "cpu", "study-x"]
+
+
+def test_two_real_training_runs(tmp_path):
+    """src.train.train writes one EMPO² and one GRPO run (tiny policy, real ScienceWorld, 2 iterations each) to a
+    fresh store; the comparison reads them back point for point and logs its figures."""
+    from hydra import compose, initialize_config_dir
+
+    from src.train import train
+
+    base = ["experiment=scienceworld", "model=tiny", f"paths.log_dir={tmp_path}/logs", "data.tasks_per_iteration=1",
+            "data.group_size=2", "env.max_steps=3", "data.micro_batch_size=2",
+            "data.val.num_tasks=1", "data.max_response_tokens=6", "memory.tip_max_tokens=8",
+            "~callbacks.rich_progress_bar", "trainer.enable_progress_bar=false", "trainer.max_epochs=2"]
+    run_ids = {}
+    for algo in ("empo2", "grpo"):
+        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+            cfg = compose(config_name="train",
+                          overrides=[*base, f"algorithm={algo}", f"paths.output_dir={tmp_path}/{algo}"])
+        run_ids[algo] = train(cfg)["loggers"][0].run_id
+    uri = cfg.logger.mlflow.tracking_uri
+    out = tmp_path / "cmp"
+    result = compare_runs.main(["--tracking-uri", uri, "--tag", "scienceworld", "--out-dir", str(out)])
+    assert sorted(result["runs"]) == sorted(run_ids.values())
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    report = json.loads((out / "curves.json").read_text())
+    for algo, rid in run_ids.items():
+        logged = [m.value for m in sorted(client.get_metric_history(rid, "rollout/score"), key=lambda m: m.step)]
+        curve = report["curves"][algo]["rollout/score"]
+        assert curve["iteration"] == [0, 1] and curve["mean"] == pytest.approx(logged) and curve["n"] == [1, 1]
+        # check_val_every_n_epoch=2: one validation, after iteration 1, i.e. of the policy after 2 iterations
+        val = report["curves"][algo]["val/score"]
+        assert val["iteration"] == [2]
+        assert val["mean"] == pytest.approx([client.get_run(rid).data.metrics["val/score"]])
+        assert 0 < curve["minutes"][0] < curve["minutes"][1] < val["minutes"][0]
+    for name in ("learning_curves_iteration.png", "learning_curves_wallclock.png"):
+        assert _read_png(out / name).shape[:2] == CURVE_PX
+    artifacts = {a.path for a in client.list_artifacts(result["comparison_run_id"])}
+    assert artifacts == {"learning_curves_iteration.png", "learning_curves_wallclock.png", "curves.json"}
