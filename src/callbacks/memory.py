@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning as L
 import numpy as np
+import torch.distributed as dist
 
 from src.data.prompts import build_tip_messages, HistoryItem
 from src.memory.embedder import Embedder
@@ -23,6 +24,15 @@ from src.memory.tip_memory import TipMemory, format_entry
 log = logging.getLogger(__name__)
 
 PARTITIONS = ("variation", "task", "global")
+
+
+def _gather_from_ranks(items: list) -> list:
+    """Concatenate a picklable list over all DDP ranks (rank order); the list itself without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return items
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [item for rank_items in gathered for item in rank_items]
 
 
 class MemoryCallback(L.Callback):
@@ -107,21 +117,23 @@ class MemoryCallback(L.Callback):
         key = embedding of step k's state, score = the episode's final score (SPEC §2.7).
         """
         done = [e for e in episodes if not e.failed and e.steps and e.steps[0].key is not None]
-        if not done:
-            return {"tips_written": 0.0, "tip_generate_s": 0.0}
         tic = time.perf_counter()
         prompts = [policy.encode(build_tip_messages(
             system_prompt, e.instruction, [HistoryItem(s.observation, s.action) for s in e.steps],
             e.final_observation, e.score, e.max_score, self.tip_history_length)) for e in done]
         gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens)
         generate_s = time.perf_counter() - tic
-        written = 0
+        batches = []
         for episode, tip in zip(done, gen.texts):
             tip = " ".join(tip.split()) or "No reflection."
             contents = [format_entry(tip, s.action, episode.score, episode.max_score) for s in episode.steps]
             keys = np.stack([s.key for s in episode.steps]).astype(np.float32)
-            written += self.tips.add(self.partition_key(episode.task), keys, contents,
-                                     [episode.score] * len(contents), list(range(len(contents))))
+            batches.append((self.partition_key(episode.task), keys, contents, [episode.score] * len(contents),
+                            list(range(len(contents)))))
+        written = 0
+        # Under DDP every rank writes every rank's entries, so all ranks hold the same memory.
+        for partition, keys, contents, scores, steps in _gather_from_ranks(batches):
+            written += self.tips.add(partition, keys, contents, scores, steps)
         self.counters["tips_written"] += written
         return {"tips_written": float(written), "tip_generate_s": generate_s,
                 "tip_tokens": float(sum(len(r) for r in gen.response_ids))}

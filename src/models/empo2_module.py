@@ -227,6 +227,7 @@ class EMPO2Module(L.LightningModule):
         out["train/grad_norm"] = grad_norm
         out["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
         out["train/tokens_per_s"] = self._train_tokens / max(self._train_time, 1e-9)
+        out["train/update_s"] = self._train_time
         self._train_tokens, self._train_time = 0, 0.0
         self._log_metrics(out, step=self.global_step)
         self.log_dict({k: out[k] for k in PROGRESS_BAR_KEYS if k in out}, logger=False, prog_bar=True, on_step=True,
