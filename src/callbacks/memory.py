@@ -14,25 +14,16 @@ from typing import Any
 
 import lightning as L
 import numpy as np
-import torch.distributed as dist
 
 from src.data.prompts import build_tip_messages, HistoryItem
 from src.memory.embedder import Embedder
 from src.memory.novelty import NoveltyMemory
 from src.memory.tip_memory import TipMemory, format_entry
+from src.utils.distributed import gather_lists
 
 log = logging.getLogger(__name__)
 
 PARTITIONS = ("variation", "task", "global")
-
-
-def _gather_from_ranks(items: list) -> list:
-    """Concatenate a picklable list over all DDP ranks (rank order); the list itself without torch.distributed."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return items
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, items)
-    return [item for rank_items in gathered for item in rank_items]
 
 
 class MemoryCallback(L.Callback):
@@ -132,7 +123,7 @@ class MemoryCallback(L.Callback):
                             list(range(len(contents)))))
         written = 0
         # Under DDP every rank writes every rank's entries, so all ranks hold the same memory.
-        for partition, keys, contents, scores, steps in _gather_from_ranks(batches):
+        for partition, keys, contents, scores, steps in gather_lists(batches):
             written += self.tips.add(partition, keys, contents, scores, steps)
         self.counters["tips_written"] += written
         return {"tips_written": float(written), "tip_generate_s": generate_s,

@@ -73,6 +73,13 @@ class Episode:
     final_observation: str = ""
     truncated: bool = False
 
+    def summary(self) -> dict[str, float]:
+        """The per-episode numbers behind ``episode_metrics`` (small and picklable, for gathering over ranks)."""
+        return {"failed": self.failed, "return": self.discounted_return(), "score": self.score,
+                "success": self.success, "length": len(self.steps),
+                "extrinsic_return": sum(s.reward for s in self.steps),
+                "invalid_actions": sum(not s.valid_action for s in self.steps)}
+
     def discounted_return(self, gamma: float = 1.0) -> float:
         """R = Σ_t γ^t (r_t + r_int_t); NaN for a failed episode."""
         if self.failed:
@@ -237,21 +244,22 @@ def _embed_states(memory, episodes, observations, indices, timers, keys=None):
     return keys
 
 
-def episode_metrics(episodes: list[Episode], prefix: str = "") -> dict[str, float]:
-    """Mean return, score (env units), success rate, episode length and invalid-action rate of finished episodes."""
-    done = [e for e in episodes if not e.failed]
-    steps = [s for e in done for s in e.steps]
-    out = {
-        "episodes": float(len(episodes)),
-        "failed_episodes": float(len(episodes) - len(done)),
-    }
+def episode_metrics(episodes: list[Episode] | list[dict], prefix: str = "") -> dict[str, float]:
+    """Mean return, score (env units), success rate, episode length and invalid-action rate of finished episodes.
+
+    Accepts episodes or their ``Episode.summary()`` dicts (e.g. gathered from all ranks).
+    """
+    rows = [e.summary() if isinstance(e, Episode) else e for e in episodes]
+    done = [r for r in rows if not r["failed"]]
+    out = {"episodes": float(len(rows)), "failed_episodes": float(len(rows) - len(done))}
     if done:
+        steps = sum(r["length"] for r in done)
         out.update({
-            "return": float(np.mean([e.discounted_return() for e in done])),
-            "extrinsic_return": float(np.mean([sum(s.reward for s in e.steps) for e in done])),
-            "score": float(np.mean([e.score for e in done])),
-            "success_rate": float(np.mean([e.success for e in done])),
-            "episode_length": float(np.mean([len(e.steps) for e in done])),
-            "invalid_action_rate": float(np.mean([not s.valid_action for s in steps])) if steps else 0.0,
+            "return": float(np.mean([r["return"] for r in done])),
+            "extrinsic_return": float(np.mean([r["extrinsic_return"] for r in done])),
+            "score": float(np.mean([r["score"] for r in done])),
+            "success_rate": float(np.mean([r["success"] for r in done])),
+            "episode_length": float(np.mean([r["length"] for r in done])),
+            "invalid_action_rate": sum(r["invalid_actions"] for r in done) / steps if steps else 0.0,
         })
     return {f"{prefix}{k}": v for k, v in out.items()}

@@ -22,13 +22,13 @@ from typing import Any, Iterator
 import lightning as L
 import numpy as np
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, IterableDataset
 
 from src.data.rollout import Episode, RolloutConfig, episode_metrics, run_episodes
 from src.envs.pool import EnvPool
 from src.models.core_algos import compute_grpo_advantages
+from src.utils.distributed import all_reduce, gather_lists, rank_and_world
 
 log = logging.getLogger(__name__)
 
@@ -45,23 +45,6 @@ def draw_mode(seed: int, iteration: int, memory_rollout_prob: float, offpolicy_p
     if rng.random() >= memory_rollout_prob:
         return "on_policy"
     return "off_policy" if rng.random() < offpolicy_prob else "on_policy_with_tips"
-
-
-def _dist() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _all_reduce(values: list[float], op=None) -> list[float]:
-    """Sum (or ``op``) a few numbers over ranks; identity without torch.distributed."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t.tolist()
 
 
 class _Stream(IterableDataset):
@@ -147,7 +130,7 @@ class RolloutDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.pool is not None:
             return
-        rank, world = _dist()
+        rank, world = rank_and_world()
         local_tasks = math.ceil(self.tasks_per_iteration / world)
         needed = local_tasks * self.group_size
         if self.val_cfg:
@@ -176,7 +159,7 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ one iteration
     def draw_tasks(self, iteration: int) -> list[dict]:
         """This rank's task instances of an iteration (drawn for all ranks, then sharded by rank)."""
-        rank, world = _dist()
+        rank, world = rank_and_world()
         rng = np.random.default_rng([self.seed, iteration, 1])
         replace = len(self.train_tasks) < self.tasks_per_iteration
         picks = rng.choice(len(self.train_tasks), size=self.tasks_per_iteration, replace=replace)
@@ -194,7 +177,7 @@ class RolloutDataModule(L.LightningDataModule):
         if mode != "on_policy" and self.memory is None:
             raise ValueError(f"iteration {iteration} drew mode {mode!r} but memory is off; set "
                              "algorithm.memory_rollout_prob=0 or enable memory")
-        rank, world = _dist()
+        rank, world = rank_and_world()
         tasks = self.draw_tasks(iteration)
         episode_tasks = [t for t in tasks for _ in range(self.group_size)]
         groups = [rank * 10_000 + k for k in range(len(tasks)) for _ in range(self.group_size)]
@@ -268,9 +251,9 @@ class RolloutDataModule(L.LightningDataModule):
             for mb, idx in enumerate(np.array_split(order, self.num_mini_batches)):
                 minibatch = [samples[i] for i in idx]
                 tokens = float(sum(len(s["response_ids"]) for s in minibatch))
-                g_tokens, g_seqs = _all_reduce([tokens, float(len(minibatch))])
+                g_tokens, g_seqs = all_reduce([tokens, float(len(minibatch))])
                 n_micro = max(1, math.ceil(len(minibatch) / self.micro_batch_size))
-                n_micro = int(_all_reduce([float(n_micro)], op=dist.ReduceOp.MAX if dist.is_available() else None)[0])
+                n_micro = int(all_reduce([float(n_micro)], op="max")[0])
                 chunks = np.array_split(np.arange(len(minibatch)), n_micro)
                 for k, chunk in enumerate(chunks):
                     micro = [minibatch[i] for i in chunk]
@@ -316,12 +299,13 @@ def evaluate(pool: EnvPool, module, tasks: list[dict], episodes_per_task: int, c
     ``(metrics, episodes)``, episodes task-major (all episodes of task 0 first), for per-episode statistics
     (``src/eval.py``).
     """
-    rank, world = _dist()
+    rank, world = rank_and_world()
     tasks = tasks[rank::world]
     episode_tasks = [t for t in tasks for _ in range(episodes_per_task)]
     groups = [k for k in range(len(tasks)) for _ in range(episodes_per_task)]
     with module.rollout_context():
         episodes, timing = run_episodes(pool, module.policy, episode_tasks, groups, cfg, memory, max_steps)
-    metrics = episode_metrics(episodes)
+    # every rank summarises all ranks' episodes, so the numbers (and the logged keys) agree everywhere
+    metrics = episode_metrics(gather_lists([e.summary() for e in episodes]))
     metrics["rollout_s"] = timing["rollout_s"]
     return (metrics, episodes) if return_episodes else metrics

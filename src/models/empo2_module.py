@@ -235,8 +235,9 @@ class EMPO2Module(L.LightningModule):
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        # already summarised over all ranks' episodes by `evaluate`
         self.log_dict({f"val/{k}": v for k, v in batch["metrics"].items()}, on_step=False, on_epoch=True,
-                      batch_size=1, sync_dist=True)
+                      batch_size=1)
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
