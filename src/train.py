@@ -44,8 +44,10 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     datamodule.memory = memory
     callbacks = instantiate_callbacks(cfg.get("callbacks")) + ([memory] if memory is not None else [])
     loggers = instantiate_loggers(cfg.get("logger"))
+    # ModelParallelStrategy (FSDP2) writes distributed checkpoints itself and takes no CheckpointIO plugin.
+    sharded = "ModelParallelStrategy" in str(cfg.trainer.get("strategy"))
     trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
-                                      plugins=[AtomicCheckpointIO()])
+                                      plugins=None if sharded else [AtomicCheckpointIO()])
     return {"module": module, "datamodule": datamodule, "memory": memory, "trainer": trainer, "loggers": loggers}
 
 

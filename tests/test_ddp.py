@@ -29,3 +29,29 @@ def test_ddp_two_cpu_processes_share_memory(tmp_path):
         picks = np.random.default_rng([seed, it, 1]).choice(5, size=tasks_per_iteration, replace=False)
         drawn |= {f"find-non-living-thing/{int(v)}" for v in picks}
     assert partitions == drawn
+
+
+def test_fsdp2_two_cpu_processes_train_checkpoint_and_resume(tmp_path):
+    """trainer=fsdp (FSDP2 via ModelParallelStrategy) on CPU: sharded weights need every rank in every forward
+    pass; with one validation task, rank 1 has nothing to run and must still join the generation steps."""
+    common = ["experiment=scienceworld", "debug=default", "trainer=fsdp", "trainer.accelerator=cpu",
+              "trainer.devices=2", "trainer.precision=32-true", "data.tasks_per_iteration=2",
+              "algorithm.memory_rollout_prob=1.0", "data.val.num_tasks=1", "~callbacks.rich_progress_bar",
+              "trainer.enable_progress_bar=false", f"paths.log_dir={tmp_path}/logs"]
+    first = [sys.executable, "src/train.py", *common, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path}/a"]
+    proc = subprocess.run(first, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt_dir = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    meta = torch.load(ckpt_dir / "meta.pt", map_location="cpu", weights_only=False)
+    n_tips = sum(len(p["entries"]) for p in meta["callbacks"]["MemoryCallback"]["tips"]["partitions"].values())
+    assert n_tips > 0 and meta["global_step"] == 1
+    resumed = [sys.executable, "src/train.py", *common, "trainer.max_epochs=2", f"ckpt_path={ckpt_dir}",
+               f"hydra.run.dir={tmp_path}/b"]
+    proc = subprocess.run(resumed, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = torch.load(tmp_path / "b" / "checkpoints" / "last.ckpt" / "meta.pt", map_location="cpu",
+                      weights_only=False)
+    assert meta["global_step"] == 2
+    n_after = sum(len(p["entries"]) for p in meta["callbacks"]["MemoryCallback"]["tips"]["partitions"].values())
+    assert n_after > n_tips  # restored entries plus the second iteration's

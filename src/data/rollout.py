@@ -16,6 +16,7 @@ import numpy as np
 
 from src.data.prompts import HistoryItem, build_step_messages
 from src.models.policy import Policy
+from src.utils.distributed import all_reduce
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +148,9 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
         active.append(i)
     keys = _embed_states(memory, episodes, observations, active, timers)
     generated_tokens = 0
-    while active:
+    while _any_active(policy, active):
         tips: list[list[str]] = [[] for _ in active]
-        if cfg.use_tips:
+        if cfg.use_tips and active:
             tic = time.perf_counter()
             tips = memory.retrieve([tasks[i] for i in active], keys[active])
             timers["memory_s"] += time.perf_counter() - tic
@@ -205,13 +206,22 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
             for i, b in zip(reached, bonus):
                 episodes[i].steps[-1].intrinsic = float(b)
         log.info("rollout step %d: %d/%d episodes still running (%.1f s, generate %.1f s, env %.1f s, memory %.1f s)",
-                 max(len(e.steps) for e in episodes), len(still_active), len(episodes), time.perf_counter() - t0,
+                 max((len(e.steps) for e in episodes), default=0), len(still_active), len(episodes),
+                 time.perf_counter() - t0,
                  timers["generate_s"], timers["env_s"], timers["memory_s"])
         active = still_active
     elapsed = time.perf_counter() - t0
     metrics = dict(timers, rollout_s=elapsed, generated_tokens=float(generated_tokens),
                    rollout_tokens_per_s=generated_tokens / max(timers["generate_s"], 1e-9))
     return episodes, metrics
+
+
+def _any_active(policy: Policy, active: list[int]) -> bool:
+    """Whether to run another step. Under FSDP (``policy.synced``) a rank keeps joining the policy's forward
+    passes, with nothing of its own to generate, until every rank's episodes are done."""
+    if policy.synced:
+        return all_reduce([float(len(active))], op="max")[0] > 0
+    return bool(active)
 
 
 def fit_prompt(policy: Policy, common: dict, tips: list[str] | None) -> list[str] | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from typing import Any
 
@@ -24,6 +25,7 @@ from src.data.rollout_datamodule import MODES
 from src.models.core_algos import aggregate_loss, compute_kl_loss, compute_policy_loss, low_prob_token_mask
 from src.models.hub import load_causal_lm, load_tokenizer, resolve_name_or_path
 from src.models.policy import Policy
+from src.utils.distributed import all_reduce
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,29 @@ class EMPO2Module(L.LightningModule):
         self._train_tokens = 0
         self._train_time = 0.0
 
+    def configure_model(self) -> None:
+        """FSDP2 (``trainer=fsdp``: Lightning's ``ModelParallelStrategy``): shard each decoder layer and the root.
+
+        Sharded parameters are gathered inside each module's forward, so every rank must run the same number of
+        forward passes: the policy is switched to synchronised generation (see ``run_episodes``).
+        """
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return
+        if self.ref_policy is not None:
+            raise ValueError("a frozen reference copy is not supported under FSDP; use LoRA (the reference is the "
+                             "base model) or algorithm.kl_coef=0")
+        from torch.distributed.fsdp import fully_shard
+
+        model = self.policy.model
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        mesh = self.device_mesh["data_parallel"]
+        for layer in base.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.policy.synced = True
+
     # ------------------------------------------------------------------ rollout-time helpers
     @contextlib.contextmanager
     def rollout_context(self):
@@ -116,8 +141,14 @@ class EMPO2Module(L.LightningModule):
         # costs a forward pass (a third of a CPU iteration) for numerically tiny differences, so it is optional.
         # The off-policy `without_tips` variant always needs the forward pass (a different prompt).
         reuse = not self.algorithm.get("recompute_old_log_probs", True)
-        for start in range(0, len(samples), micro_batch_size):
-            chunk = samples[start:start + micro_batch_size]
+        n_chunks = math.ceil(len(samples) / micro_batch_size)
+        if self.policy.synced:  # sharded weights: every rank runs the same number of forward passes
+            n_chunks = int(all_reduce([float(n_chunks)], op="max")[0])
+        for k in range(n_chunks):
+            chunk = samples[k * micro_batch_size:(k + 1) * micro_batch_size]
+            if not chunk:
+                self.policy.log_probs([[self.policy.tokenizer.eos_token_id]], [[self.policy.tokenizer.eos_token_id]])
+                continue
             responses = [s["response_ids"] for s in chunk]
             need = []
             for s in chunk:
@@ -182,10 +213,11 @@ class EMPO2Module(L.LightningModule):
         self._train_tokens += int(sum(len(p) + len(r) for p, r in zip(prompts, responses)))
         if batch["last_micro"]:
             opt = self.optimizers()
-            grad_norm = _grad_norm(self.policy)  # before clipping: what the loss asked for
+            # total norm before clipping (what the loss asked for); works for plain and FSDP2 (DTensor) grads
+            params = [p for p in self.policy.parameters() if p.grad is not None]
             clip = self.hparams.gradient_clip_val
-            if clip:
-                self.clip_gradients(opt, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
             self._log_update(batch, grad_norm)
@@ -242,8 +274,3 @@ class EMPO2Module(L.LightningModule):
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         return self.optimizer_factory(params=params)
-
-
-def _grad_norm(policy: Policy) -> float:
-    norms = [p.grad.detach().float().norm() for p in policy.parameters() if p.grad is not None]
-    return float(torch.stack(norms).norm()) if norms else 0.0

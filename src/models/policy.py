@@ -96,6 +96,9 @@ class Policy(nn.Module):
         self.max_prompt_tokens = max_prompt_tokens
         self.temperature = temperature
         self.num_prompts_truncated = 0
+        # True under FSDP: generation keeps stepping until every rank is done (sharded weights are gathered
+        # inside each forward, a collective that all ranks must join).
+        self.synced = False
         eos = tokenizer.eos_token_id
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
         ids = set([eos] if isinstance(eos, int) else eos or [])
@@ -133,7 +136,10 @@ class Policy(nn.Module):
         """
         max_new_tokens = max_new_tokens or self.max_response_tokens
         temperature = self.temperature if temperature is None else temperature
-        if not prompt_ids:
+        if not prompt_ids and not self.synced:
+            return Generation([], [], [], [])
+        if not prompt_ids:  # this rank has nothing to say, but must join the other ranks' forward passes
+            self.generate([[self.tokenizer.eos_token_id]], max_new_tokens, temperature, do_sample)
             return Generation([], [], [], [])
         pad = self.tokenizer.pad_token_id
         batch = pack_batch(prompt_ids, [[] for _ in prompt_ids], pad)
@@ -144,7 +150,7 @@ class Policy(nn.Module):
             out = self.model.generate(
                 **batch, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature if do_sample else None,
                 top_k=0, top_p=1.0, output_logits=True, return_dict_in_generate=True, pad_token_id=pad,
-                eos_token_id=self.eos_token_ids,
+                eos_token_id=self.eos_token_ids, synced_gpus=self.synced,
             )
         finally:
             self.model.train(was_training)
