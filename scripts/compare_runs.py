@@ -250,10 +250,16 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _band(ax, x: np.ndarray, mean: np.ndarray, sem: np.ndarray, color: str, style: str, label: str) -> None:
-    ax.plot(x, mean, style, color=color, marker="o" if style == "-" else "s", markersize=4, linewidth=2, label=label)
+def _band(ax, x: np.ndarray, mean: np.ndarray, sem: np.ndarray, color: str, style: str, label: str,
+          rank: int = 1) -> None:
+    # earlier-ranked curves are drawn wider, so a curve hidden under an identical later one still shows as an edge
+    width = 3.5 if rank == 0 else 2.0
+    ax.plot(x, mean, style, color=color, marker="o" if style == "-" else "s", markersize=width + 3, linewidth=width,
+            label=label)
     ok = ~np.isnan(sem)
-    if ok.any():
+    if style == "--" and ok.any():  # validation is sparse (often a single point): error bars, not a band
+        ax.errorbar(x[ok], mean[ok], yerr=sem[ok], fmt="none", ecolor=color, capsize=5, linewidth=1.5)
+    elif ok.any():
         ax.fill_between(x[ok], (mean - sem)[ok], (mean + sem)[ok], color=color, alpha=0.18, linewidth=0)
 
 
@@ -275,7 +281,7 @@ def plot_learning_curves(data: dict[str, dict[str, list[Curve]]], kind: str, x_a
     fig, axes = plt.subplots(1, 3, figsize=FIGSIZE, dpi=DPI, sharex=True)
     aggs: dict[str, dict[str, Aggregate]] = {}
     for ax, key in zip(axes, ROLLOUT_KEYS):
-        for algo in sorted(data, key=_algo_rank):
+        for rank, algo in enumerate(sorted(data, key=_algo_rank)):
             color = ALGORITHM_COLORS.get(algo, "tab:green")
             name = ALGORITHM_LABELS.get(algo, algo)
             for metric, style, what in ((key, "-", "training rollouts"), (VAL_KEYS.get(key), "--", "validation")):
@@ -289,7 +295,7 @@ def plot_learning_curves(data: dict[str, dict[str, list[Curve]]], kind: str, x_a
                     ax.plot(c.iteration if x_axis == "iteration" else c.minutes, c.value, "o" if style == "-"
                             else "s", color=color, alpha=0.25, markersize=3, linestyle="none")
                 seeds = f"n={len(curves)} seed" + "s" * (len(curves) > 1)
-                _band(ax, x, agg.mean, agg.sem, color, style, f"{name} {what} ({seeds})")
+                _band(ax, x, agg.mean, agg.sem, color, style, f"{name} {what} ({seeds})", rank)
         ax.set_ylabel(labels[key])
         ax.set_xlabel("training iterations completed" if x_axis == "iteration"
                       else "wall-clock time since run start (minutes)")
@@ -307,7 +313,7 @@ def plot_learning_curves(data: dict[str, dict[str, list[Curve]]], kind: str, x_a
             if n not in names:
                 handles.append(h)
                 names.append(n)
-    fig.suptitle(title + "  —  line: mean over seeds, band: ± 1 standard error, dots: single seeds")
+    fig.suptitle(title + "  —  line: mean over seeds, band / bars: ± 1 standard error, dots: single seeds")
     fig.legend(handles, names, loc="lower center", ncol=min(len(names), 4), frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))
     _atomic_savefig(fig, path)
@@ -353,8 +359,13 @@ def load_adaptation(specs: Sequence[str | Path]) -> dict[str, dict[str, Any]]:
     """
     out: dict[str, dict[str, Any]] = {}
     for spec in specs:
-        label, _, path = str(spec).rpartition("=") if "=" in str(spec) else ("", "", str(spec))
-        path = Path(path)
+        spec = str(spec)
+        # an existing path wins: Hydra multirun directories contain '=' themselves
+        if Path(spec).exists() or "=" not in spec:
+            label, path = "", Path(spec)
+        else:
+            label, rest = spec.split("=", 1)
+            path = Path(rest)
         doc = json.loads(path.read_text())
         found = None
         for scope in (doc, doc.get("summary")):
@@ -419,7 +430,7 @@ def plot_adaptation(adapt: dict[str, dict[str, Any]], kind: str | None, path: Pa
         color = ALGORITHM_COLORS.get(inv.get(label, ""), f"C{i + 2}")
         gain = best_relative_gain(mean.tolist()) if len(mean) > 1 else None
         gain_txt = f", best gain {gain:+.0%} over trial 0" if gain is not None else ""
-        _band(ax, trials, mean, sem, color, "-", f"{label} ({spread}{gain_txt})")
+        _band(ax, trials, mean, sem, color, "-", f"{label} ({spread}{gain_txt})", i)
         ax.axhline(mean[0], color=color, linestyle=":", linewidth=1)
         summary[label] = {"mean": mean.tolist(), "sem": [None if np.isnan(s) else float(s) for s in sem],
                           "best_relative_gain": gain, "files": entry["files"]}

@@ -27,9 +27,12 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# Measured on a 2-core laptop CPU with the embedded SmolLM2-135M (2 tasks x 4 episodes, 8 env steps, validation
-# every 2nd iteration amortised, process start-up included): minutes per training iteration.
+# Minutes per training iteration with the embedded SmolLM2-135M on a 2-core CPU (2 tasks x 4 episodes, 8 env
+# steps, validation every 2nd iteration amortised): ScienceWorld measured (a 2-iteration run: 7.5 min in MLflow);
+# WebShop not measured by this script's author, assumed the same.
 DEFAULT_MINUTES_PER_ITERATION = {"scienceworld": 4.0, "webshop": 4.0}
+# Per run, before its MLflow run starts (imports, JVM / catalog, policy build): measured ~0.5 min on 2 cores.
+STARTUP_MINUTES = 0.5
 
 
 def compose(experiment: str, overrides: Sequence[str]):
@@ -53,9 +56,9 @@ def run_commands(experiment: str, algorithms: Sequence[str], seeds: Sequence[int
 
 def measured_minutes_per_iteration(tracking_uri: str, experiment_name: str, algorithm: str, env_target: str,
                                    model: str) -> tuple[float, int] | None:
-    """Median minutes per iteration (run duration / iterations logged, start-up and validation included) over
-    the finished runs in the store with the same algorithm, environment and policy, and their number; None if
-    there are none."""
+    """Median minutes per iteration (MLflow run duration / iterations logged: validation included, the process
+    start-up before the MLflow run starts not) over the finished runs in the store with the same algorithm,
+    environment and policy, and their number; None if there are none."""
     import mlflow
 
     from scripts.compare_runs import run_info
@@ -115,10 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             per_iter = args.minutes_per_iteration or DEFAULT_MINUTES_PER_ITERATION[env_key]
             source = ("--minutes-per-iteration" if args.minutes_per_iteration
                       else "no earlier run in the store: default, measured with SmolLM2 on a 2-core CPU")
-        minutes = per_iter * args.iterations * len(args.seeds)
+        minutes = (STARTUP_MINUTES + per_iter * args.iterations) * len(args.seeds)
         total += minutes
-        print(f"  {algo}: {per_iter:.1f} min/iteration ({source}) -> {minutes:.0f} min for {len(args.seeds)} runs")
-    print(f"Estimated total: {total:.0f} min (~{total / 60:.1f} h)")
+        print(f"  {algo}: {per_iter:.1f} min/iteration ({source}) + {STARTUP_MINUTES} min start-up per run -> "
+              f"{minutes:.0f} min for {len(args.seeds)} runs")
+    print(f"Estimated total: {total:.0f} min" + (f" (~{total / 60:.1f} h)" if total >= 60 else ""))
     for cmd in commands:
         print("  python src/train.py " + " ".join(cmd[2:]))
     out_dir = args.out_dir or str(ROOT / "logs" / "comparison" / study_tag)

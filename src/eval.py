@@ -363,7 +363,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     _atomic_write(path, text + "\n")
     log.info("Summary written to %s", path)
 
-    logger_cfg = OmegaConf.create(OmegaConf.to_container(cfg.get("logger") or {}, resolve=True))
+    logger_cfg = OmegaConf.create(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {})
     if logger_cfg.get("mlflow"):
         # the logger group names runs like training runs; prefix it so evaluations are told apart in MLflow
         logger_cfg.mlflow.run_name = f"{cfg.task_name}-{ev.protocol}-{logger_cfg.mlflow.run_name}"

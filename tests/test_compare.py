@@ -141,9 +141,10 @@ def _adaptation_files(tmp: Path) -> list[str]:
         specs.append(str(path))
     (tmp / "grpo.json").write_text(json.dumps({"trial_scores": [[10, 30], [40, 40], [15, 25]]}))
     specs.append(f"GRPO policy={tmp / 'grpo.json'}")
-    (tmp / "base").mkdir(exist_ok=True)
-    (tmp / "base" / "eval_summary.json").write_text(json.dumps(_eval_summary([0, 5, 4], [1, 1, 2], None)))
-    specs.append(str(tmp / "base" / "eval_summary.json"))
+    base = tmp / "multirun" / "eval.trials=2"  # a Hydra multirun directory: '=' in an existing path
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "eval_summary.json").write_text(json.dumps(_eval_summary([0, 5, 4], [1, 1, 2], None)))
+    specs.append(str(base / "eval_summary.json"))
     return specs
 
 
@@ -222,8 +223,8 @@ def test_study_dry_run_prints_plan(tmp_path, capsys):
         "experiment=scienceworld algorithm=grpo seed=1 trainer.max_epochs=3 tags=[scienceworld,cpu,study-t1] "
         "model=tiny " + uri)
     assert "algorithm=empo2 seed=2" in lines[3]
-    # no earlier runs in this store: 2.5 min x 3 iterations x 2 seeds x 2 algorithms
-    assert "--tag study-t1" in out and "Estimated total: 30 min" in out
+    # no earlier runs in this store: (0.5 min start-up + 2.5 min x 3 iterations) x 2 seeds x 2 algorithms
+    assert "--tag study-t1" in out and "Estimated total: 32 min" in out
 
 
 def test_study_commands_compose():
@@ -235,6 +236,7 @@ def test_study_commands_compose():
     assert list(cfg.tags) == ["scienceworld", "cpu", "study-x"]
 
 
+@pytest.mark.slow  # ~45 s on 2 idle cores (90 s under load): two JVM-backed training runs
 def test_two_real_training_runs(tmp_path):
     """src.train.train writes one EMPO² and one GRPO run (tiny policy, real ScienceWorld, 2 iterations each) to a
     fresh store; the comparison reads them back point for point and logs its figures."""

@@ -98,10 +98,10 @@ def test_bad_eval_settings_are_refused_before_building(tmp_path, override, match
 # --------------------------------------------------------------------------- end to end
 def test_standard_eval_without_memory(checkpoint, tmp_path, capsys):
     cfg = _compose("eval", tmp_path, "experiment=scienceworld", f"ckpt_path={checkpoint['path']}",
-                   "eval.num_tasks=2", "eval.episodes_per_task=2", "eval.seeds=[0,1]")
+                   "eval.num_tasks=1", "eval.episodes_per_task=2", "eval.seeds=[0,1]")
     summary = run_eval(cfg)
     assert summary["memory"] is False and summary["memory_source"] == "none"
-    assert summary["score"]["n"] == 2 * 2 * 2 - summary["failed_episodes"] and summary["failed_episodes"] == 0
+    assert summary["score"]["n"] == 1 * 2 * 2 - summary["failed_episodes"] and summary["failed_episodes"] == 0
     # equal episode counts per seed: the pooled mean is the mean of the seed means
     assert summary["score"]["mean"] == pytest.approx(sum(s["score"] for s in summary["per_seed"]) / 2)
     assert summary["weights_sha256"] == checkpoint["sha256"]  # the checkpoint's weights were evaluated
@@ -128,7 +128,7 @@ def test_memory_from_checkpoint_is_read_only(checkpoint, tmp_path):
 
 def test_memory_built_during_eval_is_reproducible(tmp_path):
     """Base model (ckpt_path=null): rounds of one episode per task write tips; a rerun gives the same numbers."""
-    args = ("experiment=scienceworld", "ckpt_path=null", "logger=none", "eval.memory=true", "eval.num_tasks=2",
+    args = ("experiment=scienceworld", "ckpt_path=null", "logger=none", "eval.memory=true", "eval.num_tasks=1",
             "eval.episodes_per_task=2", "eval.seeds=[3]")
     first = run_eval(_compose("eval", tmp_path / "a", *args))
     second = run_eval(_compose("eval", tmp_path / "b", *args))
@@ -140,7 +140,7 @@ def test_memory_built_during_eval_is_reproducible(tmp_path):
 
 def test_adaptation_on_a_transfer_pair_leaves_the_weights_unchanged(checkpoint, tmp_path):
     cfg = _compose("eval", tmp_path, "experiment=transfer_power_to_paint", f"ckpt_path={checkpoint['path']}",
-                   "logger=csv", "eval.trials=2", "eval.num_tasks=1", "eval.episodes_per_task=2")
+                   "logger=csv", "eval.trials=2", "eval.num_tasks=1", "eval.episodes_per_task=1")
     summary = run_eval(cfg)
     assert summary["protocol"] == "adaptation" and summary["task"] == "chemistry-mix-paint-secondary-color"
     rows = summary["trials"]
@@ -154,3 +154,17 @@ def test_adaptation_on_a_transfer_pair_leaves_the_weights_unchanged(checkpoint, 
     # no update happened: the evaluated weights are exactly the checkpoint's
     assert summary["weights_sha256"] == checkpoint["sha256"] and summary["weights_unchanged"] is True
     assert (tmp_path / "out" / "csv").exists()
+
+
+def test_webshop_checkpoint_eval(tmp_path):
+    """A one-iteration WebShop run (KL on, so the run had a reference model) evaluates from its checkpoint."""
+    run = _compose("train", tmp_path / "train", "experiment=webshop", "data.tasks_per_iteration=1",
+                   "data.group_size=2", "data.micro_batch_size=2", "trainer.max_epochs=1",
+                   "trainer.check_val_every_n_epoch=5", "logger=none")
+    ckpt = train(run)["last_checkpoint"]
+    cfg = _compose("eval", tmp_path / "eval", "experiment=webshop", f"ckpt_path={ckpt}", "logger=none",
+                   "eval.num_tasks=2", "eval.episodes_per_task=1")
+    summary = run_eval(cfg)
+    assert summary["env"] == "src.envs.webshop.WebShopEnv" and summary["split"] == "test"
+    assert summary["score"]["n"] == 2 and 0.0 <= summary["score"]["mean"] <= 1.0  # WebShop scores are in [0, 1]
+    assert json.loads(Path(cfg.eval.summary_file).read_text()) == json.loads(json.dumps(summary))

@@ -41,6 +41,10 @@ def _worker_main(conn: Connection, env_cfg: dict[str, Any]) -> None:
     for var in _THREAD_VARS:
         os.environ[var] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Simulators never need the GPU; libraries they import (bm25s imports JAX when present) would otherwise grab
+    # GPU memory in every worker.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ["JAX_PLATFORMS"] = "cpu"
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
     # Ctrl-C goes to the whole process group; the parent decides when workers stop.

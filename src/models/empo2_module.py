@@ -29,6 +29,8 @@ from src.utils.distributed import all_reduce
 
 log = logging.getLogger(__name__)
 
+# Metrics aggregated with the mini-batch's global counts: their micro-batch values add up to the mini-batch value.
+PARTIAL_SUMS = ("pg_loss", "kl_loss", "entropy")
 PROGRESS_BAR_KEYS = ("rollout/return", "rollout/score", "rollout/success_rate", "train/pg_loss")
 
 
@@ -100,18 +102,18 @@ class EMPO2Module(L.LightningModule):
 
         if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
             return
-        if self.ref_policy is not None:
-            raise ValueError("a frozen reference copy is not supported under FSDP; use LoRA (the reference is the "
-                             "base model) or algorithm.kl_coef=0")
         from torch.distributed.fsdp import fully_shard
 
-        model = self.policy.model
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
         mesh = self.device_mesh["data_parallel"]
-        for layer in base.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        self.policy.synced = True
+        for policy in (self.policy, self.ref_policy):
+            if policy is None:
+                continue
+            model = policy.model
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            for layer in base.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            policy.synced = True
 
     # ------------------------------------------------------------------ rollout-time helpers
     @contextlib.contextmanager
@@ -145,10 +147,8 @@ class EMPO2Module(L.LightningModule):
         if self.policy.synced:  # sharded weights: every rank runs the same number of forward passes
             n_chunks = int(all_reduce([float(n_chunks)], op="max")[0])
         for k in range(n_chunks):
-            chunk = samples[k * micro_batch_size:(k + 1) * micro_batch_size]
-            if not chunk:
-                self.policy.log_probs([[self.policy.tokenizer.eos_token_id]], [[self.policy.tokenizer.eos_token_id]])
-                continue
+            # a rank with fewer samples scores a throw-away copy, to join the other ranks' forward passes
+            chunk = samples[k * micro_batch_size:(k + 1) * micro_batch_size] or [_dummy_sample(self.policy)]
             responses = [s["response_ids"] for s in chunk]
             need = []
             for s in chunk:
@@ -208,8 +208,8 @@ class EMPO2Module(L.LightningModule):
         # over ranks, so scale back up to get the global token-mean (SPEC §2.3).
         world = self.trainer.world_size if self._trainer is not None else 1
         self.manual_backward(loss * world * batch["loss_scale"])
-        n_tokens = float(mask.sum())
-        self._accumulate(metrics, n_tokens * batch["loss_scale"])
+        if batch["loss_scale"] > 0:  # padding micro-batches (DDP/FSDP alignment) are not data
+            self._accumulate(metrics, float(mask.sum()))
         self._train_tokens += int(sum(len(p) + len(r) for p, r in zip(prompts, responses)))
         if batch["last_micro"]:
             opt = self.optimizers()
@@ -243,8 +243,8 @@ class EMPO2Module(L.LightningModule):
         s = self._step_stats
         s["_w"] = s.get("_w", 0.0) + weight
         for k, v in metrics.items():
-            if k in ("pg_loss", "kl_loss"):
-                s[k] = s.get(k, 0.0) + v  # partial sums of the mini-batch loss
+            if k in PARTIAL_SUMS:
+                s[k] = s.get(k, 0.0) + v  # partial sums of the mini-batch aggregate
             elif k == "ratio_max":
                 s[k] = max(s.get(k, 0.0), v)
             else:
@@ -255,7 +255,7 @@ class EMPO2Module(L.LightningModule):
         w = max(s.pop("_w", 0.0), 1e-9)
         out = {}
         for k, v in s.items():
-            out[f"train/{k}"] = v if k in ("pg_loss", "kl_loss", "ratio_max") else v / w
+            out[f"train/{k}"] = v if k in PARTIAL_SUMS or k == "ratio_max" else v / w
         out["train/grad_norm"] = grad_norm
         out["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
         out["train/tokens_per_s"] = self._train_tokens / max(self._train_time, 1e-9)
@@ -274,3 +274,9 @@ class EMPO2Module(L.LightningModule):
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         return self.optimizer_factory(params=params)
+
+
+def _dummy_sample(policy: Policy) -> dict:
+    eos = policy.tokenizer.eos_token_id
+    return {"prompt_ids": [eos], "old_prompt_ids": [eos], "rollout_prompt_ids": [eos], "response_ids": [eos],
+            "sample_log_probs": [0.0]}
