@@ -110,7 +110,6 @@ class RolloutDataModule(L.LightningDataModule):
         self.pool: EnvPool | None = None
         self.train_tasks: list[dict] = []
         self.val_tasks: list[dict] = []
-        self.last_episodes: list[Episode] = []
 
     def rollout_config(self, use_tips: bool, temperature: float | None = None, strip_tips_for_update: bool = False,
                        novelty: bool = False) -> RolloutConfig:
@@ -191,7 +190,6 @@ class RolloutDataModule(L.LightningDataModule):
             tic = time.perf_counter()
             module.score_samples(samples, mode)
             metrics["old_log_prob_s"] = time.perf_counter() - tic
-        self.last_episodes = episodes
         metrics.update(adv_metrics)
         metrics.update(episode_metrics(episodes))
         if self.memory is not None:
