@@ -142,7 +142,8 @@ class EMPO2Module(L.LightningModule):
         # The sampling log-probs are π_old itself when the behaviour prompt is the rollout prompt; recomputing
         # costs a forward pass (a third of a CPU iteration) for numerically tiny differences, so it is optional.
         # The off-policy `without_tips` variant always needs the forward pass (a different prompt).
-        reuse = not self.algorithm.get("recompute_old_log_probs", True)
+        # Under FSDP every rank must run the same forward passes, so nothing is reused there.
+        reuse = not self.algorithm.get("recompute_old_log_probs", True) and not self.policy.synced
         n_chunks = math.ceil(len(samples) / micro_batch_size)
         if self.policy.synced:  # sharded weights: every rank runs the same number of forward passes
             n_chunks = int(all_reduce([float(n_chunks)], op="max")[0])
