@@ -71,6 +71,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # faiss logs its CPU-feature probing (ModuleNotFoundError lines) at INFO; they read like failures.
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     # SIGTERM (a job scheduler, `kill`) unwinds like Ctrl-C, so the environment workers and JVMs are shut down.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     log.info("Config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))

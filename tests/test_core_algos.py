@@ -392,3 +392,17 @@ def test_log_probs_do_not_save_full_fp32_logits_for_backward():
     assert saved_bytes(lambda: _naive_lp(logits, labels)) >= full_fp32_bytes
     assert saved_bytes(lambda: log_probs_from_logits(logits, labels, chunk_tokens=64)) < full_fp32_bytes / 8
     assert saved_bytes(lambda: entropy_from_logits(logits, chunk_tokens=64)) < full_fp32_bytes / 8
+
+
+def test_check_algorithm_config_refuses_bad_choices():
+    from src.models.core_algos import check_algorithm_config
+
+    check_algorithm_config({"loss_agg_mode": "token-mean", "mask_modes": ["off_policy"], "memory_rollout_prob": 0.25})
+    for bad, match in [({"loss_agg_mode": "foo"}, "loss_agg_mode='foo'"),
+                       ({"offpolicy_old_logprob": "nope"}, "offpolicy_old_logprob='nope'"),
+                       ({"mask_level": "word"}, "mask_level='word'"),
+                       ({"kl_type": "x"}, "kl_type='x'"),
+                       ({"mask_modes": ["sometimes"]}, "sometimes"),
+                       ({"memory_rollout_prob": 1.5}, "memory_rollout_prob=1.5")]:
+        with pytest.raises(ValueError, match=match):
+            check_algorithm_config(bad)

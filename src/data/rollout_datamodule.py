@@ -27,12 +27,12 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from src.data.rollout import Episode, RolloutConfig, episode_metrics, run_episodes
 from src.envs.pool import EnvPool
-from src.models.core_algos import compute_grpo_advantages
+from src.models.core_algos import UPDATE_MODES, check_algorithm_config, compute_grpo_advantages
 from src.utils.distributed import all_reduce, gather_lists, rank_and_world
 
 log = logging.getLogger(__name__)
 
-MODES = ("on_policy", "on_policy_with_tips", "off_policy")
+MODES = UPDATE_MODES
 
 
 def draw_mode(seed: int, iteration: int, memory_rollout_prob: float, offpolicy_prob: float) -> str:
@@ -91,6 +91,7 @@ class RolloutDataModule(L.LightningDataModule):
         to_dict = lambda c: OmegaConf.to_container(c, resolve=True) if isinstance(c, DictConfig) else dict(c or {})
         self.env_cfg = to_dict(env)
         self.algorithm = to_dict(algorithm)
+        check_algorithm_config(self.algorithm)
         self.val_cfg = to_dict(val) if val else None
         self.tasks_per_iteration = tasks_per_iteration
         self.group_size = group_size
@@ -206,9 +207,6 @@ class RolloutDataModule(L.LightningDataModule):
         advantages, metrics = compute_grpo_advantages(returns, group_index,
                                                       bool(self.algorithm.get("norm_adv_by_std", True)))
         old_with_tips = self.algorithm.get("offpolicy_old_logprob", "with_tips") == "with_tips"
-        if self.algorithm.get("offpolicy_old_logprob", "with_tips") not in ("with_tips", "without_tips"):
-            raise ValueError("algorithm.offpolicy_old_logprob must be 'with_tips' or 'without_tips', got "
-                             f"{self.algorithm.get('offpolicy_old_logprob')!r}")
         # Optional (off by default): zero-advantage steps add no policy gradient, only cost (and token-mean
         # denominator). Dropping them is DAPO-style filtering; it rescales the loss, so it is opt-in.
         skip_zero = bool(self.algorithm.get("skip_zero_advantage", False))

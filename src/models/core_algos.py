@@ -20,6 +20,27 @@ from torch.utils.checkpoint import checkpoint
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
 MASK_LEVELS = ("token", "sequence")
+UPDATE_MODES = ("on_policy", "on_policy_with_tips", "off_policy")
+OFFPOLICY_OLD_LOGPROB = ("with_tips", "without_tips")
+
+
+def check_algorithm_config(algorithm: dict) -> None:
+    """Refuse bad ``algorithm.*`` choices at start-up, before any rollout runs.
+
+    Raises:
+        ValueError: naming the key, the bad value and the valid ones.
+    """
+    choices = {"loss_agg_mode": LOSS_AGG_MODES, "mask_level": MASK_LEVELS, "kl_type": KL_KINDS,
+               "offpolicy_old_logprob": OFFPOLICY_OLD_LOGPROB}
+    for key, valid in choices.items():
+        if key in algorithm and algorithm[key] not in valid:
+            raise ValueError(f"algorithm.{key}={algorithm[key]!r}: expected one of {valid}")
+    bad = [m for m in algorithm.get("mask_modes", []) if m not in UPDATE_MODES]
+    if bad:
+        raise ValueError(f"algorithm.mask_modes has {bad}: expected modes from {UPDATE_MODES}")
+    for key in ("memory_rollout_prob", "offpolicy_prob"):
+        if not 0.0 <= float(algorithm.get(key, 0.0)) <= 1.0:
+            raise ValueError(f"algorithm.{key}={algorithm[key]!r}: expected a probability in [0, 1]")
 
 # exp() of a float32 log-ratio overflows to inf above ~88; a stale or off-policy token can reach that, and
 # inf * 0 (a zero advantage) is NaN. |log ρ| = 20 (ρ ≈ 5e8 or 2e-9) is far outside every clip range, so

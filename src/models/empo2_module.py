@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from src.data.rollout_datamodule import MODES
-from src.models.core_algos import aggregate_loss, compute_kl_loss, compute_policy_loss, low_prob_token_mask
+from src.models.core_algos import (aggregate_loss, check_algorithm_config, compute_kl_loss, compute_policy_loss,
+                                   low_prob_token_mask)
 from src.models.hub import load_causal_lm, load_tokenizer, resolve_name_or_path
 from src.models.policy import Policy
 from src.utils.distributed import all_reduce
@@ -80,6 +81,7 @@ class EMPO2Module(L.LightningModule):
         self.save_hyperparameters(logger=False, ignore=["optimizer"])
         self.optimizer_factory = optimizer
         self.automatic_optimization = False
+        check_algorithm_config(algorithm)
         self.algorithm = dict(algorithm)
         self.policy = build_policy(**policy)
         self.ref_policy = None
