@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from src.data.prompts import HistoryItem, build_step_messages
 from src.models.policy import Policy
@@ -214,6 +215,14 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
     metrics = dict(timers, rollout_s=elapsed, generated_tokens=float(generated_tokens),
                    rollout_tokens_per_s=generated_tokens / max(timers["generate_s"], 1e-9))
     return episodes, metrics
+
+
+def padding_sample(eos_token_id: int) -> dict[str, Any]:
+    """A one-token throw-away sample: lets a rank with no data of its own join the other ranks' forward and
+    backward passes under DDP/FSDP (its loss is scaled by 0 or its outputs discarded)."""
+    return {"prompt_ids": [eos_token_id], "old_prompt_ids": [eos_token_id], "rollout_prompt_ids": [eos_token_id],
+            "response_ids": [eos_token_id], "sample_log_probs": [0.0], "advantage": 0.0,
+            "old_log_probs": torch.zeros(1), "ref_log_probs": torch.zeros(1)}
 
 
 def _any_active(policy: Policy, active: list[int]) -> bool:

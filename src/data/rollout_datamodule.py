@@ -25,14 +25,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, IterableDataset
 
-from src.data.rollout import Episode, RolloutConfig, episode_metrics, run_episodes
+from src.data.rollout import Episode, RolloutConfig, episode_metrics, padding_sample, run_episodes
 from src.envs.pool import EnvPool
-from src.models.core_algos import UPDATE_MODES, check_algorithm_config, compute_grpo_advantages
+from src.models.core_algos import check_algorithm_config, compute_grpo_advantages
 from src.utils.distributed import all_reduce, gather_lists, rank_and_world
 
 log = logging.getLogger(__name__)
-
-MODES = UPDATE_MODES
 
 
 def draw_mode(seed: int, iteration: int, memory_rollout_prob: float, offpolicy_prob: float) -> str:
@@ -255,7 +253,7 @@ class RolloutDataModule(L.LightningDataModule):
                     micro = [minibatch[i] for i in chunk]
                     yield {
                         **info,
-                        "samples": micro if micro else [self._padding_sample(samples)],
+                        "samples": micro or [samples[0] if samples else padding_sample(self._eos_token_id())],
                         "loss_scale": 1.0 if micro else 0.0,
                         "global_token_count": max(g_tokens, 1.0),
                         "global_seq_count": max(g_seqs, 1.0),
@@ -267,13 +265,8 @@ class RolloutDataModule(L.LightningDataModule):
                     }
                     first = False
 
-    def _padding_sample(self, samples: list[dict]) -> dict:
-        if samples:
-            return samples[0]
-        pad = self.trainer.lightning_module.policy.tokenizer.eos_token_id
-        return {"prompt_ids": [pad], "old_prompt_ids": [pad], "rollout_prompt_ids": [pad], "response_ids": [pad],
-                "sample_log_probs": [0.0], "advantage": 0.0, "old_log_probs": torch.zeros(1),
-                "ref_log_probs": torch.zeros(1)}
+    def _eos_token_id(self) -> int:
+        return self.trainer.lightning_module.policy.tokenizer.eos_token_id
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> Iterator[dict[str, Any]]:

@@ -19,11 +19,10 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 
-from src.data.rollout_datamodule import MODES
-from src.models.core_algos import (aggregate_loss, check_algorithm_config, compute_kl_loss, compute_policy_loss,
-                                   low_prob_token_mask)
+from src.data.rollout import padding_sample
+from src.models.core_algos import (UPDATE_MODES, aggregate_loss, check_algorithm_config, compute_kl_loss,
+                                   compute_policy_loss, low_prob_token_mask)
 from src.models.hub import load_causal_lm, load_tokenizer, resolve_name_or_path
 from src.models.policy import Policy
 from src.utils.distributed import all_reduce
@@ -151,7 +150,8 @@ class EMPO2Module(L.LightningModule):
             n_chunks = int(all_reduce([float(n_chunks)], op="max")[0])
         for k in range(n_chunks):
             # a rank with fewer samples scores a throw-away copy, to join the other ranks' forward passes
-            chunk = samples[k * micro_batch_size:(k + 1) * micro_batch_size] or [_dummy_sample(self.policy)]
+            chunk = (samples[k * micro_batch_size:(k + 1) * micro_batch_size]
+                     or [padding_sample(self.policy.tokenizer.eos_token_id)])
             responses = [s["response_ids"] for s in chunk]
             need = []
             for s in chunk:
@@ -226,7 +226,7 @@ class EMPO2Module(L.LightningModule):
             self._log_update(batch, grad_norm)
         self._train_time += time.perf_counter() - tic
         if batch["metrics"]:
-            modes = {f"rollout/mode_{m}": float(m == batch["mode"]) for m in MODES}
+            modes = {f"rollout/mode_{m}": float(m == batch["mode"]) for m in UPDATE_MODES}
             metrics = {**batch["metrics"], **modes, "iteration": float(batch["iteration"]),
                        "rollout/global_step_at_rollout": float(batch["rollout_global_step"])}
             self._log_metrics(metrics, step=batch["rollout_global_step"])
@@ -277,9 +277,3 @@ class EMPO2Module(L.LightningModule):
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         return self.optimizer_factory(params=params)
-
-
-def _dummy_sample(policy: Policy) -> dict:
-    eos = policy.tokenizer.eos_token_id
-    return {"prompt_ids": [eos], "old_prompt_ids": [eos], "rollout_prompt_ids": [eos], "response_ids": [eos],
-            "sample_log_probs": [0.0]}
