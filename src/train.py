@@ -32,8 +32,11 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
-    log.info("Instantiating model <%s>", cfg.model._target_)
-    module = hydra.utils.instantiate(cfg.model)
+    from src.sft import warm_start_model_config
+
+    model_cfg, warm_start = warm_start_model_config(cfg)  # model.warm_start: built once, then reused
+    log.info("Instantiating model <%s> from %s", cfg.model._target_, model_cfg.policy.name_or_path)
+    module = hydra.utils.instantiate(model_cfg)
     # `memory=none` leaves no `_target_` (an experiment's memory settings may still sit there, unused).
     use_memory = cfg.algorithm.get("use_memory", True) and "_target_" in (cfg.get("memory") or {})
     memory = hydra.utils.instantiate(cfg.memory) if use_memory else None
@@ -48,17 +51,22 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     sharded = "ModelParallelStrategy" in str(cfg.trainer.get("strategy"))
     trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
                                       plugins=None if sharded else [AtomicCheckpointIO()])
-    return {"module": module, "datamodule": datamodule, "memory": memory, "trainer": trainer, "loggers": loggers}
+    return {"module": module, "datamodule": datamodule, "memory": memory, "trainer": trainer, "loggers": loggers,
+            "warm_start": warm_start}
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit; return the built objects and the final logged metrics."""
+    from src.sft import warm_start_metrics
     from src.utils.logging import log_checkpoint, log_config
 
     objs = build(cfg)
     trainer = objs["trainer"]
     if trainer.is_global_zero:
         log_config(cfg, objs["loggers"])
+        start = warm_start_metrics(objs["warm_start"])  # the point RL starts from: its held-out score
+        for logger in objs["loggers"] if start else []:
+            logger.log_metrics(start, step=0)
     trainer.fit(objs["module"], datamodule=objs["datamodule"], ckpt_path=cfg.get("ckpt_path"))
     ckpt = getattr(trainer.checkpoint_callback, "last_model_path", None) if trainer.checkpoint_callback else None
     if trainer.is_global_zero:
