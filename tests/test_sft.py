@@ -330,3 +330,25 @@ def test_rl_starts_from_the_warm_start_or_the_base_model(warm_start):
     tiny = build_policy(name_or_path=EMBEDDED_TINY, cache_dir=str(MODELS)).model.state_dict()
     for name, tensor in base["module"].policy.model.state_dict().items():
         assert torch.equal(tensor, tiny[name]), name
+
+
+def test_batches_group_similar_lengths(webshop_env, tiny_dir):
+    from src.sft import LengthGroupedBatches
+
+    policy = make_policy(tiny_dir)
+    records = webshop_expert_records(webshop_env, webshop_env.tasks("train")[:40])
+    examples = build_examples(policy, records, webshop_env.system_prompt, RolloutConfig(history_length=2))
+    lengths = [len(e.prompt_ids) + len(e.response_ids) for e in examples]
+    sampler = LengthGroupedBatches(lengths, batch_size=8, seed=0)
+    epochs = [list(sampler), list(sampler)]
+    for batches in epochs:
+        assert sorted(i for b in batches for i in b) == list(range(len(examples)))  # each example once per epoch
+        assert len(batches) == len(sampler) and all(1 <= len(b) <= 8 for b in batches)
+    assert epochs[0] != epochs[1]  # a fresh draw every epoch ...
+    assert epochs[0] == list(LengthGroupedBatches(lengths, batch_size=8, seed=0))  # ... reproducible by seed
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in epochs[0])
+    shuffled = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(0)).tolist()
+    plain = sum(len(b) * max(lengths[i] for i in b) for b in (shuffled[k:k + 8] for k in range(0, len(shuffled), 8)))
+    assert padded < 1.1 * sum(lengths) < plain
+    loader = make_dataloader(examples, batch_size=8)
+    assert sum(len(b) for b in loader) == len(examples) and isinstance(next(iter(loader))[0], type(examples[0]))
