@@ -21,10 +21,12 @@ T = 0.4), stored per protocol in ``sft_info.json``, logged, and printed.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -40,10 +42,12 @@ from omegaconf import DictConfig, OmegaConf
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True)
 
 import lightning as L  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from src.data.demonstrations import SFTExample, build_examples, demonstration_records  # noqa: E402
 from src.models.policy import Policy  # noqa: E402
+from src.utils.logging import flatten  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -278,13 +282,18 @@ def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: l
     module = SFTModule(policy, lr=float(ws["lr"]), weight_decay=float(ws["weight_decay"]))
     # from_pretrained returns eval mode and Lightning keeps it; train mode turns gradient checkpointing on.
     policy.train()
-    trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
-                        max_epochs=int(ws["epochs"]), gradient_clip_val=ws["gradient_clip_val"],
-                        logger=loggers or False, callbacks=[ProgressLog()], enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-                        default_root_dir=tempfile.mkdtemp(prefix="warm_start_"))
     tic = time.perf_counter()
-    trainer.fit(module, train_dataloaders=make_dataloader(examples, int(ws["batch_size"]), int(ws["seed"])))
+    with tempfile.TemporaryDirectory(prefix="warm_start_") as root:
+        trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
+                            max_epochs=int(ws["epochs"]), gradient_clip_val=ws["gradient_clip_val"],
+                            logger=loggers or False, callbacks=[ProgressLog()], enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                            default_root_dir=root)
+        loader = make_dataloader(examples, int(ws["batch_size"]), int(ws["seed"]))
+        trainer.fit(module, train_dataloaders=loader)
+    if trainer.global_step != len(loader) * int(ws["epochs"]):  # e.g. stopped by SIGTERM: never cache that
+        raise RuntimeError(f"warm start training stopped after {trainer.global_step} of "
+                           f"{len(loader) * int(ws['epochs'])} steps; nothing was saved")
     info = {"trained_with": prep["key"], "settings": ws, "env": prep["env_cfg"]["_target_"],
             "tasks": [r["task"] for r in prep["records"]], "num_examples": len(examples),
             "prompt_tokens_mean": prompt_tokens / len(examples),
@@ -331,12 +340,19 @@ def ensure_warm_start(cfg: DictConfig) -> dict[str, Any] | None:
     result for the current validation protocol (None when ``data.val`` is null or ``warm_start.eval`` false)}``.
     Missing held-out results of a reused entry are computed and added to its ``sft_info.json``.
     """
-    from filelock import FileLock
-
     ws = cfg.model.get("warm_start")
     if not ws:
         return None
     ws = OmegaConf.to_container(ws, resolve=True)
+    with _rng_preserved():  # the warm start seeds its own draws; the RL run's random streams stay untouched
+        result = _ensure(cfg, ws)
+    _print_summary(result)
+    return result
+
+
+def _ensure(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
+    from filelock import FileLock
+
     prep = _prepare(cfg, ws)
     out_dir, loggers = prep["out_dir"], []
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -355,11 +371,22 @@ def ensure_warm_start(cfg: DictConfig) -> dict[str, Any] | None:
             heldout = info["heldout"][pkey]
     result = {"path": str(out_dir), "info": info, "heldout": heldout}
     for logger in loggers:  # the warm-start run's own MLflow/CSV record
-        logger.log_hyperparams({"warm_start/" + k: v for k, v in _flat(prep["key"]).items()})
+        logger.log_hyperparams(flatten(prep["key"], "warm_start/"))
         logger.log_metrics(warm_start_metrics(result), step=0)
         logger.finalize("success")
-    _print_summary(result)
     return result
+
+
+@contextlib.contextmanager
+def _rng_preserved():
+    """Restore the Python, NumPy and torch generators on exit (``seed_everything`` inside reseeds them all)."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
 
 
 def warm_start_metrics(result: dict[str, Any] | None) -> dict[str, float]:
@@ -390,12 +417,6 @@ def warm_start_model_config(cfg: DictConfig, build: bool = True) -> tuple[DictCo
     if result is not None:
         model_cfg.policy.name_or_path = result["path"]
     return model_cfg, result
-
-
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    from src.utils.logging import flatten
-
-    return flatten(d, prefix)
 
 
 def _write_json(path: Path, obj: Any) -> None:

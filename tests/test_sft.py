@@ -301,8 +301,13 @@ def test_warm_start_is_built_once_then_reused(warm_start, monkeypatch):
 
     monkeypatch.setattr(sft, "_train", trip)
     monkeypatch.setattr(sft, "_heldout", trip)
-    again = sft.ensure_warm_start(compose_train(tmp))
+    cfg = compose_train(tmp)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    again = sft.ensure_warm_start(cfg)
     assert again == first
+    assert torch.equal(torch.rand(3), expected)  # the RL run's random stream is not reseeded by the warm start
 
 
 @pytest.mark.parametrize("override", ["model.warm_start.lr=1e-3", "data.history_obs_chars=100"])
