@@ -327,6 +327,9 @@ def _heldout(cfg: DictConfig, prep: dict[str, Any]) -> dict[str, Any]:
                                        None, dm.max_steps)
     finally:
         pool.close()
+    for ep in episodes:
+        log.info("held-out %s: score %g, success %s, actions %s", ep.task, ep.score, ep.success,
+                 [s.action for s in ep.steps])
     done = [e for e in episodes if not e.failed]
     return {"score": mean_stderr([e.score for e in done]), "success_rate": mean_stderr([float(e.success) for e in done]),
             "failed_episodes": len(episodes) - len(done), "eval_time_s": time.perf_counter() - tic,

@@ -357,3 +357,17 @@ def test_batches_group_similar_lengths(webshop_env, tiny_dir):
     assert padded < 1.1 * sum(lengths) < plain
     loader = make_dataloader(examples, batch_size=8)
     assert sum(len(b) for b in loader) == len(examples) and isinstance(next(iter(loader))[0], type(examples[0]))
+
+
+def test_scienceworld_demonstrations_may_use_more_training_variations(gold_dir):
+    """RL trains on the first num_train_variations; the warm start may imitate more training variations, never a
+    test variation."""
+    records, _ = demonstration_records(ENV_CFG, 2, gold_dir)  # ENV_CFG has num_train_variations=1
+    from src.envs.scienceworld import ScienceWorldEnv
+
+    env = ScienceWorldEnv(FIND, num_train_variations=2, num_test_variations=5)
+    try:
+        train, test = env.tasks("train"), env.tasks("test")
+    finally:
+        env.close()
+    assert [r["task"] for r in records] == train and not {t["variation"] for t in train} & {t["variation"] for t in test}

@@ -145,8 +145,11 @@ def webshop_expert_records(env, tasks: list[dict[str, Any]]) -> list[dict]:
 
 def demonstration_records(env_cfg: dict[str, Any], num_tasks: int | None, gold_dir: str | os.PathLike
                           ) -> tuple[list[dict], str]:
-    """(successful demonstration records of the first ``num_tasks`` (None: all) *training* tasks of the
-    environment ``env_cfg`` builds, its system prompt).
+    """(successful demonstration records of *training* tasks of the environment ``env_cfg`` builds, its system
+    prompt).
+
+    ``num_tasks``: WebShop — the first this many training goals (None: all); ScienceWorld — the first this many
+    training variations of each task, which may exceed ``num_train_variations`` (None: those RL trains on).
 
     ScienceWorld: gold paths (``gold_records``); WebShop: expert episodes (``webshop_expert_records``).
     Unsuccessful demonstrations are dropped with a warning.
@@ -159,9 +162,14 @@ def demonstration_records(env_cfg: dict[str, Any], num_tasks: int | None, gold_d
     from src.envs.scienceworld import ScienceWorldEnv
     from src.envs.webshop import WebShopEnv
 
+    sciworld = issubclass(hydra.utils.get_class(env_cfg["_target_"]), ScienceWorldEnv)
+    if sciworld and num_tasks is not None:
+        # Every training variation has a gold path, so the warm start may imitate more of them than RL trains on
+        # (RL keeps the paper's first 5); they are still training variations only.
+        env_cfg = {**env_cfg, "num_train_variations": int(num_tasks)}
     env = hydra.utils.instantiate(env_cfg)
     try:
-        tasks = env.tasks("train")[:num_tasks]  # demonstrations never see a held-out task
+        tasks = env.tasks("train")[:None if sciworld else num_tasks]  # demonstrations never see a held-out task
         if isinstance(env, WebShopEnv):
             records = webshop_expert_records(env, tasks)
         elif isinstance(env, ScienceWorldEnv):
