@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from src.envs.base import extract_action
 from src.envs.webshop import pages
 from src.envs.webshop.catalog import ensure_generated_catalog
 from src.envs.webshop.data import WebShopData, load_webshop_data, split_goal_indices
@@ -21,7 +22,6 @@ from src.envs.webshop.reward import get_reward
 from src.envs.webshop.search import SearchEngine
 
 ACTION_RE = re.compile(r'(.+)\[(.+)\]')  # the original's parse_action
-ACTION_TAG_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
 SEARCH_PLACEHOLDER = "search[<query>]"
 TOP_K = 50  # the original shows the top-50 hits
 SUB_PAGES = ("description", "features", "reviews")
@@ -203,7 +203,8 @@ class WebShopEnv:
         catalog_size, catalog_seed: size and seed of the generated catalog.
         price_seed: seed of the price and price-cap draws (unseeded in the original).
         max_steps: action cap per episode (verl-agent: 15); reaching it truncates.
-        format_penalty: reward subtracted when the response has no ``<action>...</action>``.
+        format_penalty: reward subtracted when the response has no ``<action>...</action>``, several, or an
+            unclosed one.
         reward_mode: "score" (train reward = score in [0, 1]) or "success" (10 × (score == 1)).
         num_test_goals, num_dev_goals: split sizes (test = goals[:500], dev next, train = the rest).
         stemmer: search analyzer stemming, "porter" (original) or "none".
@@ -263,21 +264,23 @@ class WebShopEnv:
         return obs, self._info(action="", valid=True, format_ok=True)
 
     def step(self, response: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        """Parse the last ``<action>...</action>`` of ``response`` and apply it. No tag (or an empty one): no-op,
-        reward = -format_penalty. Invalid action: no-op, reward 0. Raises RuntimeError after the episode ended."""
+        """Apply the action of the first ``<action>...</action>`` of ``response`` (``src.envs.base.extract_action``,
+        the rule ScienceWorld uses too). ``format_ok`` is False without a tag, with several tags or an unclosed
+        one; then ``format_penalty`` is subtracted from the step's reward. No tag (or an empty one): no-op.
+        Invalid action: no-op, reward 0 (minus the penalty). Raises RuntimeError after the episode ended."""
         if not self._active:
             raise RuntimeError("WebShopEnv.step called before reset or after the episode ended")
         self.steps += 1
-        tags = ACTION_TAG_RE.findall(response)
-        action = tags[-1].strip() if tags else ""
-        if not action:
-            obs, reward, done, valid, format_ok = self.text_env.observation, -self.format_penalty, False, False, False
-        else:
+        action, format_ok = extract_action(response)
+        format_ok = format_ok and bool(action)
+        action = action or ""
+        obs, reward, done, valid = self.text_env.observation, 0.0, False, False
+        if action:
             obs, score, done, valid = self.text_env.step(action)
-            format_ok = True
-            reward = 0.0
             if done:
                 reward = score if self.reward_mode == "score" else 10.0 * float(score == 1.0)
+        if not format_ok:
+            reward -= self.format_penalty
         truncated = not done and self.steps >= self.max_steps
         if done or truncated:
             self._active = False
