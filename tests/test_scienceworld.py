@@ -17,6 +17,9 @@ from src.envs.scienceworld import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+# Variation 0 of 17 tasks, cut from `python scripts/cache_gold_trajectories.py --task <all 30> --split train
+# --num-variations 5` (tasks whose gold path replays in under ~1 s; mendelian-genetics takes ~30 s).
+GOLD_DIR = REPO / "tests" / "data" / "scienceworld_gold"
 FIND = "find-non-living-thing"
 LIFESPAN = "lifespan-shortest-lived"
 BASE_KEYS = {"score", "success", "won", "valid_action", "action", "task_id", "variation", "instruction",
@@ -54,6 +57,26 @@ def test_gold_trajectory_replays_to_success(tmp_path, env):
     assert terminated and info["success"] and info["won"]
     assert info["score"] == 100.0 and info["max_score"] == 100.0
     assert total == 100.0 - initial  # rewards are score deltas from the post-reset score
+
+
+@pytest.mark.parametrize("task", sorted(p.stem for p in GOLD_DIR.glob("*.json")))
+def test_cached_gold_paths_replay_the_same_with_action_correction(env, task):
+    """Every action of a gold path is accepted by the parser, so correction must leave each one as written."""
+    env.action_correction, env.max_steps = True, 10**9
+    try:
+        for variation, record in load_gold(task, GOLD_DIR).items():
+            assert record["success"]
+            env.reset({"task_name": task, "variation": variation})
+            # (observations are not compared: object order and sensor readings vary between JVM runs)
+            for k, action in enumerate(record["actions"]):
+                _, _, terminated, _, info = env.step(action)
+                assert (k, info["action"], info["valid_action"]) == (k, action, True)
+                assert not info["corrected"]
+                if terminated:
+                    break
+            assert info["success"] and info["score"] == record["final_score"] == 100.0
+    finally:
+        env.action_correction, env.max_steps = False, None
 
 
 def test_wrong_focus_scores_minus_100_and_terminates(env):
