@@ -18,7 +18,7 @@ from src.envs.base import extract_action
 from src.envs.webshop import pages
 from src.envs.webshop.catalog import ensure_generated_catalog
 from src.envs.webshop.data import WebShopData, load_webshop_data, split_goal_indices
-from src.envs.webshop.reward import get_reward
+from src.envs.webshop.reward import check_noun_tagger, get_reward
 from src.envs.webshop.search import SearchEngine
 
 ACTION_RE = re.compile(r'(.+)\[(.+)\]')  # the original's parse_action
@@ -41,11 +41,13 @@ class WebShopTextEnv:
 
     ``reset(goal_idx)`` starts at the search page of goal ``goal_idx``; ``step(action)`` returns
     (observation, reward in [0, 1], done, valid) where valid is False for a no-op (not clickable, bad syntax).
+    ``noun_tagger``: the reward's product-name noun tagger, "fallback" or "spacy" (src/envs/webshop/reward.py).
     """
 
-    def __init__(self, data: WebShopData, engine: SearchEngine):
+    def __init__(self, data: WebShopData, engine: SearchEngine, noun_tagger: str = "fallback"):
         self.data = data
         self.engine = engine
+        self.noun_tagger = check_noun_tagger(noun_tagger)
         self.goal: dict | None = None
         self._results_cache: dict[str, list[str]] = {}
 
@@ -169,7 +171,7 @@ class WebShopTextEnv:
                 self.page = "item"
         elif arg == "buy now":
             self.reward, self.reward_info = get_reward(self.product, self.goal, self.data.prices[self.asin],
-                                                       self.options)
+                                                       self.options, self.noun_tagger)
             self.done, self.page = True, "done"
         elif arg in SUB_PAGES and self.page == "item":
             self.page = arg
@@ -208,6 +210,8 @@ class WebShopEnv:
         reward_mode: "score" (train reward = score in [0, 1]) or "success" (10 × (score == 1)).
         num_test_goals, num_dev_goals: split sizes (test = goals[:500], dev next, train = the rest).
         stemmer: search analyzer stemming, "porter" (original) or "none".
+        noun_tagger: product-name noun tagger of the reward's type factor: "fallback" (default) or "spacy"
+            (the original's en_core_web_sm, opt-in install: requirements-spacy.txt); see reward.py.
         seed: accepted so every environment takes the same config keys; unused (episodes are deterministic
             given the goal; the catalog and prices have their own seeds).
     Raises ValueError for a bad setting, WebShopDataError for missing/malformed data files.
@@ -217,7 +221,7 @@ class WebShopEnv:
                  num_products: int | None = None, human_goals: bool = True, catalog_size: int = 1000,
                  catalog_seed: int = 0, price_seed: int = 0, max_steps: int = 15, format_penalty: float = 0.1,
                  reward_mode: str = "score", num_test_goals: int = 500, num_dev_goals: int = 0,
-                 stemmer: str = "porter", seed: int | None = None):
+                 stemmer: str = "porter", noun_tagger: str = "fallback", seed: int | None = None):
         if reward_mode not in ("score", "success"):
             raise ValueError(f"reward_mode must be 'score' or 'success', got {reward_mode!r}")
         if max_steps < 1:
@@ -233,7 +237,7 @@ class WebShopEnv:
         self.format_penalty = float(format_penalty)
         self.reward_mode = reward_mode
         self.num_test_goals, self.num_dev_goals = num_test_goals, num_dev_goals
-        self.text_env = WebShopTextEnv(self.data, self.engine)
+        self.text_env = WebShopTextEnv(self.data, self.engine, noun_tagger)
         self.system_prompt = SYSTEM_PROMPT.format(max_steps=max_steps)
         self._active = False
 
