@@ -38,8 +38,13 @@ def test_four_runs_start_together_on_a_fresh_store(tmp_path):
     procs = [ctx.Process(target=_log_one_run, args=(str(tmp_path), i, barrier, errors)) for i in range(4)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=300)
+    try:
+        for p in procs:
+            p.join(timeout=300)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
     failures = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
     assert [p.exitcode for p in procs] == [0, 0, 0, 0], failures
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
