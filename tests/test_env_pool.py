@@ -81,6 +81,12 @@ def test_killed_worker_gives_error_result_and_restarts(pool, reference, when):
     runs, _ = reference
     assert second == runs[1][1]  # the other worker is unaffected
     assert pool.num_restarts == restarts + 1 and pool.worker_pids[0] != old_pid
+    # The restarted worker's start-up (seconds: process and JVM) does not count against the next call's timeout.
+    pool.timeout_s = 1.0
+    try:
+        assert pool.tasks("train") == [{"task_name": FIND, "variation": v} for v in range(5)]
+    finally:
+        pool.timeout_s = 60.0
     assert pool.reset([(0, TASKS[0])]) == [runs[0][0]]  # the restarted worker serves the next episode
 
 
