@@ -211,7 +211,8 @@ def test_rollout_counts_what_prompt_fitting_cut(admissible_pool, tiny_policy):
     truncated_before, budget = tiny_policy.num_prompts_truncated, tiny_policy.max_prompt_tokens
     tiny_policy.max_prompt_tokens = 700  # the hallway prompt with its 114 actions is ~950 tokens
     try:
-        episodes, metrics = run_episodes(admissible_pool, tiny_policy, [TASK], [0], RolloutConfig(max_response_tokens=4))
+        episodes, metrics = run_episodes(admissible_pool, tiny_policy, [TASK], [0],
+                                         RolloutConfig(max_response_tokens=4))
     finally:
         tiny_policy.max_prompt_tokens = budget
     assert metrics["prompt_fit/prompts_fitted"] == len(episodes[0].steps) == 2

@@ -280,7 +280,8 @@ def fit_prompt(policy: Policy, common: dict, tips: list[str] | None,
                                                        len(observation) - 1)
         counts["observation_chars_cut"] = len(observation) - common["observation_chars"]
         log.warning("prompt over %d tokens even without admissible actions, history and tips: the current "
-                    "observation was cut by %d characters", policy.max_prompt_tokens, counts["observation_chars_cut"])
+                    "observation was cut by %d characters", policy.max_prompt_tokens,
+                    counts["observation_chars_cut"])
     if cuts is not None:
         for key, value in counts.items():
             cuts[key] = cuts.get(key, 0.0) + float(value)
