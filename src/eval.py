@@ -46,6 +46,7 @@ import rootutils
 from omegaconf import DictConfig, OmegaConf
 
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True)
+import src  # noqa: E402,F401 - registers the config resolvers (${pid:} in the run directory)
 
 # torch/Lightning are imported inside the functions: environment workers are spawned processes that re-import
 # this module, and they should not each load torch.

@@ -17,6 +17,7 @@ import rootutils
 from omegaconf import DictConfig, OmegaConf
 
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True)
+import src  # noqa: E402,F401 - registers the config resolvers (${pid:} in the run directory)
 
 # Heavy imports (torch, Lightning) live inside the functions: environment workers are spawned processes
 # that re-import this module, and they should not each load torch.
@@ -53,6 +54,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit; return the built objects and the final logged metrics."""
+    from src.utils.startup_checks import prepare_run
+
+    prepare_run(cfg)  # refuses/adapts options before anything (even torch) is loaded
     from src.utils.logging import log_checkpoint, log_config
 
     objs = build(cfg)

@@ -162,3 +162,59 @@ def test_mode_draw_is_seeded_and_matches_p_q():
     assert freq["off_policy"] == pytest.approx(0.25 * 2 / 3, abs=0.03)
     assert freq["on_policy_with_tips"] == pytest.approx(0.25 / 3, abs=0.03)
     assert set(draw_mode(0, i, 0.0, 0.0) for i in range(100)) == {"on_policy"}
+
+
+@pytest.fixture(scope="module")
+def admissible_pool():
+    with EnvPool({**ENV_CFG, "include_admissible_actions": True, "max_steps": 2}, num_workers=1) as p:
+        yield p
+
+
+def test_fitted_prompt_keeps_head_and_observation_of_the_kitchen(admissible_pool, tiny_policy):
+    """The real kitchen state with its ~1,000 admissible actions (~6,700 tokens) against a 1,024-token budget:
+    the action list is shortened, while system prompt, task, current observation, history and tips stay."""
+    from src.data.prompts import HistoryItem, build_step_messages
+    from src.data.rollout import fit_prompt
+
+    first, info = admissible_pool.reset([(0, TASK)])[0]
+    admissible_pool.step([(0, "go to kitchen")])
+    kitchen, _, _, _, info = admissible_pool.step([(0, "look around")])[0]
+    actions = info["admissible_actions"]
+    assert len(actions) > 900 and "This room is called the kitchen" in kitchen
+    tips = ["TIP-ONE: the red box is in the kitchen.", "TIP-TWO: focus on a chair first."]
+    common = dict(system_prompt=admissible_pool.system_prompt, instruction=info["instruction"],
+                  history=[HistoryItem(first, "go to kitchen")], observation=kitchen, admissible_actions=actions,
+                  history_length=3, tips_scope="current", step=1, max_steps=30)
+    full = tiny_policy.encode(build_step_messages(tips=tips, **common), truncate=False)
+    assert len(full) > 4 * tiny_policy.max_prompt_tokens
+    truncated_before, cuts = tiny_policy.num_prompts_truncated, {}
+    shown_tips = fit_prompt(tiny_policy, common, tips, cuts)
+    ids = tiny_policy.encode(build_step_messages(tips=shown_tips, **common))
+    assert len(ids) <= tiny_policy.max_prompt_tokens and tiny_policy.num_prompts_truncated == truncated_before
+    text = tiny_policy.tokenizer.decode(ids)
+    for piece in (admissible_pool.system_prompt, info["instruction"], kitchen, *tips, "[Step 1] Action: go to kitchen"):
+        assert piece in text, piece[:60]
+    kept = common["admissible_shown"]
+    assert 0 < kept < len(actions) and f"({kept} of {len(actions)} shown)" in text
+    assert cuts == {"prompts_fitted": 1.0, "admissible_actions_cut": len(actions) - kept, "history_steps_cut": 0.0,
+                    "tips_cut": 0.0}
+    # Without the list, an observation too long for the budget is cut at its end; the head still survives.
+    common = dict(common, admissible_actions=None, observation=kitchen * 20, admissible_shown=None)
+    fit_prompt(tiny_policy, common, None, cuts)
+    text = tiny_policy.tokenizer.decode(tiny_policy.encode(build_step_messages(tips=None, **common)))
+    assert admissible_pool.system_prompt in text and info["instruction"] in text and kitchen in text
+    assert cuts["observation_chars_cut"] > 0 and cuts["history_steps_cut"] == 1.0
+    assert tiny_policy.num_prompts_truncated == truncated_before
+
+
+def test_rollout_counts_what_prompt_fitting_cut(admissible_pool, tiny_policy):
+    truncated_before, budget = tiny_policy.num_prompts_truncated, tiny_policy.max_prompt_tokens
+    tiny_policy.max_prompt_tokens = 700  # the hallway prompt with its 114 actions is ~950 tokens
+    try:
+        episodes, metrics = run_episodes(admissible_pool, tiny_policy, [TASK], [0],
+                                         RolloutConfig(max_response_tokens=4))
+    finally:
+        tiny_policy.max_prompt_tokens = budget
+    assert metrics["prompt_fit/prompts_fitted"] == len(episodes[0].steps) == 2
+    assert metrics["prompt_fit/admissible_actions_cut"] > 0
+    assert tiny_policy.num_prompts_truncated == truncated_before

@@ -120,3 +120,14 @@ def test_memory_mode_without_memory_is_refused(tmp_path):
     cfg = _cfg(tmp_path, "memory=none", "trainer.max_epochs=1", "logger=csv")
     with pytest.raises(ValueError, match="memory is off"):
         train(cfg)
+
+
+def test_fast_dev_run_runs_one_real_iteration(tmp_path):
+    """Lightning's fast_dev_run would stop after one micro-batch, before the iteration's optimizer step."""
+    cfg = _cfg(tmp_path, "algorithm=grpo", "+trainer.fast_dev_run=true")
+    objs = train(cfg)
+    trainer = objs["trainer"]
+    assert trainer.global_step == 1 and trainer.current_epoch == 1  # the whole iteration and its optimizer step
+    assert "rollout/return" in objs["metrics"] and "val/score" in objs["metrics"]
+    assert objs["loggers"] == [] and objs["last_checkpoint"] is None  # as Lightning's: no loggers, no checkpoints
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "run" / "checkpoints").exists()

@@ -34,7 +34,9 @@ def _tips_block(tips: list[str]) -> str:
 def build_step_messages(system_prompt: str, instruction: str, history: list[HistoryItem], observation: str,
                         tips: list[str] | None = None, admissible_actions: list[str] | None = None,
                         history_length: int = 5, tips_scope: str = "current", step: int = 0,
-                        max_steps: int | None = None, history_obs_chars: int | None = None) -> list[dict[str, str]]:
+                        max_steps: int | None = None, history_obs_chars: int | None = None,
+                        admissible_shown: int | None = None,
+                        observation_chars: int | None = None) -> list[dict[str, str]]:
     """Messages for the policy at one step.
 
     Args:
@@ -44,12 +46,17 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
             (keeps CPU prompts short; the paper's 4k-token prompts fit the whole episode).
         observation: the current observation.
         tips: retrieved tips for the current step, or ``None``/``[]`` for a tip-free prompt.
-        admissible_actions: listed in the prompt when given (WebShop).
+        admissible_actions: listed in the prompt when given (WebShop; ScienceWorld with
+            ``include_admissible_actions``).
+        admissible_shown: show only this many of them, evenly spaced over the list so every kind of action
+            keeps examples, with a note of how many there are (``None``: all). Set by ``fit_prompt``.
         tips_scope: ``current`` — only the current step's tips; ``all_steps`` — also each shown past step's
             tips (the authors' code). A tip-free prompt (``tips=None``) drops all of them.
         step, max_steps: shown so the agent knows its budget.
         history_obs_chars: past observations longer than this are cut (with " ...") to keep prompts short on
-            CPU; the current observation is always shown whole. ``None`` keeps them whole.
+            CPU. ``None`` keeps them whole.
+        observation_chars: cut the current observation to its first this many characters (last resort of
+            ``fit_prompt`` when the system prompt, task and observation alone exceed the budget; ``None``: whole).
 
     Raises:
         ValueError: unknown ``tips_scope``.
@@ -72,13 +79,24 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
             lines.append(f"[Step {k}] Action: {item.action}")
         parts.append("\n".join(lines))
     budget = f" (step {step + 1} of {max_steps})" if max_steps else ""
+    if observation_chars is not None and len(observation) > observation_chars:
+        observation = observation[:observation_chars].rstrip() + " ... [cut to fit the prompt]"
     parts.append(f"Current observation{budget}:\n{observation}")
     if with_tips and tips:
         parts.append(_tips_block(tips))
     if admissible_actions:
-        parts.append("Admissible actions: " + ", ".join(admissible_actions))
+        parts.append(_admissible_block(admissible_actions, admissible_shown))
     parts.append("What is your next action?")
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def _admissible_block(actions: list[str], shown: int | None) -> str:
+    if shown is None or shown >= len(actions):
+        return "Admissible actions: " + ", ".join(actions)
+    if shown <= 0:
+        return f"Admissible actions: {len(actions)} (not listed: the prompt is full)"
+    picks = [actions[k * len(actions) // shown] for k in range(shown)]
+    return f"Admissible actions ({shown} of {len(actions)} shown): " + ", ".join(picks)
 
 
 def build_tip_messages(system_prompt: str, instruction: str, history: list[HistoryItem], final_observation: str,

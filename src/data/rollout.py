@@ -21,6 +21,10 @@ from src.utils.distributed import all_reduce
 
 log = logging.getLogger(__name__)
 
+# What ``fit_prompt`` counts (summed over a rollout's prompts, logged as ``rollout/prompt_fit/<key>``).
+PROMPT_CUT_KEYS = ("prompts_fitted", "admissible_actions_cut", "history_steps_cut", "tips_cut",
+                   "observation_chars_cut")
+
 
 class EpisodeMemory(Protocol):
     """What the runner needs from the memory (implemented by ``src.callbacks.memory.MemoryCallback``)."""
@@ -120,7 +124,8 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
         max_steps: only shown in the prompt (the environment enforces its own cap).
 
     Returns:
-        (episodes, metrics) — metrics hold timings (s) and token counts.
+        (episodes, metrics) — metrics hold timings (s), token counts and what ``fit_prompt`` cut
+        (``prompt_fit/<key>``, see ``PROMPT_CUT_KEYS``).
 
     Raises:
         ValueError: ``use_tips``/``novelty`` without a memory, or more tasks than pool workers.
@@ -149,6 +154,7 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
         active.append(i)
     keys = _embed_states(memory, episodes, observations, active, timers)
     generated_tokens = 0
+    prompt_cuts = dict.fromkeys(PROMPT_CUT_KEYS, 0.0)
     while _any_active(policy, active):
         tips: list[list[str]] = [[] for _ in active]
         if cfg.use_tips and active:
@@ -162,7 +168,7 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
                           history_length=cfg.history_length, history_obs_chars=cfg.history_obs_chars,
                           tips_scope=cfg.tips_scope,
                           step=len(episodes[i].steps), max_steps=max_steps)
-            step_tips = fit_prompt(policy, common, tips[j] if cfg.use_tips else None)
+            step_tips = fit_prompt(policy, common, tips[j] if cfg.use_tips else None, prompt_cuts)
             tips[j] = step_tips or []
             ids = policy.encode(build_step_messages(tips=step_tips, **common))
             prompts.append(ids)
@@ -213,7 +219,8 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
         active = still_active
     elapsed = time.perf_counter() - t0
     metrics = dict(timers, rollout_s=elapsed, generated_tokens=float(generated_tokens),
-                   rollout_tokens_per_s=generated_tokens / max(timers["generate_s"], 1e-9))
+                   rollout_tokens_per_s=generated_tokens / max(timers["generate_s"], 1e-9),
+                   **{f"prompt_fit/{k}": v for k, v in prompt_cuts.items()})
     return episodes, metrics
 
 
@@ -233,20 +240,64 @@ def _any_active(policy: Policy, active: list[int]) -> bool:
     return bool(active)
 
 
-def fit_prompt(policy: Policy, common: dict, tips: list[str] | None) -> list[str] | None:
-    """Shrink the prompt until it fits ``policy.max_prompt_tokens``: oldest history first, then the lowest-ranked
-    tips. ``common`` is updated in place (its ``history_length``); returns the tips that fit."""
-    def length() -> int:
-        return len(policy.encode(build_step_messages(tips=tips, **common), truncate=False))
+def fit_prompt(policy: Policy, common: dict, tips: list[str] | None,
+               cuts: dict[str, float] | None = None) -> list[str] | None:
+    """Fit a step prompt to ``policy.max_prompt_tokens`` before it is encoded, keeping what the agent needs most.
 
-    while length() > policy.max_prompt_tokens:
-        if common["history_length"] > 0 and common["history"]:
-            common["history_length"] = min(common["history_length"], len(common["history"])) - 1
-        elif tips:
-            tips = tips[:-1]
-        else:
-            break  # the current observation alone is too long: Policy.encode cuts it
+    The head (system prompt, task) and the current observation always stay. Over budget, the prompt is
+    shortened in this order, each only as far as needed: the admissible-action list (to the evenly spaced
+    subset that fits), the oldest history steps, the lowest-ranked tips; only if the head and the whole
+    observation alone are too long is the observation's end cut (a warning, and a count). ``common`` (the
+    keyword arguments of ``build_step_messages`` except ``tips``) is updated in place; returns the tips that
+    fit. ``cuts``, when given, accumulates ``prompts_fitted``, ``admissible_actions_cut``,
+    ``history_steps_cut``, ``tips_cut`` and ``observation_chars_cut``. Only a head longer than the budget is
+    left to ``Policy.encode``'s left cut (counted in ``policy.num_prompts_truncated``).
+    """
+    def fits(shown_tips: list[str] | None, **changes) -> bool:
+        messages = build_step_messages(tips=shown_tips, **{**common, **changes})
+        return len(policy.encode(messages, truncate=False)) <= policy.max_prompt_tokens
+
+    if fits(tips):
+        return tips
+    counts = {"prompts_fitted": 1}
+    actions = common.get("admissible_actions") or []
+    if actions:
+        common["admissible_shown"] = _largest_fitting(lambda n: fits(tips, admissible_shown=n), len(actions) - 1)
+        counts["admissible_actions_cut"] = len(actions) - common["admissible_shown"]
+    shown = min(common["history_length"], len(common["history"])) if common["history_length"] > 0 else 0
+    history_before = shown
+    while shown > 0 and not fits(tips, history_length=shown):
+        shown -= 1
+    common["history_length"] = shown
+    counts["history_steps_cut"] = history_before - shown
+    tips_before = len(tips or [])
+    while tips and not fits(tips):
+        tips = tips[:-1]
+    counts["tips_cut"] = tips_before - len(tips or [])
+    if not fits(tips):
+        observation = common["observation"]
+        common["observation_chars"] = _largest_fitting(lambda c: fits(tips, observation_chars=c),
+                                                       len(observation) - 1)
+        counts["observation_chars_cut"] = len(observation) - common["observation_chars"]
+        log.warning("prompt over %d tokens even without admissible actions, history and tips: the current "
+                    "observation was cut by %d characters", policy.max_prompt_tokens,
+                    counts["observation_chars_cut"])
+    if cuts is not None:
+        for key, value in counts.items():
+            cuts[key] = cuts.get(key, 0.0) + float(value)
     return tips
+
+
+def _largest_fitting(fits, high: int) -> int:
+    """The largest n in 0..high with ``fits(n)`` (binary search; lengths grow with n); 0 when none fits."""
+    low = 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def _embed_states(memory, episodes, observations, indices, timers, keys=None):
