@@ -73,10 +73,11 @@ def _repeated_bigram_set(probs: torch.Tensor, context: list[int]) -> torch.Tenso
     return in_set
 
 
-def _z_score(policy: Policy, in_set, temperature: float = 1.0, max_new_tokens: int = 40) -> tuple[float, int]:
+def _z_score(policy: Policy, in_set, request: str, temperature: float = 1.0, max_new_tokens: int = 40
+             ) -> tuple[float, int]:
     """z of (sampled tokens in S_t) against the raw mass of S_t, over all sampled tokens; and the token count."""
     torch.manual_seed(0)
-    prompts = [policy.encode([{"role": "user", "content": f"Write a few sentences about {t}."}]) for t in TOPICS]
+    prompts = [policy.encode([{"role": "user", "content": request.format(topic)}]) for topic in TOPICS]
     gen = policy.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature)
     probs = _raw_probs(policy, prompts, gen.response_ids, temperature)
     observed = expected = variance = 0.0
@@ -92,16 +93,20 @@ def _z_score(policy: Policy, in_set, temperature: float = 1.0, max_new_tokens: i
     return (observed - expected) / max(variance, 1e-12) ** 0.5, tokens
 
 
-@pytest.mark.parametrize("settings, in_set", [
-    ({"do_sample": True, "min_p": 0.9}, _low_prob_set),
-    ({"repetition_penalty": 1.3}, _context_set),
-    ({"no_repeat_ngram_size": 2}, _repeated_bigram_set),
+WRITE = "Write a few sentences about {}."
+REPEAT = "Write a short poem about {} with a refrain that repeats."  # repeated bigrams for no_repeat_ngram_size
+
+
+@pytest.mark.parametrize("settings, in_set, request_", [
+    ({"do_sample": True, "min_p": 0.9}, _low_prob_set, WRITE),
+    ({"repetition_penalty": 1.05}, _context_set, WRITE),  # Qwen2.5-7B-Instruct's value
+    ({"no_repeat_ngram_size": 2}, _repeated_bigram_set, REPEAT),
 ], ids=["min_p", "repetition_penalty", "no_repeat_ngram_size"])
 def test_sampling_ignores_checkpoint_generation_defaults(smollm2_dir, tmp_path, model_cache_dir, caplog, settings,
-                                                         in_set):
+                                                         in_set, request_):
     policy = _smollm2_with_generation_config(smollm2_dir, tmp_path / "model", model_cache_dir, **settings)
     with caplog.at_level(logging.WARNING, logger="src.models.policy"):
-        z, tokens = _z_score(policy, in_set)
+        z, tokens = _z_score(policy, in_set, request_)
     assert tokens >= 250
     assert abs(z) < 4, f"sampled tokens do not follow softmax(logits / T): z = {z:.1f} over {tokens} tokens"
     # the warning names each dropped checkpoint default; the checkpoint's own config is left as it was
