@@ -24,7 +24,8 @@ for run in "gpu trainer=gpu trainer.devices=1" "fsdp trainer=fsdp trainer.device
   else
     echo "$name: FAILED"; tail -30 "$out/$name.log"; status=1
   fi
-  grep -h -o "Memory estimate: [^:]*\|Precision: .*" "$out/$name.log" "$out/$name"/*.log 2>/dev/null | sort -u | sed 's/^/   /'
+  grep -h -o "Memory estimate: [^:]*\|Precision: .*" "$out/$name.log" "$out/$name"/*.log 2>/dev/null \
+    | sort -u | sed 's/^/   /'
   grep -q "Precision: parameters: [0-9.,]*M trainable float32" "$out/$name.log" "$out/$name"/*.log 2>/dev/null \
     || { echo "$name: no fp32 master weights reported"; status=1; }
   python3 - "$out/$name" <<'PY'

@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from src.models.memory_estimate import GIB, ParamCounts, check_device_memory, count_parameters, estimate_per_device
+import torch
+
+from src.models.memory_estimate import (GIB, ParamCounts, check_device_memory, count_parameters, device_memory_bytes,
+                                       estimate_per_device)
 
 ROOT = Path(__file__).resolve().parents[1]
 # Qwen/Qwen2.5-7B-Instruct's config.json (the fields that shape the parameters)
@@ -32,7 +35,8 @@ def qwen_dir(tmp_path_factory) -> Path:
 
 def _paper_cfg(qwen_dir: Path, *overrides: str):
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return compose(config_name="train", overrides=["experiment=webshop_paper", f"model.policy.name_or_path={qwen_dir}",
+        return compose(config_name="train", overrides=["experiment=webshop_paper",
+                                                       f"model.policy.name_or_path={qwen_dir}",
                                                        "memory_check.device_memory_gib=80", *overrides])
 
 
@@ -72,3 +76,8 @@ def test_estimate_known_answer():
     lora = estimate_per_device(ParamCounts(1000, 10, 100), world=2, sharded=False, reference=True, weight_bytes=2)
     assert lora == {"trainable weights": 40, "gradients": 40, "AdamW states": 80, "frozen base": 2000,
                     "DDP gradient buckets": 40}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the real device memory is read")
+def test_device_memory_comes_from_the_config_without_a_gpu():
+    assert device_memory_bytes("gpu", 80) == (80 * GIB, "memory_check.device_memory_gib")

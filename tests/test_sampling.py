@@ -45,7 +45,8 @@ def _smollm2_with_generation_config(smollm2_dir: Path, out_dir: Path, model_cach
     return build_policy(name_or_path=str(out_dir), cache_dir=str(model_cache_dir), dtype="float32")
 
 
-def _raw_probs(policy: Policy, prompts: list[list[int]], responses: list[list[int]], temperature: float) -> torch.Tensor:
+def _raw_probs(policy: Policy, prompts: list[list[int]], responses: list[list[int]], temperature: float
+               ) -> torch.Tensor:
     """``[B, R, V]`` softmax(logits / T) at each response position, from a plain forward pass."""
     batch = pack_batch(prompts, responses, policy.tokenizer.pad_token_id)
     r_len = batch["response_mask"].shape[1]

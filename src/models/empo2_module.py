@@ -127,7 +127,7 @@ class EMPO2Module(L.LightningModule):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
-        mp_policy = fsdp_mixed_precision(self.trainer.precision)
+        mp_policy = self._fsdp_mp_policy = fsdp_mixed_precision(self.trainer.precision)
         for policy in (self.policy, self.ref_policy):
             if policy is None:
                 continue
@@ -144,6 +144,9 @@ class EMPO2Module(L.LightningModule):
         summary = check_trainable_dtype(self.policy, expected, self.trainer.precision)
         if self.ref_policy is not None:
             summary += f"; frozen reference in {next(self.ref_policy.parameters()).dtype}"
+        mp = getattr(self, "_fsdp_mp_policy", None)
+        if mp is not None:
+            summary += f"; FSDP2 compute {mp.param_dtype or 'unchanged'}, gradient reduction {mp.reduce_dtype}"
         log.info("Precision: %s", summary)
 
     # ------------------------------------------------------------------ rollout-time helpers
