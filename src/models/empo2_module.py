@@ -26,7 +26,7 @@ from src.models.core_algos import (UPDATE_MODES, aggregate_loss, check_algorithm
 from src.models.hub import load_causal_lm, load_tokenizer, resolve_name_or_path
 from src.models.policy import Policy
 from src.models.precision import check_trainable_dtype, fsdp_mixed_precision, torch_dtype
-from src.models.precision import master_dtype as master_dtype_of
+from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
 from src.utils.distributed import all_reduce
 
 log = logging.getLogger(__name__)
