@@ -28,11 +28,13 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate module, datamodule, memory callback, callbacks, loggers and Trainer from the config."""
     import lightning as L
 
+    from src.models.memory_estimate import check_device_memory
     from src.utils.checkpoint_io import AtomicCheckpointIO
     from src.utils.instantiate import instantiate_callbacks, instantiate_loggers
 
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
+    check_device_memory(cfg)  # before loading any weights: refuse what cannot fit
     log.info("Instantiating model <%s>", cfg.model._target_)
     module = hydra.utils.instantiate(cfg.model)
     # `memory=none` leaves no `_target_` (an experiment's memory settings may still sit there, unused).

@@ -406,3 +406,18 @@ def test_check_algorithm_config_refuses_bad_choices():
                        ({"memory_rollout_prob": 1.5}, "memory_rollout_prob=1.5")]:
         with pytest.raises(ValueError, match=match):
             check_algorithm_config(bad)
+
+
+def test_temperature_is_applied_after_the_fp32_upcast():
+    """bf16 logits (autocast) are upcast before dividing by T: no extra bf16 rounding of logits / T."""
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 3, 50) * 5).to(torch.bfloat16)
+    labels = torch.randint(0, 50, (2, 3))
+    z = logits.float() / 0.7
+    expected = torch.log_softmax(z, -1).gather(-1, labels[..., None]).squeeze(-1)
+    torch.testing.assert_close(log_probs_from_logits(logits, labels, temperature=0.7), expected)
+    p = torch.softmax(z, -1)
+    torch.testing.assert_close(entropy_from_logits(logits, temperature=0.7), -(p * p.log()).sum(-1), atol=1e-4,
+                               rtol=1e-4)
+    with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
+        log_probs_from_logits(logits, labels, temperature=0)

@@ -2,6 +2,7 @@
 saved in the checkpoint holds the tips written on both ranks."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,14 +34,19 @@ def test_ddp_two_cpu_processes_share_memory(tmp_path):
 
 def test_fsdp2_two_cpu_processes_train_checkpoint_and_resume(tmp_path):
     """trainer=fsdp (FSDP2 via ModelParallelStrategy) on CPU: sharded weights need every rank in every forward
-    pass; with one validation task, rank 1 has nothing to run and must still join the generation steps."""
+    pass; with one validation task, rank 1 has nothing to run and must still join the generation steps. Weights
+    loaded in bf16 and bf16-mixed as at paper scale: the sharded trainable parameters are fp32 master weights."""
     common = ["experiment=scienceworld", "debug=default", "trainer=fsdp", "trainer.accelerator=cpu",
-              "trainer.devices=2", "trainer.precision=32-true", "data.tasks_per_iteration=2",
+              "trainer.devices=2", "trainer.precision=bf16-mixed", "model.policy.dtype=bfloat16",
+              "data.tasks_per_iteration=2",
               "algorithm.memory_rollout_prob=1.0", "data.val.num_tasks=1", "~callbacks.rich_progress_bar",
               "trainer.enable_progress_bar=false", f"paths.log_dir={tmp_path}/logs"]
     first = [sys.executable, "src/train.py", *common, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path}/a"]
     proc = subprocess.run(first, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (tmp_path / "a" / "train.log").read_text()
+    assert re.search(r"Precision: parameters: [\d.,]+M trainable float32; trainer.precision=bf16-mixed; FSDP2 "
+                     r"compute torch.bfloat16, gradient reduction torch.float32", log)
     ckpt_dir = tmp_path / "a" / "checkpoints" / "last.ckpt"
     # one shard per rank plus Lightning's metadata (torch.distributed.checkpoint also writes a .metadata file)
     assert {"__0_0.distcp", "__1_0.distcp", "meta.pt"} <= {p.name for p in ckpt_dir.iterdir()}

@@ -3,9 +3,9 @@
 It does three things and nothing else:
 
 - ``encode`` renders structured chat messages to prompt token ids with the tokenizer's chat template;
-- ``generate`` samples responses for a batch of prompts and returns the sampled token ids with their
-  per-token log-probs under the sampling distribution (these ids are what the trainer trains on: a response
-  is never decoded and re-encoded);
+- ``generate`` samples responses for a batch of prompts from exactly ``softmax(logits / T)`` and returns the
+  sampled token ids with their per-token log-probs under that distribution (these ids are what the trainer
+  trains on: a response is never decoded and re-encoded);
 - ``log_probs`` recomputes per-token log-probs (and optionally entropies) of given responses for given
   prompts, in one padded forward pass.
 
@@ -16,13 +16,18 @@ Position ids are derived from the attention mask, so padding never shifts positi
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from src.models.core_algos import entropy_from_logits, log_probs_from_logits
+from src.models.sampling import (SampledTokenLogProbs, checkpoint_generation_defaults_off, dropped_generation_defaults,
+                                 sampling_config)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,6 +104,7 @@ class Policy(nn.Module):
         # True under FSDP: generation keeps stepping until every rank is done (sharded weights are gathered
         # inside each forward, a collective that all ranks must join).
         self.synced = False
+        self._checked_generation_defaults = False
         eos = tokenizer.eos_token_id
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
         ids = set([eos] if isinstance(eos, int) else eos or [])
@@ -130,9 +136,13 @@ class Policy(nn.Module):
                  do_sample: bool = True) -> Generation:
         """Sample one response per prompt in one batched call.
 
-        Sampling uses the full softmax of ``logits / temperature`` (top-k and top-p disabled) so the returned
-        log-probs are exactly the behaviour policy's. ``do_sample=False`` is greedy (log-probs still reported
-        at the given temperature).
+        Tokens are drawn from exactly ``softmax(logits / temperature)`` over the full vocabulary, the distribution
+        the trainer scores: the checkpoint's generation_config is ignored (a warning names what it set, see
+        ``src/models/sampling.py``). The log-probs are gathered step by step (extra memory O(B·V)).
+        ``do_sample=False`` is greedy (log-probs still reported at the given temperature).
+
+        Raises:
+            ValueError: ``temperature <= 0``.
         """
         max_new_tokens = max_new_tokens or self.max_response_tokens
         temperature = self.temperature if temperature is None else temperature
@@ -141,24 +151,23 @@ class Policy(nn.Module):
         if not prompt_ids:  # this rank has nothing to say, but must join the other ranks' forward passes
             self.generate([[self.tokenizer.eos_token_id]], max_new_tokens, temperature, do_sample)
             return Generation([], [], [], [])
+        self._warn_dropped_generation_defaults()
+        recorder = SampledTokenLogProbs(temperature)
         pad = self.tokenizer.pad_token_id
+        config = sampling_config(max_new_tokens, temperature, do_sample, self.eos_token_ids, pad)
         batch = pack_batch(prompt_ids, [[] for _ in prompt_ids], pad)
         batch = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
         was_training = self.model.training
         self.model.eval()
         try:
-            out = self.model.generate(
-                **batch, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature if do_sample else None,
-                top_k=0, top_p=1.0, output_logits=True, return_dict_in_generate=True, pad_token_id=pad,
-                eos_token_id=self.eos_token_ids, synced_gpus=self.synced,
-            )
+            with checkpoint_generation_defaults_off(self.model):
+                out = self.model.generate(**batch, generation_config=config, synced_gpus=self.synced,
+                                          logits_processor=LogitsProcessorList([recorder]))
         finally:
             self.model.train(was_training)
-        p_len = batch["input_ids"].shape[1]
-        sequences = out.sequences[:, p_len:].cpu()
-        # output_logits holds the raw logits of each step: [steps] x [B, V]
-        logits = torch.stack(out.logits, dim=1).float().cpu() / temperature
-        token_log_probs = log_probs_from_logits(logits, sequences)
+        sequences = out.sequences[:, batch["input_ids"].shape[1]:]
+        token_log_probs = recorder.finish(sequences).cpu()
+        sequences = sequences.cpu()
         eos = torch.tensor(self.eos_token_ids)
         response_ids, log_probs, truncated = [], [], []
         for i in range(sequences.shape[0]):
@@ -170,6 +179,16 @@ class Policy(nn.Module):
             truncated.append(len(hits) == 0)
         texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         return Generation(response_ids, log_probs, texts, truncated)
+
+    def _warn_dropped_generation_defaults(self) -> None:
+        if self._checked_generation_defaults:
+            return
+        self._checked_generation_defaults = True
+        dropped = dropped_generation_defaults(getattr(self.model, "generation_config", None))
+        if dropped:
+            log.warning("Policy sampling ignores the checkpoint's generation_config settings %s: tokens are drawn "
+                        "from softmax(logits / T) over the full vocabulary, the distribution whose log-probs the "
+                        "trainer uses", ", ".join(f"{k}={v!r}" for k, v in dropped.items()))
 
     # ------------------------------------------------------------------ scoring
     def log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float = 1.0,
@@ -190,12 +209,12 @@ class Policy(nn.Module):
             # asking for just those avoids a [B, P + R, V] tensor (GBs for long prompts).
             logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                 position_ids=batch["position_ids"], use_cache=False, logits_to_keep=r_len + 1).logits
+        # bf16 logits (autocast) are upcast to float32 slice by slice before the temperature is applied
         logits = logits[:, :-1]
-        if temperature != 1.0:
-            logits = logits / temperature
         response = batch["input_ids"][:, p_len:]
         mask = batch["response_mask"].float()
-        out = {"log_probs": log_probs_from_logits(logits, response) * mask, "response_mask": mask}
+        out = {"log_probs": log_probs_from_logits(logits, response, temperature=temperature) * mask,
+               "response_mask": mask}
         if with_entropy:
-            out["entropy"] = entropy_from_logits(logits) * mask
+            out["entropy"] = entropy_from_logits(logits, temperature=temperature) * mask
         return out
