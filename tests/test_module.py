@@ -76,3 +76,16 @@ def test_update_is_invariant_to_micro_batching(tiny_model_dir, model_cache_dir, 
     for other in deltas[1:]:
         for name, d in deltas[0].items():
             torch.testing.assert_close(other[name], d, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["on_policy", "off_policy"])
+@pytest.mark.parametrize("mask_modes", [["off_policy"], []])
+def test_low_prob_masking_runs_only_in_mask_modes(tiny_model_dir, model_cache_dir, mode, mask_modes):
+    """With log δ = 0 every token is "low-probability" (log p < 0): where masking runs, no policy-gradient term is
+    left and SGD does not move; elsewhere it does. So masking in every mode, or in none, fails a case."""
+    module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.SGD, lr=1.0), mask_modes=mask_modes,
+                     lowprob_log_threshold=0.0)
+    start = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    _fit(module, _micro_batches(_samples(module), [4], mode))
+    moved = any(not torch.equal(p.detach(), start[n]) for n, p in module.policy.named_parameters())
+    assert moved == (mode not in mask_modes)
