@@ -300,3 +300,35 @@ def test_datamodule_checkpoint_state_restores_the_global_generators():
     fresh.load_state_dict(torch.load(buf, weights_only=True))
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
     assert fresh.no_signal_iterations == 2
+
+
+def test_write_tips_stores_each_step_under_its_state_key(pool, tiny_policy, memory, monkeypatch):
+    """After a rollout, every step of every episode is one memory entry in its episode's partition: key = the
+    embedding of the state the step acted on, content = `<tip>; At that step the action taken was <a_k>; the
+    episode's final score was <R>/<max>.` with one tip per episode, step = k (SPEC §2.7)."""
+    from src.memory.tip_memory import format_entry
+
+    monkeypatch.setattr(memory, "tip_max_tokens", 6)
+    tasks = [{"task_name": TASK["task_name"], "variation": v} for v in (2, 3)]  # partitions no other test uses
+    torch.manual_seed(0)
+    episodes, _ = run_episodes(pool, tiny_policy, tasks, [0, 1], RolloutConfig(max_response_tokens=4), memory=memory)
+    assert not any(e.failed for e in episodes)
+    written = memory.write_tips(episodes, tiny_policy, pool.system_prompt)["tips_written"]
+    assert written == sum(len(e.steps) for e in episodes)
+    partitions = memory.tips.state_dict()["partitions"]
+    for episode in episodes:
+        part = partitions[memory.partition_key(episode.task)]
+        stored = list(zip(part["entries"], torch.as_tensor(part["keys"]).numpy()))
+        assert len(stored) == len(episode.steps)
+        tips = set()
+        for k, step in enumerate(episode.steps):
+            suffix = format_entry("x", step.action, episode.score, episode.max_score)[1:]
+            (entry, key), = [(e, key) for e, key in stored if e["step"] == k]
+            assert entry["content"].endswith(suffix) and entry["score"] == episode.score
+            np.testing.assert_array_equal(key, step.key)
+            tips.add(entry["content"][: -len(suffix)])
+        assert len(tips) == 1  # one reflection per episode, shared by its steps
+    # the key is the state's embedding: instruction + the observation the step acted on
+    first = episodes[0].steps[0]
+    np.testing.assert_allclose(first.key, memory.embed([memory.state_text(episodes[0].instruction, first.observation)])[0],
+                               atol=1e-6)
