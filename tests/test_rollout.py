@@ -269,15 +269,18 @@ def test_pad_equal_to_eos_keeps_the_eos_in_the_loss_mask(tiny_policy):
     from src.models.policy import Policy
 
     prompts = [tiny_policy.encode([{"role": "user", "content": f"Say something about {w}."}]) for w in ("cats", "rain")]
-    stop = tiny_policy.generate(prompts, max_new_tokens=4, do_sample=False).response_ids[0][1]
+    torch.manual_seed(0)
+    sampled = tiny_policy.generate(prompts, max_new_tokens=8).response_ids[0]
+    stop = next(t for k, t in enumerate(sampled) if k > 0 and t not in sampled[:k])  # a response of >= 2 tokens
     tokenizer = copy.deepcopy(tiny_policy.tokenizer)
     tokenizer.eos_token = tokenizer.convert_ids_to_tokens(stop)
     tokenizer.pad_token = tokenizer.eos_token
     assert tokenizer.pad_token_id == tokenizer.eos_token_id == stop
-    policy = Policy(tiny_policy.model, tokenizer, max_response_tokens=6)
-    gen = policy.generate(prompts, do_sample=False)
+    policy = Policy(tiny_policy.model, tokenizer, max_response_tokens=8)
+    torch.manual_seed(0)
+    gen = policy.generate(prompts)  # the same draws as above, up to the new EOS
     first = gen.response_ids[0]
-    assert first[-1] == stop and stop not in first[:-1]
+    assert len(first) >= 2 and first[-1] == stop and stop not in first[:-1]
     out = policy.log_probs(prompts, gen.response_ids)
     assert out["response_mask"].sum(1).tolist() == [len(r) for r in gen.response_ids]
     assert out["response_mask"][0, len(first) - 1] == 1 and out["log_probs"][0, len(first) - 1] < 0
