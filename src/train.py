@@ -65,7 +65,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer = objs["trainer"]
     if trainer.is_global_zero:
         log_config(cfg, objs["loggers"])
-    trainer.fit(objs["module"], datamodule=objs["datamodule"], ckpt_path=cfg.get("ckpt_path"))
+    # A user's path is relative to where the command ran, also when hydra.job.chdir=true moved the process.
+    ckpt_path = hydra.utils.to_absolute_path(cfg.ckpt_path) if cfg.get("ckpt_path") else None
+    trainer.fit(objs["module"], datamodule=objs["datamodule"], ckpt_path=ckpt_path)
     ckpt = getattr(trainer.checkpoint_callback, "last_model_path", None) if trainer.checkpoint_callback else None
     if trainer.is_global_zero:
         log_checkpoint(ckpt, objs["loggers"])

@@ -398,12 +398,16 @@ def test_check_algorithm_config_refuses_bad_choices():
     from src.models.core_algos import check_algorithm_config
 
     check_algorithm_config({"loss_agg_mode": "token-mean", "mask_modes": ["off_policy"], "memory_rollout_prob": 0.25})
+    check_algorithm_config({"skip_zero_advantage": True, "kl_coef": 0.0})
     for bad, match in [({"loss_agg_mode": "foo"}, "loss_agg_mode='foo'"),
                        ({"offpolicy_old_logprob": "nope"}, "offpolicy_old_logprob='nope'"),
                        ({"mask_level": "word"}, "mask_level='word'"),
                        ({"kl_type": "x"}, "kl_type='x'"),
                        ({"mask_modes": ["sometimes"]}, "sometimes"),
-                       ({"memory_rollout_prob": 1.5}, "memory_rollout_prob=1.5")]:
+                       ({"memory_rollout_prob": 1.5}, "memory_rollout_prob=1.5"),
+                       ({"no_signal_patience": 0}, "no_signal_patience=0"),
+                       # a skipped zero-advantage step would silently lose its KL term
+                       ({"skip_zero_advantage": True, "kl_coef": 0.01}, "skip_zero_advantage=true with .*kl_coef=0.01")]:
         with pytest.raises(ValueError, match=match):
             check_algorithm_config(bad)
 

@@ -2,6 +2,7 @@
 saved in the checkpoint holds the tips written on both ranks."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -29,6 +30,12 @@ def test_ddp_two_cpu_processes_share_memory(tmp_path):
     for it in range(iterations):
         picks = np.random.default_rng([seed, it, 1]).choice(5, size=tasks_per_iteration, replace=False)
         drawn |= {f"find-non-living-thing/{int(v)}" for v in picks}
+        # each rank ran its own shard: disjoint, together the whole draw (each rank logs its tasks)
+        shards = {}
+        for rank, tasks in re.findall(rf"iteration {it} \(\w+\): rank (\d) of 2 runs tasks (\[.*\])", proc.stdout):
+            shards[int(rank)] = [t["variation"] for t in json.loads(tasks)]
+        assert set(shards) == {0, 1} and not set(shards[0]) & set(shards[1]), shards
+        assert sorted(shards[0] + shards[1]) == sorted(int(v) for v in picks)
     assert partitions == drawn
 
 

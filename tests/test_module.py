@@ -143,3 +143,16 @@ def test_low_precision_master_weights_warn_and_bf16_true_is_refused(tiny_model_d
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(RuntimeError, match="master weights.*bf16-true"):
         trainer.fit(module, train_dataloaders=DataLoader(_micro_batches(_samples(module), [4]), batch_size=None))
+
+
+@pytest.mark.parametrize("mode", ["on_policy", "off_policy"])
+@pytest.mark.parametrize("mask_modes", [["off_policy"], []])
+def test_low_prob_masking_runs_only_in_mask_modes(tiny_model_dir, model_cache_dir, mode, mask_modes):
+    """With log δ = 0 every token is "low-probability" (log p < 0): where masking runs, no policy-gradient term is
+    left and SGD does not move; elsewhere it does. So masking in every mode, or in none, fails a case."""
+    module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.SGD, lr=1.0), mask_modes=mask_modes,
+                     lowprob_log_threshold=0.0)
+    start = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    _fit(module, _micro_batches(_samples(module), [4], mode))
+    moved = any(not torch.equal(p.detach(), start[n]) for n, p in module.policy.named_parameters())
+    assert moved == (mode not in mask_modes)

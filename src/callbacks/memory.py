@@ -37,7 +37,8 @@ class MemoryCallback(L.Callback):
         tips_scope: ``current`` or ``all_steps`` (see ``build_step_messages``).
         tip_max_tokens: token budget of one reflection (64 on CPU, 512 in the paper config).
         tip_history_length: past steps shown when asking for a reflection.
-        novelty: ``{"enabled": bool, "threshold": 0.9, "coef": 1.0}`` (SPEC §2.6; coef in environment units).
+        novelty: ``{"enabled": bool, "threshold": 0.9, "coef": 1.0, "count": "visits"}`` (SPEC §2.6; coef in
+            environment units; ``count``: ``visits`` or ``distinct``, see ``NoveltyMemory``).
 
     Raises:
         ValueError: unknown partition, or embedder/tip-memory dimension mismatch.
@@ -63,7 +64,7 @@ class MemoryCallback(L.Callback):
         novelty = dict(novelty or {})
         self.novelty_enabled = bool(novelty.get("enabled", False))
         self.novelty = NoveltyMemory(dim=embedder.dim, threshold=float(novelty.get("threshold", 0.9)),
-                                     coef=float(novelty.get("coef", 1.0)))
+                                     coef=float(novelty.get("coef", 1.0)), count=novelty.get("count", "visits"))
         self._reset_counters()
 
     # ------------------------------------------------------------------ used by the rollout runner
@@ -78,14 +79,18 @@ class MemoryCallback(L.Callback):
         self.counters["embed_s"] += time.perf_counter() - tic
         return out
 
+    @staticmethod
+    def task_name(task: dict[str, Any]) -> str:
+        """The task a task dict belongs to (``task_name``; every variation / goal of it shares the name)."""
+        return str(task.get("task_name", task.get("task_id", "task")))
+
     def partition_key(self, task: dict[str, Any]) -> str:
-        """Partition name of a task dict (``task_name``/``goal_idx`` and ``variation`` fields)."""
+        """Partition name of a task dict: ``global``, the task name, or ``<task name>/<variation or goal_idx>``."""
         if self.partition == "global":
             return "global"
-        name = str(task.get("task_name", task.get("task_id", task.get("split", "task"))))
         if self.partition == "task":
-            return name
-        return f"{name}/{task.get('variation', task.get('goal_idx', 0))}"
+            return self.task_name(task)
+        return f"{self.task_name(task)}/{task.get('variation', task.get('goal_idx', 0))}"
 
     def retrieve(self, tasks: list[dict], keys: np.ndarray) -> list[list[str]]:
         """Tip contents for each (task, key [dim]) pair: cosine > threshold, then top-k by score (SPEC §2.7)."""
@@ -96,9 +101,8 @@ class MemoryCallback(L.Callback):
         return [[e.content for e in h] for h in hits]
 
     def novelty_rewards(self, tasks: list[dict], keys: np.ndarray) -> np.ndarray:
-        """Count-based bonus coef/(n+1) for each reached state (per task; SPEC §2.6)."""
-        names = [str(t.get("task_name", t.get("task_id", "task"))) for t in tasks]
-        return self.novelty.rewards(names, keys)
+        """Count-based bonus coef/(N+1) for the states reached in one environment step (per task; SPEC §2.6)."""
+        return self.novelty.rewards([self.task_name(t) for t in tasks], keys)
 
     # ------------------------------------------------------------------ tip writing
     def write_tips(self, episodes, policy, system_prompt: str) -> dict[str, float]:
@@ -138,6 +142,7 @@ class MemoryCallback(L.Callback):
         c = self.counters
         out = {"memory/size": float(len(self.tips)), "memory/partitions": float(len(self.tips.sizes())),
                "memory/novel_states": float(len(self.novelty)),
+               "memory/novelty_visits": float(sum(sum(c) for c in self.novelty.visits().values())),
                "memory/tips_written": float(c["tips_written"]), "memory/embed_s": float(c["embed_s"])}
         if c["queries"]:
             out["memory/hit_rate"] = c["hits"] / c["queries"]

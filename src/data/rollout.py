@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 # What ``fit_prompt`` counts (summed over a rollout's prompts, logged as ``rollout/prompt_fit/<key>``).
 PROMPT_CUT_KEYS = ("prompts_fitted", "admissible_actions_cut", "history_steps_cut", "tips_cut",
                    "observation_chars_cut")
+HISTORY_ACTIONS = ("raw", "executed")
 
 
 class EpisodeMemory(Protocol):
@@ -45,7 +46,9 @@ class StepRecord:
     ``rollout_prompt_ids``: the prompt the policy sampled from (with tips in memory rollouts).
     ``update_prompt_ids``: the prompt used for the update; tips removed in ``off_policy`` iterations (SPEC §2.4),
     otherwise the same list. ``response_ids`` / ``sample_log_probs``: exactly what the policy generated and the
-    log-probs it sampled them with. ``reward``: extrinsic reward (environment units); ``intrinsic``: novelty bonus.
+    log-probs it sampled them with. ``response_text``: the decoded response (the model's raw output);
+    ``action``: the action the environment executed (after parsing / action correction). ``reward``: extrinsic
+    reward (environment units); ``intrinsic``: novelty bonus.
     """
 
     observation: str
@@ -64,8 +67,9 @@ class StepRecord:
 
 @dataclass
 class Episode:
-    """A finished episode. ``failed`` episodes (a crashed environment worker) have ``episode_return`` NaN and are
-    excluded from their group's advantage statistics (SPEC §2.2)."""
+    """A finished episode. An episode ``failed`` when its environment worker crashed or returned a non-finite
+    reward (``error`` says which); it has return NaN, gives no samples, is excluded from its group's advantage
+    statistics (SPEC §2.2) and is counted once, as ``failed_episodes``."""
 
     task: dict[str, Any]
     group: int
@@ -84,6 +88,7 @@ class Episode:
         return {"failed": self.failed, "return": self.discounted_return(), "score": self.score,
                 "success": self.success, "length": len(self.steps),
                 "extrinsic_return": sum(s.reward for s in self.steps),
+                "intrinsic_return": sum(s.intrinsic for s in self.steps),
                 "invalid_actions": sum(not s.valid_action for s in self.steps)}
 
     def discounted_return(self, gamma: float = 1.0) -> float:
@@ -96,7 +101,10 @@ class Episode:
 @dataclass
 class RolloutConfig:
     """How episodes are run. ``use_tips``: retrieve tips into the rollout prompts; ``strip_tips_for_update``: also
-    render the tip-free update prompt (off-policy mode); ``history_length``: past steps shown in the prompt."""
+    render the tip-free update prompt (off-policy mode); ``history_length``: past steps shown in the prompt;
+    ``history_action``: what the history shows as each past step's action, ``raw`` (the model's output, as the
+    authors record it with action correction: ``record_original_action``) or ``executed`` (the action the
+    environment ran, e.g. the corrected one)."""
 
     temperature: float = 1.0
     max_response_tokens: int = 32
@@ -107,6 +115,11 @@ class RolloutConfig:
     tips_scope: str = "current"
     novelty: bool = False
     do_sample: bool = True
+    history_action: str = "raw"
+
+    def __post_init__(self) -> None:
+        if self.history_action not in HISTORY_ACTIONS:
+            raise ValueError(f"history_action must be one of {HISTORY_ACTIONS}, got {self.history_action!r}")
 
 
 def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list[int], cfg: RolloutConfig,
@@ -186,8 +199,10 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
         for j, i in enumerate(active):
             obs, reward, terminated, truncated, info = results[j]
             ep = episodes[i]
-            if "error" in info:
-                ep.failed, ep.error = True, info["error"]
+            if "error" in info or not math.isfinite(reward):
+                ep.failed = True
+                ep.error = info.get("error", f"non-finite reward {reward!r} at step {len(ep.steps) + 1}")
+                log.warning("episode %d (task %s) failed: %s", i, tasks[i], ep.error)
                 continue
             action = info.get("action", gen.texts[j])
             ep.steps.append(StepRecord(
@@ -195,7 +210,8 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
                 response_ids=gen.response_ids[j], sample_log_probs=gen.log_probs[j], response_text=gen.texts[j],
                 action=action, reward=float(reward), valid_action=bool(info.get("valid_action", True)),
                 tips=tips[j], key=None if keys is None else keys[i]))
-            histories[i].append(HistoryItem(observations[i], action, tips[j]))
+            shown = gen.texts[j].strip() if cfg.history_action == "raw" else action
+            histories[i].append(HistoryItem(observations[i], shown, tips[j]))
             observations[i], infos[i] = obs, info
             ep.score = float(info.get("score", ep.score))
             ep.success = bool(info.get("success", False))
@@ -327,6 +343,7 @@ def episode_metrics(episodes: list[Episode] | list[dict], prefix: str = "") -> d
         out.update({
             "return": float(np.mean([r["return"] for r in done])),
             "extrinsic_return": float(np.mean([r["extrinsic_return"] for r in done])),
+            "intrinsic_return": float(np.mean([r["intrinsic_return"] for r in done])),
             "score": float(np.mean([r["score"] for r in done])),
             "success_rate": float(np.mean([r["success"] for r in done])),
             "episode_length": float(np.mean([r["length"] for r in done])),

@@ -43,6 +43,13 @@ def check_algorithm_config(algorithm: dict) -> None:
     for key in ("memory_rollout_prob", "offpolicy_prob"):
         if not 0.0 <= float(algorithm.get(key, 0.0)) <= 1.0:
             raise ValueError(f"algorithm.{key}={algorithm[key]!r}: expected a probability in [0, 1]")
+    if int(algorithm.get("no_signal_patience", 1)) < 1:
+        raise ValueError(f"algorithm.no_signal_patience={algorithm['no_signal_patience']!r}: expected an int >= 1")
+    # Skipping a zero-advantage step drops its KL term too (the step never reaches the loss), so the KL
+    # penalty would silently cover only part of the batch; and keeping those steps for the KL alone saves nothing.
+    if algorithm.get("skip_zero_advantage", False) and float(algorithm.get("kl_coef", 0.0)) > 0:
+        raise ValueError(f"algorithm.skip_zero_advantage=true with algorithm.kl_coef={algorithm['kl_coef']}: "
+                         "skipped steps would lose their KL term; set one of them to false/0")
 
 # exp() of a float32 log-ratio overflows to inf above ~88; a stale or off-policy token can reach that, and
 # inf * 0 (a zero advantage) is NaN. |log ρ| = 20 (ρ ≈ 5e8 or 2e-9) is far outside every clip range, so

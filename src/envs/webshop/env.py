@@ -23,6 +23,7 @@ from src.envs.webshop.search import SearchEngine
 
 ACTION_RE = re.compile(r'(.+)\[(.+)\]')  # the original's parse_action
 SEARCH_PLACEHOLDER = "search[<query>]"
+TASK_NAME = "webshop"
 TOP_K = 50  # the original shows the top-50 hits
 SUB_PAGES = ("description", "features", "reviews")
 
@@ -243,9 +244,10 @@ class WebShopEnv:
 
     # ------------------------------------------------------------------ contract
     def tasks(self, split: str) -> list[dict[str, Any]]:
-        """``[{"goal_idx": i, "split": split}, ...]`` for the split's goal indices (see data.split_goal_indices)."""
+        """``[{"task_name": "webshop", "goal_idx": i, "split": split}, ...]`` for the split's goal indices (see
+        data.split_goal_indices). Every goal is a variation of the one task ``webshop`` (memory partitions)."""
         idx = split_goal_indices(len(self.data.goals), split, self.num_test_goals, self.num_dev_goals)
-        return [{"goal_idx": i, "split": split} for i in idx]
+        return [{"task_name": TASK_NAME, "goal_idx": i, "split": split} for i in idx]
 
     @property
     def goal(self) -> dict:
