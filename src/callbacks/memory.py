@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 
-from src.data.prompts import build_tip_messages, HistoryItem
+from src.data.prompts import HistoryItem, build_tip_messages, fit_tip_history
 from src.memory.embedder import Embedder
 from src.memory.novelty import NoveltyMemory
 from src.memory.tip_memory import TipMemory, format_entry
@@ -35,8 +35,8 @@ class MemoryCallback(L.Callback):
             matches the embedder, or a built ``TipMemory``.
         partition: ``variation`` (one memory per task variation, the authors' default), ``task`` or ``global``.
         tips_scope: ``current`` or ``all_steps`` (see ``build_step_messages``).
-        tip_max_tokens: token budget of one reflection (64 on CPU, 512 in the paper config).
-        tip_history_length: past steps shown when asking for a reflection.
+        tip_max_tokens: token budget of one reflection (64 on CPU, 512 in the paper config). The reflection
+            prompt shows the whole trajectory within the policy's ``max_prompt_tokens`` (``fit_tip_history``).
         novelty: ``{"enabled": bool, "threshold": 0.9, "coef": 1.0}`` (SPEC §2.6; coef in environment units).
 
     Raises:
@@ -44,7 +44,7 @@ class MemoryCallback(L.Callback):
     """
 
     def __init__(self, embedder: Embedder, tip_memory, partition: str = "variation",
-                 tips_scope: str = "current", tip_max_tokens: int = 64, tip_history_length: int = 10,
+                 tips_scope: str = "current", tip_max_tokens: int = 64,
                  novelty: dict[str, Any] | None = None):
         super().__init__()
         if partition not in PARTITIONS:
@@ -59,7 +59,6 @@ class MemoryCallback(L.Callback):
         self.partition = partition
         self.tips_scope = tips_scope
         self.tip_max_tokens = tip_max_tokens
-        self.tip_history_length = tip_history_length
         novelty = dict(novelty or {})
         self.novelty_enabled = bool(novelty.get("enabled", False))
         self.novelty = NoveltyMemory(dim=embedder.dim, threshold=float(novelty.get("threshold", 0.9)),
@@ -89,7 +88,9 @@ class MemoryCallback(L.Callback):
 
     def retrieve(self, tasks: list[dict], keys: np.ndarray) -> list[list[str]]:
         """Tip contents for each (task, key [dim]) pair: cosine > threshold, then top-k by score (SPEC §2.7)."""
+        tic = time.perf_counter()
         hits = self.tips.retrieve([self.partition_key(t) for t in tasks], keys)
+        self.counters["retrieve_s"] += time.perf_counter() - tic
         self.counters["queries"] += len(hits)
         self.counters["hits"] += sum(1 for h in hits if h)
         self.counters["tips_shown"] += sum(len(h) for h in hits)
@@ -105,15 +106,19 @@ class MemoryCallback(L.Callback):
         """Ask the policy for one reflection per finished episode (one batched call) and store one entry per step.
 
         Entry content: ``<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>.``,
-        key = embedding of step k's state, score = the episode's final score (SPEC §2.7).
+        key = the embedding of step k's state made during the rollout (``StepRecord.key``, not recomputed),
+        score = the episode's final score (SPEC §2.7). Returns timings (s) and token counts.
         """
-        done = [e for e in episodes if not e.failed and e.steps and e.steps[0].key is not None]
         tic = time.perf_counter()
-        prompts = [policy.encode(build_tip_messages(
-            system_prompt, e.instruction, [HistoryItem(s.observation, s.action) for s in e.steps],
-            e.final_observation, e.score, e.max_score, self.tip_history_length)) for e in done]
+        done = [e for e in episodes if not e.failed and e.steps and e.steps[0].key is not None]
+        prompts, shortened = [], 0
+        for e in done:
+            ids, n = self.reflection_prompt(policy, system_prompt, e)
+            prompts.append(ids)
+            shortened += n
+        tic_generate = time.perf_counter()
         gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens)
-        generate_s = time.perf_counter() - tic
+        generate_s = time.perf_counter() - tic_generate
         batches = []
         for episode, tip in zip(done, gen.texts):
             tip = " ".join(tip.split()) or "No reflection."
@@ -127,18 +132,37 @@ class MemoryCallback(L.Callback):
             written += self.tips.add(partition, keys, contents, scores, steps)
         self.counters["tips_written"] += written
         return {"tips_written": float(written), "tip_generate_s": generate_s,
-                "tip_tokens": float(sum(len(r) for r in gen.response_ids))}
+                "tip_write_s": time.perf_counter() - tic, "tip_tokens": float(sum(len(r) for r in gen.response_ids)),
+                "tip_prompt_tokens": float(sum(len(p) for p in prompts)),
+                "tip_observations_shortened": float(shortened)}
+
+    @staticmethod
+    def reflection_prompt(policy, system_prompt: str, episode) -> tuple[list[int], int]:
+        """(prompt ids, observations shortened) of the reflection on ``episode``'s whole trajectory, fitted to
+        ``policy.max_prompt_tokens`` by shortening the oldest observations first (``fit_tip_history``)."""
+        def messages(history):
+            return build_tip_messages(system_prompt, episode.instruction, history, episode.final_observation,
+                                      episode.score, episode.max_score)
+
+        history = [HistoryItem(s.observation, s.action) for s in episode.steps]
+        history, ids, shortened = fit_tip_history(history, lambda h: policy.encode(messages(h), truncate=False),
+                                                  policy.tokenizer, policy.max_prompt_tokens)
+        if len(ids) > policy.max_prompt_tokens:  # even without past observations: the policy's counted cut
+            ids = policy.encode(messages(history))
+        return ids, shortened
 
     # ------------------------------------------------------------------ metrics
     def _reset_counters(self) -> None:
-        self.counters = {"queries": 0, "hits": 0, "tips_shown": 0, "tips_written": 0, "embed_s": 0.0}
+        self.counters = {"queries": 0, "hits": 0, "tips_shown": 0, "tips_written": 0, "embed_s": 0.0,
+                         "retrieve_s": 0.0}
 
     def pop_metrics(self) -> dict[str, float]:
         """Memory size, retrieval hit rate, tips shown/written since the last call."""
         c = self.counters
         out = {"memory/size": float(len(self.tips)), "memory/partitions": float(len(self.tips.sizes())),
                "memory/novel_states": float(len(self.novelty)),
-               "memory/tips_written": float(c["tips_written"]), "memory/embed_s": float(c["embed_s"])}
+               "memory/tips_written": float(c["tips_written"]), "memory/embed_s": float(c["embed_s"]),
+               "memory/retrieve_s": float(c["retrieve_s"])}
         if c["queries"]:
             out["memory/hit_rate"] = c["hits"] / c["queries"]
             out["memory/tips_per_query"] = c["tips_shown"] / c["queries"]

@@ -81,14 +81,56 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": "\n\n".join(parts)}]
 
 
+SHORTENED = "[...]"
+
+
 def build_tip_messages(system_prompt: str, instruction: str, history: list[HistoryItem], final_observation: str,
-                       final_score: float, max_score: float, history_length: int = 10) -> list[dict[str, str]]:
-    """Messages asking the policy for its one-line reflection on a finished episode (SPEC §2.7)."""
-    shown = history[-history_length:] if history_length > 0 else []
-    lines = [f"Task: {instruction}", f"Your trajectory ({len(history)} steps, last {len(shown)} shown):"]
-    for k, item in enumerate(shown, start=len(history) - len(shown) + 1):
+                       final_score: float, max_score: float) -> list[dict[str, str]]:
+    """Messages asking the policy for its one-line reflection on a finished episode (SPEC §2.7).
+
+    Every step of the trajectory is shown (observation and action); ``fit_tip_history`` shortens the oldest
+    observations (marked ``[...]``) to fit a token budget, never dropping a step.
+    """
+    lines = [f"Task: {instruction}", f"Your trajectory ({len(history)} steps):"]
+    for k, item in enumerate(history, start=1):
         lines.append(f"[Step {k}] Observation: {item.observation}\n[Step {k}] Action: {item.action}")
     lines.append(f"Final observation: {final_observation}")
     lines.append(f"Final score: {final_score:g} out of {max_score:g}.")
     lines.append(TIP_INSTRUCTION)
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": "\n".join(lines)}]
+
+
+def fit_tip_history(history: list[HistoryItem], render, tokenizer,
+                    budget: int) -> tuple[list[HistoryItem], list[int], int]:
+    """The whole trajectory shortened until the reflection prompt has at most ``budget`` ids, where possible.
+
+    Args:
+        history: every step of the episode, oldest first.
+        render: ``history -> prompt ids`` (e.g. ``build_tip_messages`` then ``Policy.encode(truncate=False)``).
+        tokenizer: the policy's tokenizer, to cut observations at token boundaries.
+        budget: max prompt tokens.
+
+    Returns:
+        (history, its prompt ids, number of shortened observations). Observations are cut from their end,
+        oldest step first, each down to nothing before the next is touched, and marked ``[...]``; actions, the
+        task, the final observation and score always stay. If the prompt is still over budget with every past
+        observation emptied, it is returned as it is (the caller's last-resort cut applies).
+    """
+    ids = render(history)
+    if len(ids) <= budget or not history:
+        return history, ids, 0
+    obs_ids = tokenizer([h.observation for h in history], add_special_tokens=False)["input_ids"]
+    keep = [len(x) for x in obs_ids]
+    shortened = history
+    while len(ids) > budget and any(keep):
+        excess = len(ids) - budget  # re-measured each round: the [...] markers cost a few tokens
+        for k in range(len(keep)):
+            take = min(keep[k], excess)
+            keep[k], excess = keep[k] - take, excess - take
+            if excess == 0:
+                break
+        shortened = [h if n == len(o) else
+                     HistoryItem(f"{tokenizer.decode(o[:n]).rstrip()} {SHORTENED}".lstrip(), h.action, h.tips)
+                     for h, o, n in zip(history, obs_ids, keep)]
+        ids = render(shortened)
+    return shortened, ids, sum(n < len(o) for o, n in zip(obs_ids, keep))
