@@ -16,13 +16,15 @@ Position ids are derived from the attention mask, so padding never shifts positi
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from src.models.core_algos import entropy_from_logits, log_probs_from_logits
+from src.models.prompt_cache import PromptKV, batch_with_prefixes, row_prompt_kv
 
 
 @dataclass
@@ -39,6 +41,15 @@ class Generation:
     log_probs: list[list[float]]
     texts: list[str]
     truncated: list[bool]
+    # (model cache, prompt end column, prompt lengths) when generate(keep_prompt_kv=True)
+    _kv: tuple[Any, int, list[int]] | None = field(default=None, repr=False)
+
+    def prompt_kv(self, i: int) -> PromptKV:
+        """A copy of prompt i's keys/values (needs ``generate(keep_prompt_kv=True)``), to continue it later."""
+        if self._kv is None:
+            raise ValueError("prompt keys/values were not kept; call generate(..., keep_prompt_kv=True)")
+        cache, prompt_end, lengths = self._kv
+        return row_prompt_kv(cache, i, prompt_end, lengths[i])
 
 
 def pack_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int) -> dict[str, Tensor]:
@@ -124,16 +135,42 @@ class Policy(nn.Module):
             ids = ids[-self.max_prompt_tokens:]
         return ids
 
+    def encode_next_turn(self, content: str) -> list[int] | None:
+        """Ids that close the assistant's turn after its content and add a user turn with ``content`` and the
+        assistant header: appended to a prompt's ids plus its response (without the final EOS) they give the
+        continued conversation. ``None`` when the chat template renders a conversation's beginning differently
+        once more turns follow (then continuing by ids would not match a fresh rendering).
+        """
+        def render(messages, generation_prompt):
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                           tokenize=True, return_dict=False))
+
+        head = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+        answer = self.tokenizer.encode("A", add_special_tokens=False)
+        prompt = render(head, True)
+        full = render(head + [{"role": "assistant", "content": "A"}, {"role": "user", "content": content}], True)
+        if full[:len(prompt)] != prompt or full[len(prompt):len(prompt) + len(answer)] != answer:
+            return None
+        return full[len(prompt) + len(answer):]
+
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], max_new_tokens: int | None = None, temperature: float | None = None,
-                 do_sample: bool = True) -> Generation:
+                 do_sample: bool = True, keep_prompt_kv: bool = False,
+                 prefix_kv: list[PromptKV | None] | None = None) -> Generation:
         """Sample one response per prompt in one batched call.
 
         Sampling uses the full softmax of ``logits / temperature`` (top-k and top-p disabled) so the returned
         log-probs are exactly the behaviour policy's. ``do_sample=False`` is greedy (log-probs still reported
         at the given temperature).
+
+        Prefix caching (``src/models/prompt_cache.py``): ``keep_prompt_kv=True`` keeps the prompts' keys/values
+        (``Generation.prompt_kv(i)``); ``prefix_kv[i]``, kept from an earlier call with the same weights, stands
+        for the first ``prefix_kv[i].length`` ids of prompt i, which are then not recomputed.
         """
+        if keep_prompt_kv and prefix_kv is not None:
+            raise ValueError("keep_prompt_kv and prefix_kv cannot be combined (the kept prompt would not be "
+                             "contiguous in the cache)")
         max_new_tokens = max_new_tokens or self.max_response_tokens
         temperature = self.temperature if temperature is None else temperature
         if not prompt_ids and not self.synced:
@@ -142,7 +179,11 @@ class Policy(nn.Module):
             self.generate([[self.tokenizer.eos_token_id]], max_new_tokens, temperature, do_sample)
             return Generation([], [], [], [])
         pad = self.tokenizer.pad_token_id
-        batch = pack_batch(prompt_ids, [[] for _ in prompt_ids], pad)
+        extra = {}
+        if prefix_kv is not None and any(p is not None for p in prefix_kv):
+            batch, extra["cache"] = batch_with_prefixes(prompt_ids, prefix_kv, pad, self.model.config)
+        else:
+            batch = pack_batch(prompt_ids, [[] for _ in prompt_ids], pad)
         batch = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
         was_training = self.model.training
         self.model.eval()
@@ -150,7 +191,7 @@ class Policy(nn.Module):
             out = self.model.generate(
                 **batch, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature if do_sample else None,
                 top_k=0, top_p=1.0, output_logits=True, return_dict_in_generate=True, pad_token_id=pad,
-                eos_token_id=self.eos_token_ids, synced_gpus=self.synced,
+                eos_token_id=self.eos_token_ids, synced_gpus=self.synced, **extra,
             )
         finally:
             self.model.train(was_training)
@@ -169,7 +210,8 @@ class Policy(nn.Module):
             log_probs.append(token_log_probs[i, :n].tolist())
             truncated.append(len(hits) == 0)
         texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-        return Generation(response_ids, log_probs, texts, truncated)
+        kv = (out.cache, p_len, [len(p) for p in prompt_ids]) if keep_prompt_kv and not extra else None
+        return Generation(response_ids, log_probs, texts, truncated, kv)
 
     # ------------------------------------------------------------------ scoring
     def log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float = 1.0,
