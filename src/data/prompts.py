@@ -84,6 +84,16 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
 SHORTENED = "[...]"
 
 
+def _steps_lines(history: list[HistoryItem]) -> list[str]:
+    return [f"[Step {k}] Observation: {item.observation}\n[Step {k}] Action: {item.action}"
+            for k, item in enumerate(history, start=1)]
+
+
+def _ending_lines(final_observation: str, final_score: float, max_score: float) -> list[str]:
+    return [f"Final observation: {final_observation}", f"Final score: {final_score:g} out of {max_score:g}.",
+            TIP_INSTRUCTION]
+
+
 def build_tip_messages(system_prompt: str, instruction: str, history: list[HistoryItem], final_observation: str,
                        final_score: float, max_score: float) -> list[dict[str, str]]:
     """Messages asking the policy for its one-line reflection on a finished episode (SPEC §2.7).
@@ -91,13 +101,21 @@ def build_tip_messages(system_prompt: str, instruction: str, history: list[Histo
     Every step of the trajectory is shown (observation and action); ``fit_tip_history`` shortens the oldest
     observations (marked ``[...]``) to fit a token budget, never dropping a step.
     """
-    lines = [f"Task: {instruction}", f"Your trajectory ({len(history)} steps):"]
-    for k, item in enumerate(history, start=1):
-        lines.append(f"[Step {k}] Observation: {item.observation}\n[Step {k}] Action: {item.action}")
-    lines.append(f"Final observation: {final_observation}")
-    lines.append(f"Final score: {final_score:g} out of {max_score:g}.")
-    lines.append(TIP_INSTRUCTION)
+    lines = [f"Task: {instruction}", f"Your trajectory ({len(history)} steps):", *_steps_lines(history),
+             *_ending_lines(final_observation, final_score, max_score)]
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": "\n".join(lines)}]
+
+
+def build_reflection_turn(earlier: list[HistoryItem], num_steps: int, final_observation: str, final_score: float,
+                          max_score: float) -> str:
+    """The user turn asking for the reflection when it continues the episode's last rollout prompt and action
+    (SPEC §2.7): that prompt already shows the task, the last steps and the current observation, so this turn adds
+    the ``earlier`` steps it did not show (steps 1..len(earlier) of ``num_steps``), the final observation and score,
+    and the tip instruction. Together they show the whole trajectory."""
+    lines = ["The episode is over."]
+    if earlier:
+        lines += [f"Your first {len(earlier)} steps (of {num_steps}), not shown above:", *_steps_lines(earlier)]
+    return "\n".join(lines + _ending_lines(final_observation, final_score, max_score))
 
 
 def fit_tip_history(history: list[HistoryItem], render, tokenizer,

@@ -56,6 +56,7 @@ class StepRecord:
     valid_action: bool = True
     tips: list[str] = field(default_factory=list)
     key: np.ndarray | None = None
+    history_shown: int = 0  # past steps the rollout prompt showed (after fitting it to the budget)
 
 
 @dataclass
@@ -74,6 +75,8 @@ class Episode:
     error: str | None = None
     final_observation: str = ""
     truncated: bool = False
+    # the last rollout prompt's keys/values (RolloutConfig.keep_reflection_prefix): the reflection continues it
+    reflection_prefix: Any = field(default=None, repr=False)
 
     def summary(self) -> dict[str, float]:
         """The per-episode numbers behind ``episode_metrics`` (small and picklable, for gathering over ranks)."""
@@ -92,7 +95,9 @@ class Episode:
 @dataclass
 class RolloutConfig:
     """How episodes are run. ``use_tips``: retrieve tips into the rollout prompts; ``strip_tips_for_update``: also
-    render the tip-free update prompt (off-policy mode); ``history_length``: past steps shown in the prompt."""
+    render the tip-free update prompt (off-policy mode); ``history_length``: past steps shown in the prompt;
+    ``keep_reflection_prefix``: store each finished episode's last prompt keys/values on the episode
+    (``Episode.reflection_prefix``) so the reflection that continues that prompt does not recompute it."""
 
     temperature: float = 1.0
     max_response_tokens: int = 32
@@ -103,6 +108,7 @@ class RolloutConfig:
     tips_scope: str = "current"
     novelty: bool = False
     do_sample: bool = True
+    keep_reflection_prefix: bool = False  # keep each episode's last prompt keys/values for its tip (write_tips)
 
 
 def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list[int], cfg: RolloutConfig,
@@ -155,7 +161,7 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
             tic = time.perf_counter()
             tips = memory.retrieve([tasks[i] for i in active], keys[active])
             timers["memory_s"] += time.perf_counter() - tic
-        prompts, update_prompts = [], []
+        prompts, update_prompts, shown = [], [], []
         for j, i in enumerate(active):
             common = dict(system_prompt=pool.system_prompt, instruction=episodes[i].instruction, history=histories[i],
                           observation=observations[i], admissible_actions=infos[i].get("admissible_actions"),
@@ -164,13 +170,14 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
                           step=len(episodes[i].steps), max_steps=max_steps)
             step_tips = fit_prompt(policy, common, tips[j] if cfg.use_tips else None)
             tips[j] = step_tips or []
+            shown.append(min(common["history_length"], len(histories[i])) if common["history_length"] > 0 else 0)
             ids = policy.encode(build_step_messages(tips=step_tips, **common))
             prompts.append(ids)
             update_prompts.append(policy.encode(build_step_messages(tips=None, **common))
                                   if cfg.use_tips and cfg.strip_tips_for_update else ids)
         tic = time.perf_counter()
         gen = policy.generate(prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
-                              do_sample=cfg.do_sample)
+                              do_sample=cfg.do_sample, keep_prompt_kv=cfg.keep_reflection_prefix)
         timers["generate_s"] += time.perf_counter() - tic
         generated_tokens += sum(len(r) for r in gen.response_ids)
         tic = time.perf_counter()
@@ -188,13 +195,15 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
                 observation=observations[i], rollout_prompt_ids=prompts[j], update_prompt_ids=update_prompts[j],
                 response_ids=gen.response_ids[j], sample_log_probs=gen.log_probs[j], response_text=gen.texts[j],
                 action=action, reward=float(reward), valid_action=bool(info.get("valid_action", True)),
-                tips=tips[j], key=None if keys is None else keys[i]))
+                tips=tips[j], key=None if keys is None else keys[i], history_shown=shown[j]))
             histories[i].append(HistoryItem(observations[i], action, tips[j]))
             observations[i], infos[i] = obs, info
             ep.score = float(info.get("score", ep.score))
             ep.success = bool(info.get("success", False))
             if terminated or truncated:
                 ep.final_observation, ep.truncated = obs, bool(truncated and not terminated)
+                if cfg.keep_reflection_prefix:
+                    ep.reflection_prefix = gen.prompt_kv(j)
             else:
                 still_active.append(i)
         # Keys of the states just reached: the next step's memory queries and this step's novelty bonus.
