@@ -8,8 +8,9 @@ training run's rollout phase.
 1. Retrieval: ``TipMemory.retrieve`` against ``ListScanMemory`` (a plain Python list scanned entry by entry with
    the authors' semantics: cosine > threshold, top k by stored score, dedup by content, FIFO), on random unit
    keys clustered around one direction (cosine to each other ~0.5, so about half of a partition passes the 0.5
-   threshold), one partition, one batch of ``--queries`` queries. Prints ms per query, the ratio and whether the
-   two return the same entries in the same order.
+   threshold), one partition, one batch of ``--queries`` queries, ranked by score (the default; a read scans the
+   entries in score order and stops once every query's top k is settled) and by similarity (always a full
+   scan). Prints ms per query, the ratio and whether the two return the same entries in the same order.
 2. From a run's MLflow metrics (default: the newest run in logs/mlflow.db): per iteration the memory's share of
    the rollout phase, (embedding + retrieval + novelty + tip writing) / (rollout + tip writing), split into its
    parts, and rollout time / generation time (the time ``Policy.generate`` took for the same tokens).
@@ -77,7 +78,8 @@ def best_time(fn, repeats: int) -> tuple[float, object]:
     return min(times), result
 
 
-def bench_retrieval(sizes: list[int], num_queries: int, repeats: int = 3, seed: int = 0) -> list[dict]:
+def bench_retrieval(sizes: list[int], num_queries: int, repeats: int = 3, rank_by: str = "score",
+                    seed: int = 0) -> list[dict]:
     """One row per size: ms/query of both (best of ``repeats``), the ratio, and whether the results are
     identical."""
     out = []
@@ -87,9 +89,9 @@ def bench_retrieval(sizes: list[int], num_queries: int, repeats: int = 3, seed: 
         keys, queries = keys[:n], keys[n:]
         contents = [f"tip {i}" for i in range(n)]
         scores = rng.integers(0, 20, size=n).astype(float)  # few distinct scores: many ties, as in real runs
-        memory = TipMemory(dim=keys.shape[1], embedder_name="bench", capacity=n)
+        memory = TipMemory(dim=keys.shape[1], embedder_name="bench", capacity=n, rank_by=rank_by)
         memory.add("p", keys, contents, scores, np.zeros(n, int))
-        reference = ListScanMemory(capacity=n)
+        reference = ListScanMemory(capacity=n, rank_by=rank_by)
         reference.add(keys, contents, scores)
         fast_s, fast = best_time(lambda: memory.retrieve(["p"] * num_queries, queries), repeats)
         slow_s, slow = best_time(lambda: [reference.retrieve(q) for q in queries], repeats)
@@ -99,8 +101,8 @@ def bench_retrieval(sizes: list[int], num_queries: int, repeats: int = 3, seed: 
     return out
 
 
-def print_retrieval(rows: list[dict], num_queries: int, repeats: int) -> None:
-    print(f"Retrieval, one partition, {num_queries} queries in one batch, top 10 by score, threshold 0.5, "
+def print_retrieval(rows: list[dict], num_queries: int, repeats: int, rank_by: str) -> None:
+    print(f"Retrieval, one partition, {num_queries} queries in one batch, top 10 by {rank_by}, threshold 0.5, "
           f"best of {repeats}:")
     print(f"{'entries':>9} {'list scan ms/q':>15} {'retrieve ms/q':>14} {'ratio':>8} {'identical':>10}")
     for r in rows:
@@ -129,11 +131,12 @@ def memory_share(tracking_uri: str, experiment: str, run_id: str | None) -> None
         return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
 
     names = ["rollout_s", "generate_s", "memory_s", "tip_write_s", "tip_generate_s", "memory/embed_s",
-             "memory/retrieve_s", "mode_on_policy", "mode_on_policy_with_tips", "mode_off_policy"]
+             "memory/retrieve_s", "tip_prompt_tokens", "tip_prompt_cached_tokens", "mode_on_policy",
+             "mode_on_policy_with_tips", "mode_off_policy"]
     data = {k: series(f"rollout/{k}") for k in names}
     print(f"\nMemory's share of the rollout phase, run {run.info.run_name} ({run_id}):")
-    print(f"{'iter':>4} {'mode':>20} {'rollout s':>10} {'embed':>7} {'retrieve':>9} {'novelty':>8} {'tips':>7} "
-          f"{'total':>7} {'emb+ret':>8} {'rollout/gen':>12}")
+    print(f"{'iter':>4} {'mode':>20} {'rollout s':>10} {'tips s':>7} {'embed':>7} {'retrieve':>9} {'novelty':>8} "
+          f"{'tips':>7} {'total':>7} {'emb+ret':>8} {'rollout/gen':>12} {'tip ids (cached)':>17}")
     for i, rollout in enumerate(data["rollout_s"]):
         get = lambda k: data[k][i] if i < len(data[k]) else float("nan")  # noqa: E731
         mode = next((m for m in ("on_policy", "on_policy_with_tips", "off_policy") if get(f"mode_{m}") == 1.0), "?")
@@ -141,9 +144,12 @@ def memory_share(tracking_uri: str, experiment: str, run_id: str | None) -> None
         embed, retrieve = get("memory/embed_s"), get("memory/retrieve_s")
         novelty = get("memory_s") - embed - retrieve
         phase = rollout + tips
-        print(f"{i:>4} {mode:>20} {rollout:>10.1f} {embed / phase:>7.1%} {retrieve / phase:>9.2%} "
+        ids = f"{get('tip_prompt_tokens'):.0f} ({get('tip_prompt_cached_tokens'):.0f})"
+        print(f"{i:>4} {mode:>20} {rollout:>10.1f} {tips:>7.1f} {embed / phase:>7.1%} {retrieve / phase:>9.2%} "
               f"{novelty / phase:>8.2%} {tips / phase:>7.1%} {(get('memory_s') + tips) / phase:>7.1%} "
-              f"{(embed + retrieve) / phase:>8.2%} {rollout / get('generate_s'):>12.2f}")
+              f"{(embed + retrieve) / phase:>8.2%} {rollout / get('generate_s'):>12.2f} {ids:>17}")
+    print("shares of rollout + tip writing; novelty = memory_s - embedding - retrieval; rollout/gen = rollout time "
+          "/ time in Policy.generate for the same tokens")
 
 
 def main() -> None:
@@ -151,12 +157,15 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
     parser.add_argument("--queries", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rank-by", nargs="+", default=["score", "similarity"], choices=["score", "similarity"])
     parser.add_argument("--tracking-uri", default="sqlite:///logs/mlflow.db")
     parser.add_argument("--experiment", default="empo2")
     parser.add_argument("--run-id", default=None)
     args = parser.parse_args()
     print(f"{datetime.date.today()}, {platform.machine()} {platform.processor() or ''}".strip())
-    print_retrieval(bench_retrieval(args.sizes, args.queries, args.repeats), args.queries, args.repeats)
+    for rank_by in args.rank_by:
+        rows = bench_retrieval(args.sizes, args.queries, args.repeats, rank_by)
+        print_retrieval(rows, args.queries, args.repeats, rank_by)
     memory_share(args.tracking_uri, args.experiment, args.run_id)
 
 

@@ -148,11 +148,14 @@ def half_keys(rng: np.random.Generator, n: int, dim: int = DIM) -> np.ndarray:
     return x
 
 
-def _check_against_list_scan(rng, make_keys, threshold, rank_by, top_k, capacity, writes, queries_per_read):
+def _check_against_list_scan(rng, make_keys, threshold, rank_by, top_k, capacity, writes, queries_per_read,
+                             first_chunk=1024):
     """Random writes into 3 partitions (FIFO evictions, duplicate contents, an empty partition), a batched read
-    after every write; every result must equal the list scan's, in order."""
+    after every write; every result must equal the list scan's, in order. A small ``first_chunk`` makes reads by
+    score scan in several chunks (and stop early), with score ties across chunk boundaries."""
     memory = TipMemory(DIM if make_keys is half_keys else 32, "emb", capacity=capacity, threshold=threshold,
                        top_k=top_k, rank_by=rank_by)
+    memory.first_chunk = first_chunk
     refs = {p: ListScanMemory(capacity, threshold, top_k, rank_by) for p in ("a", "b", "c")}
     memory.add("empty", make_keys(rng, 0, memory.dim), [], [], [])
     for w in range(writes):
@@ -171,19 +174,19 @@ def _check_against_list_scan(rng, make_keys, threshold, rank_by, top_k, capacity
         assert [t.content for t in memory.entries(p)] == [c for _, c, _ in refs[p].entries]
 
 
-@pytest.mark.parametrize("rank_by", ["score", "similarity"])
+@pytest.mark.parametrize("rank_by,first_chunk", [("score", 1024), ("score", 2), ("similarity", 1024)])
 @pytest.mark.parametrize("threshold", [-1.0, 0.0, 0.25, 0.5, 1.0])
-def test_retrieve_equals_list_scan_with_exact_ties(threshold, rank_by):
+def test_retrieve_equals_list_scan_with_exact_ties(threshold, rank_by, first_chunk):
     rng = np.random.default_rng([7, int(threshold * 4) + 4, rank_by == "score"])
     _check_against_list_scan(rng, half_keys, threshold, rank_by, top_k=5, capacity=25, writes=30,
-                             queries_per_read=6)
+                             queries_per_read=6, first_chunk=first_chunk)
 
 
-@pytest.mark.parametrize("rank_by", ["score", "similarity"])
-def test_retrieve_equals_list_scan_on_clustered_random_keys(rank_by):
+@pytest.mark.parametrize("rank_by,first_chunk", [("score", 1024), ("score", 16), ("similarity", 1024)])
+def test_retrieve_equals_list_scan_on_clustered_random_keys(rank_by, first_chunk):
     rng = np.random.default_rng(11)
     _check_against_list_scan(rng, lambda r, n, d: clustered_keys(r, n, d), 0.5, rank_by, top_k=10,
-                             capacity=300, writes=120, queries_per_read=16)
+                             capacity=300, writes=120, queries_per_read=16, first_chunk=first_chunk)
 
 
 def test_threshold_one_retrieves_nothing_even_for_identical_keys():
@@ -439,7 +442,19 @@ def test_short_trajectory_reflection_is_not_shortened(embedder, tiny_policy):
 
     memory = MemoryCallback(embedder, TipMemory(embedder.dim, embedder.name), tip_max_tokens=4)
     episode = _long_episode(3, embedder.dim)
-    ids, shortened = memory.reflection_prompt(tiny_policy, "You are an agent.", episode)
+    ids, prefix, shortened = memory.reflection_prompt(tiny_policy, "You are an agent.", episode)
     history = [HistoryItem(s.observation, s.action) for s in episode.steps]
-    assert shortened == 0 and ids == tiny_policy.encode(build_tip_messages(
+    assert prefix is None and shortened == 0 and ids == tiny_policy.encode(build_tip_messages(
         "You are an agent.", "Find a chair.", history, "FINAL-OBS you see a chair", 25.0, 100.0))
+
+
+@pytest.mark.parametrize("experiment", ["scienceworld_paper", "webshop_paper"])
+def test_paper_experiments_use_the_paper_tip_budget(experiment):
+    """SPEC §2.7: 512 tip tokens at paper scale; the reflection prompt gets the policy's prompt budget."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"experiment={experiment}"])
+    assert cfg.memory.tip_max_tokens == 512 and cfg.model.policy.max_prompt_tokens >= 4096

@@ -178,6 +178,14 @@ def test_reflection_continues_the_last_rollout_prompt_from_its_kept_keys_values(
     cfg = RolloutConfig(max_response_tokens=4, history_length=1, keep_reflection_prefix=True)
     episodes, _ = run_episodes(pool, tiny_policy, [TASK, TASK], [0, 0], cfg, memory=memory)
     assert all(e.reflection_prefix is not None and len(e.steps) == 3 for e in episodes)
+    # a continuation that cannot fit the budget falls back to a fresh prompt of the whole trajectory
+    budget = tiny_policy.max_prompt_tokens
+    tiny_policy.max_prompt_tokens = len(episodes[0].steps[-1].rollout_prompt_ids) + 8
+    try:
+        ids, prefix, _ = memory.reflection_prompt(tiny_policy, pool.system_prompt, episodes[0])
+    finally:
+        tiny_policy.max_prompt_tokens = budget
+    assert prefix is None and "Your trajectory (3 steps)" in tiny_policy.tokenizer.decode(ids)
     metrics = memory.write_tips(episodes, Recorder(tiny_policy), pool.system_prompt)
     prompts, kwargs = calls[-1]
     assert metrics["tip_prompts_continued"] == 2 and all(p is not None for p in kwargs["prefix_kv"])

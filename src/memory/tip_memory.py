@@ -7,9 +7,9 @@ vector in the same order (row i of the index is entry i). Writes deduplicate by 
 ``top_k`` with the highest stored score (the authors' choice) or highest similarity.
 
 Reads scale with the partition size: the cosines of all queries of a partition against its stored keys come from
-one BLAS matrix product over the index's own storage (exact, the same numbers as a FAISS range search, which
-took 2-3x longer for 16 queries), and only the candidates that can reach a query's top k are sorted, all
-queries in one ``numpy.lexsort``. ``scripts/bench_memory.py`` compares this with a plain list scan.
+one BLAS matrix product over the index's own storage (exact inner products, as a FAISS range search would give;
+the range search took 2-3x longer for 16 queries), and only the candidates that can still reach a query's top k
+are sorted, all queries in one ``numpy.lexsort``. ``scripts/bench_memory.py`` compares this with a list scan.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from typing import Any
 
 import faiss
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 _FORMAT = "empo2.tip_memory.v1"
 _META_FILE = "meta.json"
@@ -80,25 +81,39 @@ def format_entry(tip: str, action: str, final_score: float, max_score: float) ->
 class _Partition:
     """Row i of ``index`` is ``entries[i]`` with stored score ``scores[i]``; rows are in insertion order."""
 
-    __slots__ = ("index", "entries", "contents", "scores", "_score_rank")
+    __slots__ = ("index", "entries", "contents", "scores", "_by_score")
 
     def __init__(self, dim: int) -> None:
         self.index = faiss.IndexFlatIP(dim)
         self.entries: list[TipEntry] = []
         self.contents: set[str] = set()
         self.scores = np.zeros(0, dtype=np.float64)
-        self._score_rank: np.ndarray | None = None
+        self._by_score: np.ndarray | None = None
 
     def set_scores(self, scores: np.ndarray) -> None:
-        self.scores, self._score_rank = np.asarray(scores, dtype=np.float64), None
+        self.scores, self._by_score = np.asarray(scores, dtype=np.float64), None
 
     @property
-    def score_rank(self) -> np.ndarray:
-        """float32 [N]: the dense rank of each row's score (same order as the scores, exact in float32 up to
-        2**24 distinct scores; a float32 [queries, N] array is half the memory traffic of float64)."""
-        if self._score_rank is None:
-            self._score_rank = np.unique(self.scores, return_inverse=True)[1].astype(np.float32)
-        return self._score_rank
+    def by_score(self) -> np.ndarray:
+        """int64 [N]: the rows in ranking order of their stored scores (highest first, older first among equal
+        scores); computed once after each write."""
+        if self._by_score is None:
+            self._by_score = np.lexsort((np.arange(len(self.scores)), -self.scores))
+        return self._by_score
+
+
+_BLAS: ThreadpoolController | None = None
+
+
+def _one_blas_thread():
+    """Context in which numpy's BLAS runs on one thread. A read's products are small (16 queries x 1,000 keys:
+    6 M multiply-adds): on the 2-core machine shared with other jobs, OpenBLAS's two threads took 8 ms for it,
+    one thread 0.3 ms (waiting for a descheduled second thread costs more than it saves); a 100,000-key full
+    scan is at most ~2x slower on one thread of an idle machine."""
+    global _BLAS
+    if _BLAS is None:
+        _BLAS = ThreadpoolController()
+    return _BLAS.limit(limits=1, user_api="blas")
 
 
 def _stored_keys(index: faiss.IndexFlat) -> np.ndarray:
@@ -157,6 +172,7 @@ class TipMemory:
         self.threshold = float(threshold)
         self.top_k = int(top_k)
         self.rank_by = rank_by
+        self.first_chunk = 1024  # entries per first scan in score order (``_candidates_in_score_order``)
         self._parts: dict[str, _Partition] = {}
         self._counters = {"added": 0, "duplicates": 0, "evicted": 0}
 
@@ -279,32 +295,72 @@ class TipMemory:
             part = self._parts.get(p)
             if part is None or not part.entries:
                 continue
-            for qi, rows in zip(qidx, self._top_rows(part, queries[qidx])):
+            with _one_blas_thread():
+                top = self._top_rows(part, queries[qidx])
+            for qi, rows in zip(qidx, top):
                 out[qi] = [part.entries[j] for j in rows]
         return out
 
     def _top_rows(self, part: _Partition, queries: np.ndarray) -> list[np.ndarray]:
         """For each of Q queries, the row ids of its top ``top_k`` candidates in ``rank_by`` order (row index =
         age: smaller is older)."""
-        sims = queries @ _stored_keys(part.index).T  # [Q, N] cosines, one BLAS product
-        np.clip(sims, -1.0, 1.0, out=sims)
+        keys = _stored_keys(part.index)
+        if self.rank_by == "score":
+            q, rows, cos = self._candidates_in_score_order(part, keys, queries)
+        else:
+            q, rows, cos = self._candidates_by_similarity(keys, queries)
+        score = part.scores[rows]
+        order = np.lexsort((rows, -cos, -score, q) if self.rank_by == "score" else (rows, -score, -cos, q))
+        q, rows = q[order], rows[order]
+        first = np.searchsorted(q, np.arange(len(queries)))
+        keep = np.arange(len(q)) - first[q] < self.top_k
+        q, rows = q[keep], rows[keep]
+        return np.split(rows, np.searchsorted(q, np.arange(1, len(queries))))
+
+    def _candidates_by_similarity(self, keys: np.ndarray, queries: np.ndarray):
+        """(query, row, cosine) of the candidates that can be in a query's top k by similarity: one matrix product
+        with every key, then only those at or above the query's k-th best cosine."""
+        sims = np.clip(queries @ keys.T, -1.0, 1.0)  # [Q, N]
         candidate = sims > _float32_below(self.threshold)
-        by_score = self.rank_by == "score"
-        score = part.score_rank
-        primary = np.where(candidate, score if by_score else sims, -np.inf)  # [Q, N] float32
-        n, k = primary.shape[1], self.top_k
+        n, k = sims.shape[1], self.top_k
         if n > k:
-            # Only candidates at or above a query's k-th best primary key can be in its top k: sort just those.
+            primary = np.where(candidate, sims, -np.inf)
             kth = np.partition(primary, n - k, axis=1)[:, n - k]
             candidate &= primary >= kth[:, None]
         q, rows = np.nonzero(candidate)
-        cos, score = sims[q, rows], score[rows]
-        order = np.lexsort((rows, -cos, -score, q) if by_score else (rows, -score, -cos, q))
-        q, rows = q[order], rows[order]
-        first = np.searchsorted(q, np.arange(len(queries)))
-        keep = np.arange(len(q)) - first[q] < k
-        q, rows = q[keep], rows[keep]
-        return np.split(rows, np.searchsorted(q, np.arange(1, len(queries))))
+        return q, rows, sims[q, rows]
+
+    def _candidates_in_score_order(self, part: _Partition, keys: np.ndarray, queries: np.ndarray):
+        """(query, row, cosine) of every candidate in the entries scanned in score order, chunk by chunk
+        (``first_chunk`` entries, then doubling), until each query's top k is settled: it has k candidates and
+        the k-th one's score is above every unscanned entry's. In a large partition where many entries pass the
+        threshold, the first chunk usually settles every query; with few candidates it scans everything, as the
+        similarity order does."""
+        order, scores, k = part.by_score, part.scores, self.top_k
+        radius = _float32_below(self.threshold)
+        found = np.zeros(len(queries), dtype=np.int64)
+        kth_score = np.full(len(queries), -np.inf)
+        pending = np.arange(len(queries))
+        out: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        start, size = 0, self.first_chunk
+        while len(pending) and start < len(order):
+            cols = order[start:start + size]
+            sims = np.clip(queries[pending] @ keys[cols].T, -1.0, 1.0)
+            candidate = sims > radius
+            q, c = np.nonzero(candidate)
+            out.append((pending[q], cols[c], sims[q, c]))
+            before = found[pending]
+            found[pending] += candidate.sum(axis=1)
+            start, size = start + size, 2 * size
+            reached = (before < k) & (found[pending] >= k)  # the k-th candidate is in this chunk: its score
+            if reached.any():
+                position = np.argmax(np.cumsum(candidate[reached], axis=1) >= (k - before[reached])[:, None], axis=1)
+                kth_score[pending[reached]] = scores[cols[position]]
+            if start < len(order):
+                pending = pending[kth_score[pending] <= scores[order[start]]]
+        if not out:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
+        return tuple(np.concatenate(parts) for parts in zip(*out))
 
     # ------------------------------------------------------------------ info
     def __len__(self) -> int:
