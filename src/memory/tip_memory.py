@@ -6,10 +6,12 @@ vector in the same order (row i of the index is entry i). Writes deduplicate by 
 ``capacity`` entries per partition (FIFO). Reads keep entries with cosine > ``threshold`` and return the
 ``top_k`` with the highest stored score (the authors' choice) or highest similarity.
 
-Reads scale with the partition size: the cosines of all queries of a partition against its stored keys come from
-one BLAS matrix product over the index's own storage (exact inner products, as a FAISS range search would give;
-the range search took 2-3x longer for 16 queries), and only the candidates that can still reach a query's top k
-are sorted, all queries in one ``numpy.lexsort``. ``scripts/bench_memory.py`` compares this with a list scan.
+Reads scale with the partition size, all queries of a partition at once: ranked by score, the entries are scanned
+in score order in growing chunks (one BLAS product each) until every query's top k is settled, so a large
+partition with many entries above the threshold is read in its first chunk; ranked by similarity, one product
+with every stored key (read from the FAISS index's own storage: exact inner products, as a FAISS range search
+would give, which took 2-3x longer). Only candidates that can still reach a top k are sorted, all queries in one
+``numpy.lexsort``. ``scripts/bench_memory.py`` compares this with a list scan.
 """
 from __future__ import annotations
 
@@ -264,7 +266,7 @@ class TipMemory:
 
     # ------------------------------------------------------------------ read
     def retrieve(self, partitions: list[str], queries: np.ndarray) -> list[list[TipEntry]]:
-        """Tips for a batch of queries (all queries of one partition in one matrix product).
+        """Tips for a batch of queries (all queries of one partition read together).
 
         Args:
             partitions: B partition keys, one per query.
