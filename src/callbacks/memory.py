@@ -126,7 +126,8 @@ class MemoryCallback(L.Callback):
         for e in episodes:
             e.reflection_prefix = None
         tic_generate = time.perf_counter()
-        gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens, prefix_kv=prefixes)
+        cached = {"prefix_kv": prefixes} if any(p is not None for p in prefixes) else {}
+        gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens, **cached)
         generate_s = time.perf_counter() - tic_generate
         batches = []
         for episode, tip in zip(done, gen.texts):
@@ -140,10 +141,10 @@ class MemoryCallback(L.Callback):
         for partition, keys, contents, scores, steps in gather_lists(batches):
             written += self.tips.add(partition, keys, contents, scores, steps)
         self.counters["tips_written"] += written
-        cached = sum(p.length for p in prefixes if p is not None)
         return {"tips_written": float(written), "tip_generate_s": generate_s,
                 "tip_write_s": time.perf_counter() - tic, "tip_tokens": float(sum(len(r) for r in gen.response_ids)),
-                "tip_prompt_tokens": float(sum(len(p) for p in prompts)), "tip_prompt_cached_tokens": float(cached),
+                "tip_prompt_tokens": float(sum(len(p) for p in prompts)),
+                "tip_prompt_cached_tokens": float(sum(p.length for p in prefixes if p is not None)),
                 "tip_prompts_continued": float(sum(p is not None for p in prefixes)),
                 "tip_observations_shortened": float(shortened)}
 

@@ -176,8 +176,9 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
             update_prompts.append(policy.encode(build_step_messages(tips=None, **common))
                                   if cfg.use_tips and cfg.strip_tips_for_update else ids)
         tic = time.perf_counter()
+        keep = {"keep_prompt_kv": True} if cfg.keep_reflection_prefix else {}
         gen = policy.generate(prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
-                              do_sample=cfg.do_sample, keep_prompt_kv=cfg.keep_reflection_prefix)
+                              do_sample=cfg.do_sample, **keep)
         timers["generate_s"] += time.perf_counter() - tic
         generated_tokens += sum(len(r) for r in gen.response_ids)
         tic = time.perf_counter()
