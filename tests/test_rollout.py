@@ -391,3 +391,44 @@ def test_write_tips_stores_each_step_under_its_state_key(pool, tiny_policy, memo
     first = episodes[0].steps[0]
     np.testing.assert_allclose(first.key, memory.embed([memory.state_text(episodes[0].instruction, first.observation)])[0],
                                atol=1e-6)
+
+
+def test_reflection_continues_the_last_rollout_prompt_from_its_kept_keys_values(pool, tiny_policy, memory):
+    """Tip writing after a rollout that kept each episode's last prompt: the reflection prompt is that prompt, its
+    action, then a turn with the steps it did not show; only the new ids are computed (SPEC §2.7)."""
+    calls = []
+
+    class Recorder(RecordingPolicy):
+        def generate(self, prompts, **kwargs):
+            calls.append((prompts, kwargs))
+            return self.policy.generate(prompts, **kwargs)
+
+    torch.manual_seed(5)
+    cfg = RolloutConfig(max_response_tokens=4, history_length=1, keep_reflection_prefix=True)
+    episodes, _ = run_episodes(pool, tiny_policy, [TASK, TASK], [0, 0], cfg, memory=memory)
+    assert all(e.reflection_prefix is not None and len(e.steps) == 3 for e in episodes)
+    # a continuation that cannot fit the budget falls back to a fresh prompt of the whole trajectory
+    budget = tiny_policy.max_prompt_tokens
+    tiny_policy.max_prompt_tokens = len(episodes[0].steps[-1].rollout_prompt_ids) + 8
+    try:
+        ids, prefix, _ = memory.reflection_prompt(tiny_policy, pool.system_prompt, episodes[0])
+    finally:
+        tiny_policy.max_prompt_tokens = budget
+    assert prefix is None and "Your trajectory (3 steps)" in tiny_policy.tokenizer.decode(ids)
+    metrics = memory.write_tips(episodes, Recorder(tiny_policy), pool.system_prompt)
+    prompts, kwargs = calls[-1]
+    assert metrics["tip_prompts_continued"] == 2 and all(p is not None for p in kwargs["prefix_kv"])
+    decode = tiny_policy.tokenizer.decode
+    for episode, prompt, prefix in zip(episodes, prompts, kwargs["prefix_kv"]):
+        last = episode.steps[-1]
+        assert last.history_shown == 1 and prefix.length == len(last.rollout_prompt_ids)
+        response = last.response_ids[:-1] if last.response_ids[-1] in tiny_policy.eos_token_ids else last.response_ids
+        assert prompt[:len(last.rollout_prompt_ids) + len(response)] == last.rollout_prompt_ids + response
+        turn = decode(prompt[len(last.rollout_prompt_ids) + len(response):])
+        # step 1 was not in the last prompt (it showed step 2 only): the turn adds it, then the ending
+        assert "Your first 1 steps (of 3), not shown above:" in turn and "[Step 2]" not in turn
+        assert f"[Step 1] Action: {episode.steps[0].action}" in turn
+        assert f"Final observation: {episode.final_observation.strip()[:30]}" in turn
+        assert len(prompt) <= tiny_policy.max_prompt_tokens
+        assert episode.reflection_prefix is None  # released
+    assert metrics["tips_written"] > 0

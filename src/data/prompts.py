@@ -99,14 +99,74 @@ def _admissible_block(actions: list[str], shown: int | None) -> str:
     return f"Admissible actions ({shown} of {len(actions)} shown): " + ", ".join(picks)
 
 
+SHORTENED = "[...]"
+
+
+def _steps_lines(history: list[HistoryItem]) -> list[str]:
+    return [f"[Step {k}] Observation: {item.observation}\n[Step {k}] Action: {item.action}"
+            for k, item in enumerate(history, start=1)]
+
+
+def _ending_lines(final_observation: str, final_score: float, max_score: float) -> list[str]:
+    return [f"Final observation: {final_observation}", f"Final score: {final_score:g} out of {max_score:g}.",
+            TIP_INSTRUCTION]
+
+
 def build_tip_messages(system_prompt: str, instruction: str, history: list[HistoryItem], final_observation: str,
-                       final_score: float, max_score: float, history_length: int = 10) -> list[dict[str, str]]:
-    """Messages asking the policy for its one-line reflection on a finished episode (SPEC §2.7)."""
-    shown = history[-history_length:] if history_length > 0 else []
-    lines = [f"Task: {instruction}", f"Your trajectory ({len(history)} steps, last {len(shown)} shown):"]
-    for k, item in enumerate(shown, start=len(history) - len(shown) + 1):
-        lines.append(f"[Step {k}] Observation: {item.observation}\n[Step {k}] Action: {item.action}")
-    lines.append(f"Final observation: {final_observation}")
-    lines.append(f"Final score: {final_score:g} out of {max_score:g}.")
-    lines.append(TIP_INSTRUCTION)
+                       final_score: float, max_score: float) -> list[dict[str, str]]:
+    """Messages asking the policy for its one-line reflection on a finished episode (SPEC §2.7).
+
+    Every step of the trajectory is shown (observation and action); ``fit_tip_history`` shortens the oldest
+    observations (marked ``[...]``) to fit a token budget, never dropping a step.
+    """
+    lines = [f"Task: {instruction}", f"Your trajectory ({len(history)} steps):", *_steps_lines(history),
+             *_ending_lines(final_observation, final_score, max_score)]
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": "\n".join(lines)}]
+
+
+def build_reflection_turn(earlier: list[HistoryItem], num_steps: int, final_observation: str, final_score: float,
+                          max_score: float) -> str:
+    """The user turn asking for the reflection when it continues the episode's last rollout prompt and action
+    (SPEC §2.7): that prompt already shows the task, the last steps and the current observation, so this turn adds
+    the ``earlier`` steps it did not show (steps 1..len(earlier) of ``num_steps``), the final observation and score,
+    and the tip instruction. Together they show the whole trajectory."""
+    lines = ["The episode is over."]
+    if earlier:
+        lines += [f"Your first {len(earlier)} steps (of {num_steps}), not shown above:", *_steps_lines(earlier)]
+    return "\n".join(lines + _ending_lines(final_observation, final_score, max_score))
+
+
+def fit_tip_history(history: list[HistoryItem], render, tokenizer,
+                    budget: int) -> tuple[list[HistoryItem], list[int], int]:
+    """The whole trajectory shortened until the reflection prompt has at most ``budget`` ids, where possible.
+
+    Args:
+        history: every step of the episode, oldest first.
+        render: ``history -> prompt ids`` (e.g. ``build_tip_messages`` then ``Policy.encode(truncate=False)``).
+        tokenizer: the policy's tokenizer, to cut observations at token boundaries.
+        budget: max prompt tokens.
+
+    Returns:
+        (history, its prompt ids, number of shortened observations). Observations are cut from their end,
+        oldest step first, each down to nothing before the next is touched, and marked ``[...]``; actions, the
+        task, the final observation and score always stay. If the prompt is still over budget with every past
+        observation emptied, it is returned as it is (the caller's last-resort cut applies).
+    """
+    ids = render(history)
+    if len(ids) <= budget or not history:
+        return history, ids, 0
+    obs_ids = tokenizer([h.observation for h in history], add_special_tokens=False)["input_ids"]
+    keep = [len(x) for x in obs_ids]
+    shortened = history
+    while len(ids) > budget and any(keep):
+        excess = len(ids) - budget  # re-measured each round: the [...] markers cost a few tokens
+        for k in range(len(keep)):
+            take = min(keep[k], excess)
+            keep[k], excess = keep[k] - take, excess - take
+            if excess == 0:
+                break
+        shortened = [h if n == len(o) else
+                     HistoryItem(f"{tokenizer.decode(o[:n]).rstrip()} {SHORTENED}".lstrip(), h.action, h.tips)
+                     for h, o, n in zip(history, obs_ids, keep)]
+        ids = render(shortened)
+    return shortened, ids, sum(n < len(o) for o, n in zip(obs_ids, keep))

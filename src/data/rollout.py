@@ -63,6 +63,7 @@ class StepRecord:
     valid_action: bool = True
     tips: list[str] = field(default_factory=list)
     key: np.ndarray | None = None
+    history_shown: int = 0  # past steps the rollout prompt showed (after fitting it to the budget)
 
 
 @dataclass
@@ -82,6 +83,8 @@ class Episode:
     error: str | None = None
     final_observation: str = ""
     truncated: bool = False
+    # the last rollout prompt's keys/values (RolloutConfig.keep_reflection_prefix): the reflection continues it
+    reflection_prefix: Any = field(default=None, repr=False)
 
     def summary(self) -> dict[str, float]:
         """The per-episode numbers behind ``episode_metrics`` (small and picklable, for gathering over ranks)."""
@@ -104,7 +107,9 @@ class RolloutConfig:
     render the tip-free update prompt (off-policy mode); ``history_length``: past steps shown in the prompt;
     ``history_action``: what the history shows as each past step's action, ``raw`` (the model's output, as the
     authors record it with action correction: ``record_original_action``) or ``executed`` (the action the
-    environment ran, e.g. the corrected one)."""
+    environment ran, e.g. the corrected one). ``keep_reflection_prefix``: store each finished episode's last prompt
+    keys/values on the episode (``Episode.reflection_prefix``) so the reflection that continues that prompt does
+    not recompute it."""
 
     temperature: float = 1.0
     max_response_tokens: int = 32
@@ -116,6 +121,7 @@ class RolloutConfig:
     novelty: bool = False
     do_sample: bool = True
     history_action: str = "raw"
+    keep_reflection_prefix: bool = False  # keep each episode's last prompt keys/values for its tip (write_tips)
 
     def __post_init__(self) -> None:
         if self.history_action not in HISTORY_ACTIONS:
@@ -174,7 +180,7 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
             tic = time.perf_counter()
             tips = memory.retrieve([tasks[i] for i in active], keys[active])
             timers["memory_s"] += time.perf_counter() - tic
-        prompts, update_prompts = [], []
+        prompts, update_prompts, shown = [], [], []
         for j, i in enumerate(active):
             common = dict(system_prompt=pool.system_prompt, instruction=episodes[i].instruction, history=histories[i],
                           observation=observations[i], admissible_actions=infos[i].get("admissible_actions"),
@@ -183,13 +189,15 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
                           step=len(episodes[i].steps), max_steps=max_steps)
             step_tips = fit_prompt(policy, common, tips[j] if cfg.use_tips else None, prompt_cuts)
             tips[j] = step_tips or []
+            shown.append(min(common["history_length"], len(histories[i])) if common["history_length"] > 0 else 0)
             ids = policy.encode(build_step_messages(tips=step_tips, **common))
             prompts.append(ids)
             update_prompts.append(policy.encode(build_step_messages(tips=None, **common))
                                   if cfg.use_tips and cfg.strip_tips_for_update else ids)
         tic = time.perf_counter()
+        keep = {"keep_prompt_kv": True} if cfg.keep_reflection_prefix else {}
         gen = policy.generate(prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
-                              do_sample=cfg.do_sample)
+                              do_sample=cfg.do_sample, **keep)
         timers["generate_s"] += time.perf_counter() - tic
         generated_tokens += sum(len(r) for r in gen.response_ids)
         tic = time.perf_counter()
@@ -209,14 +217,16 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
                 observation=observations[i], rollout_prompt_ids=prompts[j], update_prompt_ids=update_prompts[j],
                 response_ids=gen.response_ids[j], sample_log_probs=gen.log_probs[j], response_text=gen.texts[j],
                 action=action, reward=float(reward), valid_action=bool(info.get("valid_action", True)),
-                tips=tips[j], key=None if keys is None else keys[i]))
-            shown = gen.texts[j].strip() if cfg.history_action == "raw" else action
-            histories[i].append(HistoryItem(observations[i], shown, tips[j]))
+                tips=tips[j], key=None if keys is None else keys[i], history_shown=shown[j]))
+            past_action = gen.texts[j].strip() if cfg.history_action == "raw" else action
+            histories[i].append(HistoryItem(observations[i], past_action, tips[j]))
             observations[i], infos[i] = obs, info
             ep.score = float(info.get("score", ep.score))
             ep.success = bool(info.get("success", False))
             if terminated or truncated:
                 ep.final_observation, ep.truncated = obs, bool(truncated and not terminated)
+                if cfg.keep_reflection_prefix:
+                    ep.reflection_prefix = gen.prompt_kv(j)
             else:
                 still_active.append(i)
         # Keys of the states just reached: the next step's memory queries and this step's novelty bonus.

@@ -215,6 +215,8 @@ class RolloutDataModule(L.LightningDataModule):
         groups = [rank * 10_000 + k for k in range(len(tasks)) for _ in range(self.group_size)]
         cfg = self.rollout_config(use_tips=mode != "on_policy", strip_tips_for_update=mode == "off_policy",
                                   novelty=self.memory is not None and self.memory.novelty_enabled)
+        # the reflections written below continue each episode's last prompt without recomputing it
+        cfg.keep_reflection_prefix = self.memory is not None and self.memory.reuse_rollout_cache
         with module.rollout_context():
             episodes, metrics = run_episodes(self.pool, policy, episode_tasks, groups, cfg, self.memory, self.max_steps)
             if self.memory is not None:

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from src.models.core_algos import entropy_from_logits, log_probs_from_logits
+from src.models.prompt_cache import PromptKV, batch_with_prefixes, row_prompt_kv
 from src.models.sampling import (SampledTokenLogProbs, checkpoint_generation_defaults_off, dropped_generation_defaults,
                                  sampling_config)
 
@@ -44,6 +46,15 @@ class Generation:
     log_probs: list[list[float]]
     texts: list[str]
     truncated: list[bool]
+    # (model cache, prompt end column, prompt lengths) when generate(keep_prompt_kv=True)
+    _kv: tuple[Any, int, list[int]] | None = field(default=None, repr=False)
+
+    def prompt_kv(self, i: int) -> PromptKV:
+        """A copy of prompt i's keys/values (needs ``generate(keep_prompt_kv=True)``), to continue it later."""
+        if self._kv is None:
+            raise ValueError("prompt keys/values were not kept; call generate(..., keep_prompt_kv=True)")
+        cache, prompt_end, lengths = self._kv
+        return row_prompt_kv(cache, i, prompt_end, lengths[i])
 
 
 def pack_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int) -> dict[str, Tensor]:
@@ -130,10 +141,29 @@ class Policy(nn.Module):
             ids = ids[-self.max_prompt_tokens:]
         return ids
 
+    def encode_next_turn(self, content: str) -> list[int] | None:
+        """Ids that close the assistant's turn after its content and add a user turn with ``content`` and the
+        assistant header: appended to a prompt's ids plus its response (without the final EOS) they give the
+        continued conversation. ``None`` when the chat template renders a conversation's beginning differently
+        once more turns follow (then continuing by ids would not match a fresh rendering).
+        """
+        def render(messages, generation_prompt):
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                           tokenize=True, return_dict=False))
+
+        head = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+        answer = self.tokenizer.encode("A", add_special_tokens=False)
+        prompt = render(head, True)
+        full = render(head + [{"role": "assistant", "content": "A"}, {"role": "user", "content": content}], True)
+        if full[:len(prompt)] != prompt or full[len(prompt):len(prompt) + len(answer)] != answer:
+            return None
+        return full[len(prompt) + len(answer):]
+
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], max_new_tokens: int | None = None, temperature: float | None = None,
-                 do_sample: bool = True) -> Generation:
+                 do_sample: bool = True, keep_prompt_kv: bool = False,
+                 prefix_kv: list[PromptKV | None] | None = None) -> Generation:
         """Sample one response per prompt in one batched call.
 
         Tokens are drawn from exactly ``softmax(logits / temperature)`` over the full vocabulary, the distribution
@@ -141,9 +171,16 @@ class Policy(nn.Module):
         ``src/models/sampling.py``). The log-probs are gathered step by step (extra memory O(B·V)).
         ``do_sample=False`` is greedy (log-probs still reported at the given temperature).
 
+        Prefix caching (``src/models/prompt_cache.py``): ``keep_prompt_kv=True`` keeps the prompts' keys/values
+        (``Generation.prompt_kv(i)``); ``prefix_kv[i]``, kept from an earlier call with the same weights, stands
+        for the first ``prefix_kv[i].length`` ids of prompt i, which are then not recomputed.
+
         Raises:
-            ValueError: ``temperature <= 0``.
+            ValueError: ``temperature <= 0``, or ``keep_prompt_kv`` together with ``prefix_kv``.
         """
+        if keep_prompt_kv and prefix_kv is not None:
+            raise ValueError("keep_prompt_kv and prefix_kv cannot be combined (the kept prompt would not be "
+                             "contiguous in the cache)")
         max_new_tokens = max_new_tokens or self.max_response_tokens
         temperature = self.temperature if temperature is None else temperature
         if not prompt_ids and not self.synced:
@@ -155,17 +192,22 @@ class Policy(nn.Module):
         recorder = SampledTokenLogProbs(temperature)
         pad = self.tokenizer.pad_token_id
         config = sampling_config(max_new_tokens, temperature, do_sample, self.eos_token_ids, pad)
-        batch = pack_batch(prompt_ids, [[] for _ in prompt_ids], pad)
+        extra = {}
+        if prefix_kv is not None and any(p is not None for p in prefix_kv):
+            batch, extra["cache"] = batch_with_prefixes(prompt_ids, prefix_kv, pad, self.model.config)
+        else:
+            batch = pack_batch(prompt_ids, [[] for _ in prompt_ids], pad)
         batch = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
         was_training = self.model.training
         self.model.eval()
         try:
             with checkpoint_generation_defaults_off(self.model):
                 out = self.model.generate(**batch, generation_config=config, synced_gpus=self.synced,
-                                          logits_processor=LogitsProcessorList([recorder]))
+                                          logits_processor=LogitsProcessorList([recorder]), **extra)
         finally:
             self.model.train(was_training)
-        sequences = out.sequences[:, batch["input_ids"].shape[1]:]
+        p_len = batch["input_ids"].shape[1]
+        sequences = out.sequences[:, p_len:]
         token_log_probs = recorder.finish(sequences).cpu()
         sequences = sequences.cpu()
         eos = torch.tensor(self.eos_token_ids)
@@ -178,7 +220,8 @@ class Policy(nn.Module):
             log_probs.append(token_log_probs[i, :n].tolist())
             truncated.append(len(hits) == 0)
         texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-        return Generation(response_ids, log_probs, texts, truncated)
+        kv = (out.cache, p_len, [len(p) for p in prompt_ids]) if keep_prompt_kv and not extra else None
+        return Generation(response_ids, log_probs, texts, truncated, kv)
 
     def _warn_dropped_generation_defaults(self) -> None:
         if self._checked_generation_defaults:
