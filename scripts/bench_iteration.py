@@ -35,6 +35,7 @@ def main() -> None:
         return [m.value for m in sorted(client.get_metric_history(args.run_id, key), key=lambda m: m.step)]
 
     keys = ["rollout/rollout_s", "rollout/generate_s", "rollout/env_s", "rollout/memory_s", "rollout/tip_generate_s",
+            "rollout/tip_write_s",
             "rollout/old_log_prob_s", "rollout/rollout_tokens_per_s", "rollout/generated_tokens", "rollout/adv/samples"]
     data = {k: series(k) for k in keys}
     modes = {m: series(f"rollout/mode_{m}") for m in ("on_policy", "on_policy_with_tips", "off_policy")}
@@ -48,7 +49,8 @@ def main() -> None:
     for i, rollout in enumerate(data["rollout/rollout_s"]):
         mode = next((m for m, v in modes.items() if i < len(v) and v[i] == 1.0), "?")
         get = lambda k: data[k][i] if i < len(data[k]) else float("nan")  # noqa: E731
-        tips = get("rollout/tip_generate_s")
+        # the whole tip writing (prompts, generation, storage); runs before it was logged: the generation only
+        tips = get("rollout/tip_write_s") if data["rollout/tip_write_s"] else get("rollout/tip_generate_s")
         upd = sum(update[i * per_iter:(i + 1) * per_iter])
         share = (get("rollout/memory_s") + tips) / (rollout + tips)
         print(("{:>5} {:>20} " + "{:>10.1f} " * 7 + "{:>10.0f} {:>10.1f} {:>9.0%}").format(

@@ -7,7 +7,8 @@ training and SFT read the cache with ``src.envs.scienceworld.load_gold``. Each p
     python scripts/cache_gold_trajectories.py --task find-non-living-thing 4-1 --split train \
         --num-variations 5 --out-dir data/scienceworld_gold
 
-Writes (merging into an existing file) ``<out-dir>/<task_name>.json``.
+Writes (merging into an existing file) ``<out-dir>/<task_name>.json`` and logs each task's gold-path lengths against
+its default action cap (the table of ``src/envs/scienceworld_gold_lengths.py`` comes from this output).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script from any directory
 
-from src.envs.scienceworld import ScienceWorldEnv, generate_gold, resolve_task, save_gold  # noqa: E402
+from src.envs.scienceworld import (  # noqa: E402
+    ScienceWorldEnv, default_max_steps, generate_gold, resolve_task, save_gold)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     ok = sum(r["success"] for r in records)
     logging.info("%d/%d gold paths replay to success (%.1f s) -> %s", ok, len(records),
                  time.perf_counter() - start, ", ".join(map(str, paths)))
+    lengths: dict[str, list[int]] = {}
+    for r in records:
+        lengths.setdefault(r["task_name"], []).append(len(r["observations"]))
+    for name, n in lengths.items():
+        cap = default_max_steps(name)
+        logging.info("%s: gold path %d-%d actions, default cap %d%s", name, min(n), max(n), cap,
+                     "  <- longer than the cap" if max(n) > cap else "")
     for r in records:
         if not r["success"]:
             logging.warning("no success: %s variation %d (score %s)", r["task_name"], r["variation"],

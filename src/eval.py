@@ -46,6 +46,7 @@ import rootutils
 from omegaconf import DictConfig, OmegaConf
 
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True)
+import src  # noqa: E402,F401 - registers the config resolvers (${pid:} in the run directory)
 
 # torch/Lightning are imported inside the functions: environment workers are spawned processes that re-import
 # this module, and they should not each load torch.
@@ -141,7 +142,7 @@ def load_checkpoint(module, ckpt_path: str) -> dict[str, Any] | None:
     """
     import torch
 
-    path = Path(ckpt_path)
+    path = Path(hydra.utils.to_absolute_path(str(ckpt_path)))  # relative to the launch dir (hydra.job.chdir)
     if not path.is_file():
         raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file")
     ckpt = torch.load(path, map_location="cpu", weights_only=True)

@@ -17,6 +17,7 @@ import rootutils
 from omegaconf import DictConfig, OmegaConf
 
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True)
+import src  # noqa: E402,F401 - registers the config resolvers (${pid:} in the run directory)
 
 # Heavy imports (torch, Lightning) live inside the functions: environment workers are spawned processes
 # that re-import this module, and they should not each load torch.
@@ -27,13 +28,14 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate module, datamodule, memory callback, callbacks, loggers and Trainer from the config."""
     import lightning as L
 
+    from src.models.memory_estimate import check_device_memory
+    from src.sft import warm_start_model_config
     from src.utils.checkpoint_io import AtomicCheckpointIO
     from src.utils.instantiate import instantiate_callbacks, instantiate_loggers
 
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
-    from src.sft import warm_start_model_config
-
+    check_device_memory(cfg)  # before loading any weights: refuse what cannot fit
     model_cfg, warm_start = warm_start_model_config(cfg)  # model.warm_start: built once, then reused
     log.info("Instantiating model <%s> from %s", cfg.model._target_, model_cfg.policy.name_or_path)
     module = hydra.utils.instantiate(model_cfg)
@@ -57,6 +59,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit; return the built objects and the final logged metrics."""
+    from src.utils.startup_checks import prepare_run
+
+    prepare_run(cfg)  # refuses/adapts options before anything (even torch) is loaded
     from src.sft import warm_start_metrics
     from src.utils.logging import log_checkpoint, log_config
 
@@ -67,7 +72,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         start = warm_start_metrics(objs["warm_start"])  # the point RL starts from: its held-out score
         for logger in objs["loggers"] if start else []:
             logger.log_metrics(start, step=0)
-    trainer.fit(objs["module"], datamodule=objs["datamodule"], ckpt_path=cfg.get("ckpt_path"))
+    # A user's path is relative to where the command ran, also when hydra.job.chdir=true moved the process.
+    ckpt_path = hydra.utils.to_absolute_path(cfg.ckpt_path) if cfg.get("ckpt_path") else None
+    trainer.fit(objs["module"], datamodule=objs["datamodule"], ckpt_path=ckpt_path)
     ckpt = getattr(trainer.checkpoint_callback, "last_model_path", None) if trainer.checkpoint_callback else None
     if trainer.is_global_zero:
         log_checkpoint(ckpt, objs["loggers"])

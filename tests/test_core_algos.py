@@ -398,11 +398,30 @@ def test_check_algorithm_config_refuses_bad_choices():
     from src.models.core_algos import check_algorithm_config
 
     check_algorithm_config({"loss_agg_mode": "token-mean", "mask_modes": ["off_policy"], "memory_rollout_prob": 0.25})
+    check_algorithm_config({"skip_zero_advantage": True, "kl_coef": 0.0})
     for bad, match in [({"loss_agg_mode": "foo"}, "loss_agg_mode='foo'"),
                        ({"offpolicy_old_logprob": "nope"}, "offpolicy_old_logprob='nope'"),
                        ({"mask_level": "word"}, "mask_level='word'"),
                        ({"kl_type": "x"}, "kl_type='x'"),
                        ({"mask_modes": ["sometimes"]}, "sometimes"),
-                       ({"memory_rollout_prob": 1.5}, "memory_rollout_prob=1.5")]:
+                       ({"memory_rollout_prob": 1.5}, "memory_rollout_prob=1.5"),
+                       ({"no_signal_patience": 0}, "no_signal_patience=0"),
+                       # a skipped zero-advantage step would silently lose its KL term
+                       ({"skip_zero_advantage": True, "kl_coef": 0.01}, "skip_zero_advantage=true with .*kl_coef=0.01")]:
         with pytest.raises(ValueError, match=match):
             check_algorithm_config(bad)
+
+
+def test_temperature_is_applied_after_the_fp32_upcast():
+    """bf16 logits (autocast) are upcast before dividing by T: no extra bf16 rounding of logits / T."""
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 3, 50) * 5).to(torch.bfloat16)
+    labels = torch.randint(0, 50, (2, 3))
+    z = logits.float() / 0.7
+    expected = torch.log_softmax(z, -1).gather(-1, labels[..., None]).squeeze(-1)
+    torch.testing.assert_close(log_probs_from_logits(logits, labels, temperature=0.7), expected)
+    p = torch.softmax(z, -1)
+    torch.testing.assert_close(entropy_from_logits(logits, temperature=0.7), -(p * p.log()).sum(-1), atol=1e-4,
+                               rtol=1e-4)
+    with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
+        log_probs_from_logits(logits, labels, temperature=0)

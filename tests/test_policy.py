@@ -57,6 +57,42 @@ def test_generate_log_probs_use_the_sampling_temperature(tiny_policy: Policy):
     torch.testing.assert_close(at_half, torch.tensor(gen.log_probs[0]), atol=1e-4, rtol=1e-4)
 
 
+def test_generation_from_kept_prompt_keys_values_equals_generation_from_the_whole_prompt(tiny_policy: Policy):
+    """Prefix caching: continuing kept prompts (uneven prefixes, a row without one, uneven new parts) samples the
+    same tokens with the same log-probs as generating from the whole prompts."""
+    torch.manual_seed(3)
+    prompts = [tiny_policy.encode([{"role": "user", "content": "go " * k}]) for k in (1, 7, 3)]
+    first = tiny_policy.generate(prompts, max_new_tokens=5, keep_prompt_kv=True)
+    kept = [first.prompt_kv(i) for i in range(3)]
+    assert [k.length for k in kept] == [len(p) for p in prompts]
+    turn = tiny_policy.encode_next_turn("Now reflect.")
+    full = [p + r[:-1] + turn if r[-1] in tiny_policy.eos_token_ids else p + r + turn
+            for p, r in zip(prompts, first.response_ids)]
+    full[1] = full[1] + full[1][-4:]
+    prefixes = [kept[0], None, kept[2]]
+    torch.manual_seed(4)
+    cached = tiny_policy.generate(full, max_new_tokens=6, prefix_kv=prefixes)
+    torch.manual_seed(4)
+    fresh = tiny_policy.generate(full, max_new_tokens=6)
+    assert cached.response_ids == fresh.response_ids
+    for a, b in zip(cached.log_probs, fresh.log_probs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="at least one must be new"):
+        tiny_policy.generate([prompts[0]], prefix_kv=[kept[0]])
+    with pytest.raises(ValueError, match="not kept"):
+        fresh.prompt_kv(0)
+
+
+def test_encode_next_turn_continues_the_conversation(tiny_policy: Policy):
+    system, user, answer = "You are an agent.", "Task: go.", "look around"
+    prompt = tiny_policy.encode([{"role": "system", "content": system}, {"role": "user", "content": user}])
+    answer_ids = tiny_policy.tokenizer.encode(answer, add_special_tokens=False)
+    continued = prompt + answer_ids + tiny_policy.encode_next_turn("Reflect now.")
+    assert continued == tiny_policy.encode([{"role": "system", "content": system}, {"role": "user", "content": user},
+                                            {"role": "assistant", "content": answer},
+                                            {"role": "user", "content": "Reflect now."}])
+
+
 def test_encode_renders_the_chat_template(tiny_policy: Policy):
     messages = [{"role": "system", "content": "SYS"}, {"role": "user", "content": "USER TEXT"}]
     text = tiny_policy.tokenizer.decode(tiny_policy.encode(messages))

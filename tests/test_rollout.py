@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from src.data.prompts import TIPS_HEADER
-from src.data.rollout import RolloutConfig, run_episodes
+from src.data.rollout import Episode, RolloutConfig, StepRecord, episode_metrics, run_episodes
 from src.data.rollout_datamodule import RolloutDataModule, draw_mode
 from src.envs.pool import EnvPool
 from src.models.policy import pack_batch
@@ -153,16 +153,16 @@ def test_off_policy_update_prompt_has_no_tips(pool, tiny_policy, memory):
 
 
 def test_failed_episode_is_excluded_from_its_group(pool, tiny_policy):
-    from src.data.rollout import Episode, StepRecord
-
     def ep(score, failed=False):
         step = StepRecord("o", [1], [1], [2], [-1.0], "a", "a", reward=score)
         return Episode(task=TASK, group=0, steps=[step], score=score, failed=failed)
 
     dm = _datamodule({"norm_adv_by_std": True})
-    samples, metrics = dm.make_samples([ep(1.0), ep(3.0), ep(0.0, failed=True)], "on_policy")
+    episodes = [ep(1.0), ep(3.0), ep(0.0, failed=True)]
+    samples, metrics = dm.make_samples(episodes, "on_policy")
     assert len(samples) == 2  # the failed episode contributes no sample
-    assert metrics["adv/num_failed_episodes"] == 1
+    assert episode_metrics(episodes)["failed_episodes"] == 1  # the one count of failed episodes
+    assert not any("failed" in k for k in metrics)
     # returns 1, 3 -> mean 2, Bessel std sqrt(2): advantages -+1/sqrt(2)
     assert samples[0]["advantage"] == pytest.approx(-1 / np.sqrt(2), abs=1e-5)
     assert samples[1]["advantage"] == pytest.approx(1 / np.sqrt(2), abs=1e-5)
@@ -171,8 +171,278 @@ def test_failed_episode_is_excluded_from_its_group(pool, tiny_policy):
 def test_mode_draw_is_seeded_and_matches_p_q():
     modes = [draw_mode(0, i, 0.25, 2 / 3) for i in range(4000)]
     assert modes == [draw_mode(0, i, 0.25, 2 / 3) for i in range(4000)]
+    # the seed matters: another seed gives another sequence (known answers: the experiments rely on seed 8)
+    assert [draw_mode(1, i, 0.25, 2 / 3) for i in range(4000)] != modes
+    assert [draw_mode(8, i, 0.25, 2 / 3) for i in range(2)] == ["on_policy", "off_policy"]
+    assert [draw_mode(3, i, 0.25, 2 / 3) for i in range(4)] == ["off_policy", "on_policy", "on_policy_with_tips",
+                                                                "off_policy"]
     freq = {m: modes.count(m) / len(modes) for m in set(modes)}
     assert freq["on_policy"] == pytest.approx(0.75, abs=0.03)
     assert freq["off_policy"] == pytest.approx(0.25 * 2 / 3, abs=0.03)
     assert freq["on_policy_with_tips"] == pytest.approx(0.25 / 3, abs=0.03)
     assert set(draw_mode(0, i, 0.0, 0.0) for i in range(100)) == {"on_policy"}
+
+
+@pytest.fixture(scope="module")
+def admissible_pool():
+    with EnvPool({**ENV_CFG, "include_admissible_actions": True, "max_steps": 2}, num_workers=1) as p:
+        yield p
+
+
+def test_fitted_prompt_keeps_head_and_observation_of_the_kitchen(admissible_pool, tiny_policy):
+    """The real kitchen state with its ~1,000 admissible actions (~6,700 tokens) against a 1,024-token budget:
+    the action list is shortened, while system prompt, task, current observation, history and tips stay."""
+    from src.data.prompts import HistoryItem, build_step_messages
+    from src.data.rollout import fit_prompt
+
+    first, info = admissible_pool.reset([(0, TASK)])[0]
+    admissible_pool.step([(0, "go to kitchen")])
+    kitchen, _, _, _, info = admissible_pool.step([(0, "look around")])[0]
+    actions = info["admissible_actions"]
+    assert len(actions) > 900 and "This room is called the kitchen" in kitchen
+    tips = ["TIP-ONE: the red box is in the kitchen.", "TIP-TWO: focus on a chair first."]
+    common = dict(system_prompt=admissible_pool.system_prompt, instruction=info["instruction"],
+                  history=[HistoryItem(first, "go to kitchen")], observation=kitchen, admissible_actions=actions,
+                  history_length=3, tips_scope="current", step=1, max_steps=30)
+    full = tiny_policy.encode(build_step_messages(tips=tips, **common), truncate=False)
+    assert len(full) > 4 * tiny_policy.max_prompt_tokens
+    truncated_before, cuts = tiny_policy.num_prompts_truncated, {}
+    shown_tips = fit_prompt(tiny_policy, common, tips, cuts)
+    ids = tiny_policy.encode(build_step_messages(tips=shown_tips, **common))
+    assert len(ids) <= tiny_policy.max_prompt_tokens and tiny_policy.num_prompts_truncated == truncated_before
+    text = tiny_policy.tokenizer.decode(ids)
+    for piece in (admissible_pool.system_prompt, info["instruction"], kitchen, *tips, "[Step 1] Action: go to kitchen"):
+        assert piece in text, piece[:60]
+    kept = common["admissible_shown"]
+    assert 0 < kept < len(actions) and f"({kept} of {len(actions)} shown)" in text
+    assert cuts == {"prompts_fitted": 1.0, "admissible_actions_cut": len(actions) - kept, "history_steps_cut": 0.0,
+                    "tips_cut": 0.0}
+    # Without the list, an observation too long for the budget is cut at its end; the head still survives.
+    common = dict(common, admissible_actions=None, observation=kitchen * 20, admissible_shown=None)
+    fit_prompt(tiny_policy, common, None, cuts)
+    text = tiny_policy.tokenizer.decode(tiny_policy.encode(build_step_messages(tips=None, **common)))
+    assert admissible_pool.system_prompt in text and info["instruction"] in text and kitchen in text
+    assert cuts["observation_chars_cut"] > 0 and cuts["history_steps_cut"] == 1.0
+    assert tiny_policy.num_prompts_truncated == truncated_before
+
+
+def test_rollout_counts_what_prompt_fitting_cut(admissible_pool, tiny_policy):
+    truncated_before, budget = tiny_policy.num_prompts_truncated, tiny_policy.max_prompt_tokens
+    tiny_policy.max_prompt_tokens = 700  # the hallway prompt with its 114 actions is ~950 tokens
+    try:
+        episodes, metrics = run_episodes(admissible_pool, tiny_policy, [TASK], [0],
+                                         RolloutConfig(max_response_tokens=4))
+    finally:
+        tiny_policy.max_prompt_tokens = budget
+    assert metrics["prompt_fit/prompts_fitted"] == len(episodes[0].steps) == 2
+    assert metrics["prompt_fit/admissible_actions_cut"] > 0
+    assert tiny_policy.num_prompts_truncated == truncated_before
+
+
+# ---------------------------------------------------------------------------- returns, failed episodes, history
+def _step(reward: float, intrinsic: float = 0.0) -> StepRecord:
+    return StepRecord("o", [1], [1], [2], [-1.0], "a", "a", reward=reward, intrinsic=intrinsic)
+
+
+def test_intrinsic_reward_enters_the_discounted_return():
+    """R = Σ_t γ^t (r_t + r_int_t), by hand with γ = 0.5, and the group advantages made from it."""
+    with_bonus = Episode(task=TASK, group=0, steps=[_step(1.0, 0.5), _step(0.0, 0.25), _step(2.0)])
+    without = Episode(task=TASK, group=0, steps=[_step(1.0), _step(0.0), _step(2.0)])
+    # 1.5 + 0.5 · 0.25 + 0.25 · 2 = 2.125;  1 + 0 + 0.25 · 2 = 1.5
+    assert with_bonus.discounted_return(0.5) == 2.125 and without.discounted_return(0.5) == 1.5
+    samples, _ = _datamodule({"norm_adv_by_std": False, "gamma": 0.5}).make_samples([with_bonus, without], "on_policy")
+    assert [s["advantage"] for s in samples] == [0.3125] * 3 + [-0.3125] * 3  # R - mean(R), mean 1.8125
+    m = episode_metrics([with_bonus, without])
+    assert (m["intrinsic_return"], m["extrinsic_return"], m["return"]) == (0.375, 3.0, 3.375)
+
+
+def test_nan_reward_fails_the_episode_and_is_counted_once(tiny_policy):
+    """An environment that returns a NaN reward (without crashing) fails that episode: one definition, one count."""
+    from stub_envs import STUB_CFG
+
+    cfg = {**STUB_CFG, "reward": 1.0, "max_steps": 3, "nan_variation": 1, "nan_step": 2}
+    tasks = [{"task_name": "stub", "variation": v} for v in (0, 1, 0)]
+    with EnvPool(cfg, num_workers=3) as stub_pool:
+        episodes, _ = run_episodes(stub_pool, tiny_policy, tasks, [0, 0, 0], RolloutConfig(max_response_tokens=2))
+    assert [e.failed for e in episodes] == [False, True, False]
+    assert "non-finite reward nan at step 2" in episodes[1].error
+    m = episode_metrics(episodes)
+    assert m["failed_episodes"] == 1 and m["return"] == 3.0 and m["episodes"] == 3
+    samples, adv = _datamodule({}).make_samples(episodes, "on_policy")
+    assert len(samples) == 6 and adv["adv/steps"] == 6 and not any("failed" in k for k in adv)
+
+
+@pytest.fixture(scope="module")
+def corrected_pool():
+    with EnvPool({**ENV_CFG, "max_steps": 2, "action_correction": True}, num_workers=1) as p:
+        yield p
+
+
+@pytest.mark.parametrize("history_action", ["raw", "executed"])
+def test_history_shows_the_raw_output_or_the_executed_action(corrected_pool, tiny_policy, history_action):
+    """With action correction the model's text and the executed action differ; the next prompt's history shows
+    the raw output (default, the authors' record_original_action) or, as an option, the corrected action."""
+    torch.manual_seed(0)
+    cfg = RolloutConfig(max_response_tokens=6, history_length=2, history_action=history_action)
+    (episode,), _ = run_episodes(corrected_pool, tiny_policy, [TASK], [0], cfg)
+    first, second = episode.steps
+    raw = first.response_text.strip()
+    assert raw and first.action and raw != first.action  # noise from the tiny model, corrected to a valid action
+    prompt = tiny_policy.tokenizer.decode(second.rollout_prompt_ids)
+    shown, hidden = (raw, first.action) if history_action == "raw" else (first.action, raw)
+    assert f"[Step 1] Action: {shown}\n" in prompt and f"[Step 1] Action: {hidden}\n" not in prompt
+
+
+class _Trainer:
+    """What the datamodule reads from the Trainer."""
+
+    def __init__(self, module):
+        self.lightning_module, self.global_step = module, 0
+
+
+@pytest.mark.parametrize("old_logprob", ["with_tips", "without_tips"])
+def test_off_policy_iteration_old_log_probs_end_to_end(pool, tiny_policy, memory, old_logprob, monkeypatch):
+    """One off_policy iteration through the datamodule (real env, memory and policy, recomputed old log-probs):
+    π_old is evaluated under the rollout prompt with its tips, or under the tip-free update prompt."""
+    monkeypatch.setattr(memory, "tip_max_tokens", 4)  # the reflections are not under test
+    obs, info = pool.reset([(0, TASK)])[0]
+    key = memory.embed([memory.state_text(info["instruction"], obs)])
+    memory.tips.add(memory.partition_key(TASK), key, ["TIP-OLD-LOGPROB: focus on a chair."], [100.0], [0])
+    algorithm = {"memory_rollout_prob": 1.0, "offpolicy_prob": 1.0, "offpolicy_old_logprob": old_logprob}
+    dm = RolloutDataModule(env=ENV_CFG, algorithm=algorithm, tasks_per_iteration=1, group_size=2,
+                           micro_batch_size=4, max_response_tokens=6, history_length=2)
+    dm.pool, dm.train_tasks, dm.memory, dm.trainer = pool, [TASK], memory, _Trainer(_Module(tiny_policy))
+    batches = list(dm._iterate())
+    assert {b["mode"] for b in batches} == {"off_policy"}
+    samples = [s for b in batches for s in b["samples"]]
+    assert len(samples) == sum(len(s["response_ids"]) > 0 for s in samples) > 0
+    gaps = []
+    for s in samples:
+        with torch.no_grad():
+            under = {name: tiny_policy.log_probs([s[name]], [s["response_ids"]])["log_probs"][0]
+                     for name in ("rollout_prompt_ids", "prompt_ids")}
+        expected = under["rollout_prompt_ids" if old_logprob == "with_tips" else "prompt_ids"]
+        torch.testing.assert_close(s["old_log_probs"], expected, atol=1e-5, rtol=1e-5)
+        if s["rollout_prompt_ids"] != s["prompt_ids"]:  # this step was shown tips
+            gaps.append(float((under["rollout_prompt_ids"] - under["prompt_ids"]).abs().max()))
+            torch.testing.assert_close(under["rollout_prompt_ids"], torch.tensor(s["sample_log_probs"]),
+                                       atol=1e-4, rtol=1e-4)
+    # tips were shown, and they move the log-probs far beyond the tolerance: the wrong prompt could not pass
+    assert gaps and max(gaps) > 1e-3
+
+
+def test_pad_equal_to_eos_keeps_the_eos_in_the_loss_mask(tiny_policy):
+    """With pad = EOS (many chat models) a response ending in EOS keeps that EOS: cut after it, mask 1, its
+    log-prob trained. The stop token is one the tiny model really emits, declared EOS and pad."""
+    import copy
+
+    from src.models.policy import Policy
+
+    prompts = [tiny_policy.encode([{"role": "user", "content": f"Say something about {w}."}]) for w in ("cats", "rain")]
+    torch.manual_seed(0)
+    sampled = tiny_policy.generate(prompts, max_new_tokens=8).response_ids[0]
+    stop = next(t for k, t in enumerate(sampled) if k > 0 and t not in sampled[:k])  # a response of >= 2 tokens
+    tokenizer = copy.deepcopy(tiny_policy.tokenizer)
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(stop)
+    tokenizer.pad_token = tokenizer.eos_token
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id == stop
+    policy = Policy(tiny_policy.model, tokenizer, max_response_tokens=8)
+    torch.manual_seed(0)
+    gen = policy.generate(prompts)  # the same draws as above, up to the new EOS
+    first = gen.response_ids[0]
+    assert len(first) >= 2 and first[-1] == stop and stop not in first[:-1]
+    out = policy.log_probs(prompts, gen.response_ids)
+    assert out["response_mask"].sum(1).tolist() == [len(r) for r in gen.response_ids]
+    assert out["response_mask"][0, len(first) - 1] == 1 and out["log_probs"][0, len(first) - 1] < 0
+    torch.testing.assert_close(out["log_probs"][0, : len(first)], torch.tensor(gen.log_probs[0]), atol=1e-4, rtol=1e-4)
+
+
+def test_datamodule_checkpoint_state_restores_the_global_generators():
+    """Exact resume, the rest: the global Python/NumPy/torch generators and the no-signal counter round-trip through
+    a checkpoint (``torch.load(weights_only=True)``, as Lightning resumes)."""
+    import io
+    import random
+
+    dm = _datamodule({})
+    dm.no_signal_iterations = 2
+    buf = io.BytesIO()
+    torch.save(dm.state_dict(), buf)
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    buf.seek(0)
+    fresh = _datamodule({})
+    fresh.load_state_dict(torch.load(buf, weights_only=True))
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+    assert fresh.no_signal_iterations == 2
+
+
+def test_write_tips_stores_each_step_under_its_state_key(pool, tiny_policy, memory, monkeypatch):
+    """After a rollout, every step of every episode is one memory entry in its episode's partition: key = the
+    embedding of the state the step acted on, content = `<tip>; At that step the action taken was <a_k>; the
+    episode's final score was <R>/<max>.` with one tip per episode, step = k (SPEC §2.7)."""
+    from src.memory.tip_memory import format_entry
+
+    monkeypatch.setattr(memory, "tip_max_tokens", 6)
+    tasks = [{"task_name": TASK["task_name"], "variation": v} for v in (2, 3)]  # partitions no other test uses
+    torch.manual_seed(0)
+    episodes, _ = run_episodes(pool, tiny_policy, tasks, [0, 1], RolloutConfig(max_response_tokens=4), memory=memory)
+    assert not any(e.failed for e in episodes)
+    written = memory.write_tips(episodes, tiny_policy, pool.system_prompt)["tips_written"]
+    assert written == sum(len(e.steps) for e in episodes)
+    partitions = memory.tips.state_dict()["partitions"]
+    for episode in episodes:
+        part = partitions[memory.partition_key(episode.task)]
+        stored = list(zip(part["entries"], torch.as_tensor(part["keys"]).numpy()))
+        assert len(stored) == len(episode.steps)
+        tips = set()
+        for k, step in enumerate(episode.steps):
+            suffix = format_entry("x", step.action, episode.score, episode.max_score)[1:]
+            (entry, key), = [(e, key) for e, key in stored if e["step"] == k]
+            assert entry["content"].endswith(suffix) and entry["score"] == episode.score
+            np.testing.assert_array_equal(key, step.key)
+            tips.add(entry["content"][: -len(suffix)])
+        assert len(tips) == 1  # one reflection per episode, shared by its steps
+    # the key is the state's embedding: instruction + the observation the step acted on
+    first = episodes[0].steps[0]
+    np.testing.assert_allclose(first.key, memory.embed([memory.state_text(episodes[0].instruction, first.observation)])[0],
+                               atol=1e-6)
+
+
+def test_reflection_continues_the_last_rollout_prompt_from_its_kept_keys_values(pool, tiny_policy, memory):
+    """Tip writing after a rollout that kept each episode's last prompt: the reflection prompt is that prompt, its
+    action, then a turn with the steps it did not show; only the new ids are computed (SPEC §2.7)."""
+    calls = []
+
+    class Recorder(RecordingPolicy):
+        def generate(self, prompts, **kwargs):
+            calls.append((prompts, kwargs))
+            return self.policy.generate(prompts, **kwargs)
+
+    torch.manual_seed(5)
+    cfg = RolloutConfig(max_response_tokens=4, history_length=1, keep_reflection_prefix=True)
+    episodes, _ = run_episodes(pool, tiny_policy, [TASK, TASK], [0, 0], cfg, memory=memory)
+    assert all(e.reflection_prefix is not None and len(e.steps) == 3 for e in episodes)
+    # a continuation that cannot fit the budget falls back to a fresh prompt of the whole trajectory
+    budget = tiny_policy.max_prompt_tokens
+    tiny_policy.max_prompt_tokens = len(episodes[0].steps[-1].rollout_prompt_ids) + 8
+    try:
+        ids, prefix, _ = memory.reflection_prompt(tiny_policy, pool.system_prompt, episodes[0])
+    finally:
+        tiny_policy.max_prompt_tokens = budget
+    assert prefix is None and "Your trajectory (3 steps)" in tiny_policy.tokenizer.decode(ids)
+    metrics = memory.write_tips(episodes, Recorder(tiny_policy), pool.system_prompt)
+    prompts, kwargs = calls[-1]
+    assert metrics["tip_prompts_continued"] == 2 and all(p is not None for p in kwargs["prefix_kv"])
+    decode = tiny_policy.tokenizer.decode
+    for episode, prompt, prefix in zip(episodes, prompts, kwargs["prefix_kv"]):
+        last = episode.steps[-1]
+        assert last.history_shown == 1 and prefix.length == len(last.rollout_prompt_ids)
+        response = last.response_ids[:-1] if last.response_ids[-1] in tiny_policy.eos_token_ids else last.response_ids
+        assert prompt[:len(last.rollout_prompt_ids) + len(response)] == last.rollout_prompt_ids + response
+        turn = decode(prompt[len(last.rollout_prompt_ids) + len(response):])
+        # step 1 was not in the last prompt (it showed step 2 only): the turn adds it, then the ending
+        assert "Your first 1 steps (of 3), not shown above:" in turn and "[Step 2]" not in turn
+        assert f"[Step 1] Action: {episode.steps[0].action}" in turn
+        assert f"Final observation: {episode.final_observation.strip()[:30]}" in turn
+        assert len(prompt) <= tiny_policy.max_prompt_tokens
+        assert episode.reflection_prefix is None  # released
+    assert metrics["tips_written"] > 0

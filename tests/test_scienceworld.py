@@ -17,6 +17,9 @@ from src.envs.scienceworld import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+# Variation 0 of 17 tasks, cut from `python scripts/cache_gold_trajectories.py --task <all 30> --split train
+# --num-variations 5` (tasks whose gold path replays in under ~1 s; mendelian-genetics takes ~30 s).
+GOLD_DIR = REPO / "tests" / "data" / "scienceworld_gold"
 FIND = "find-non-living-thing"
 LIFESPAN = "lifespan-shortest-lived"
 BASE_KEYS = {"score", "success", "won", "valid_action", "action", "task_id", "variation", "instruction",
@@ -54,6 +57,26 @@ def test_gold_trajectory_replays_to_success(tmp_path, env):
     assert terminated and info["success"] and info["won"]
     assert info["score"] == 100.0 and info["max_score"] == 100.0
     assert total == 100.0 - initial  # rewards are score deltas from the post-reset score
+
+
+@pytest.mark.parametrize("task", sorted(p.stem for p in GOLD_DIR.glob("*.json")))
+def test_cached_gold_paths_replay_the_same_with_action_correction(env, task):
+    """Every action of a gold path is accepted by the parser, so correction must leave each one as written."""
+    env.action_correction, env.max_steps = True, 10**9
+    try:
+        for variation, record in load_gold(task, GOLD_DIR).items():
+            assert record["success"]
+            env.reset({"task_name": task, "variation": variation})
+            # (observations are not compared: object order and sensor readings vary between JVM runs)
+            for k, action in enumerate(record["actions"]):
+                _, _, terminated, _, info = env.step(action)
+                assert (k, info["action"], info["valid_action"]) == (k, action, True)
+                assert not info["corrected"]
+                if terminated:
+                    break
+            assert info["success"] and info["score"] == record["final_score"] == 100.0
+    finally:
+        env.action_correction, env.max_steps = False, None
 
 
 def test_wrong_focus_scores_minus_100_and_terminates(env):
@@ -120,11 +143,61 @@ def test_action_correction_and_admissible_actions(env):
         _, info = env.reset({"task_name": FIND, "variation": 0})
         actions = info["admissible_actions"]
         assert actions == sorted(actions) and "look around" in actions and "reset task" not in actions
+        # Rejected by the parser, and close enough (ratio 87) to a valid action: repaired.
         _, reward, _, _, info = env.step("Go to the kitchen.")
         assert info["action"] == "go to kitchen" and info["raw_action"] == "Go to the kitchen."
-        assert info["valid_action"] and reward == 17.0
+        assert info["valid_action"] and info["corrected"] and reward == 17.0
     finally:
         env.action_correction = env.include_admissible_actions = False
+
+
+def test_rejected_action_is_a_noop_for_the_simulator(env):
+    """Why correction may run an action as written first: a rejected one does not advance the move counter."""
+    env.reset({"task_name": FIND, "variation": 0})
+    moves = int(env._server.getNumMoves())
+    for rejected in ("Go to the kitchen.", "open cupboard", "xyzzy"):
+        _, _, _, _, info = env.step(rejected)
+        assert not info["valid_action"] and int(env._server.getNumMoves()) == moves, rejected
+    env.step("open door to kitchen")  # accepted ("The door is already open."): one move
+    assert int(env._server.getNumMoves()) == moves + 1
+
+
+def test_action_correction_runs_accepted_actions_as_written(env):
+    """Actions the parser accepts but the valid-action list omits run unchanged; a rejected action with no close
+    valid action stays an invalid no-op instead of becoming e.g. a fatal ``focus on``."""
+    env.action_correction = True
+    try:
+        env.reset({"task_name": FIND, "variation": 0})
+        for action, reply in [("open door to kitchen", "The door is already open."),
+                              ("examine picture", "a picture of a farm. The artist is listed as Alexandra.")]:
+            obs, reward, terminated, _, info = env.step(action)
+            assert (info["action"], obs, info["valid_action"]) == (action, reply, True)
+            assert reward == 0.0 and not terminated and not info["corrected"]
+        _, info = env.reset({"task_name": "boil", "variation": 0})
+        for action in ("open cupboard", "turn on stove"):  # nothing of the kind in the hallway
+            obs, reward, terminated, _, step_info = env.step(action)
+            assert (step_info["action"], reward, terminated) == (action, 0.0, False)
+            assert not step_info["valid_action"] and not step_info["corrected"] and step_info["score"] == info["score"]
+    finally:
+        env.action_correction = False
+
+
+def test_first_action_tag_runs_and_several_are_a_format_error(env):
+    env.reset({"task_name": FIND, "variation": 0})
+    _, reward, _, _, info = env.step("<action>go to kitchen</action> or <action>look around</action>")
+    assert info["action"] == "go to kitchen" and reward == 17.0 and not info["format_ok"]
+    for reply in ("<action>look around</action>", "look around", "<ACTION> look around </Action>"):
+        assert env.step(reply)[4]["format_ok"], reply
+    assert not env.step("<action>look around")[4]["format_ok"]  # unclosed: runs, but malformed
+
+
+def test_wrong_focus_after_points_gives_below_minus_100(env):
+    """Step rewards are not bounded by -100: a wrong focus after 25 points drops the score to -100 in one step."""
+    _, info = env.reset({"task_name": "find-living-thing", "variation": 0})
+    assert info["score"] == 8.0
+    assert env.step("go to kitchen")[1] == 17.0
+    _, reward, terminated, _, info = env.step("focus on air")  # air is not a living thing
+    assert reward == -125.0 and terminated and info["score"] == -100.0
 
 
 def test_task_resolution_and_errors(env, monkeypatch):

@@ -9,6 +9,8 @@ import mlflow
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.utils import get_original_cwd
+from omegaconf import OmegaConf
 
 from src.train import train
 
@@ -33,31 +35,39 @@ def _metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int,
 
 @pytest.fixture(scope="module")
 def empo2_run(tmp_path_factory):
-    """Two EMPO² iterations (seed 8: on_policy then off_policy), two mini-batches per iteration."""
+    """Four EMPO² iterations (seed 3 draws off_policy, on_policy, on_policy_with_tips, off_policy), two mini-batches
+    per iteration, validation after iterations 1 and 3, a checkpoint after every iteration."""
     tmp = tmp_path_factory.mktemp("empo2")
-    cfg = _cfg(tmp, "trainer.max_epochs=2", "data.num_mini_batches=2", "trainer.check_val_every_n_epoch=2",
-               "memory.tip_max_tokens=8")
+    cfg = _cfg(tmp, *EXACT_RUN)
     objs = train(cfg)
     return {"cfg": cfg, "objs": objs, "tmp": tmp}
 
 
-def test_two_iterations_log_metrics_and_checkpoint_memory(empo2_run):
+EXACT_RUN = ("seed=3", "trainer.max_epochs=4", "data.num_mini_batches=2", "trainer.check_val_every_n_epoch=2",
+             "memory.tip_max_tokens=8")
+
+
+def test_four_iterations_log_metrics_and_checkpoint_memory(empo2_run):
     objs, cfg = empo2_run["objs"], empo2_run["cfg"]
     trainer = objs["trainer"]
-    assert trainer.current_epoch == 2 and trainer.global_step == 4  # 2 iterations x 2 mini-batches
+    assert trainer.current_epoch == 4 and trainer.global_step == 8  # 4 iterations x 2 mini-batches
     logger = objs["loggers"][0]
     uri = cfg.logger.mlflow.tracking_uri
     run = mlflow.MlflowClient(tracking_uri=uri).get_run(logger.run_id)
-    for key in ("rollout/return", "rollout/score", "rollout/success_rate", "rollout/episode_length",
-                "rollout/invalid_action_rate", "rollout/memory/size", "rollout/tips_written", "train/pg_loss",
-                "train/clip_frac", "train/approx_kl", "train/entropy", "train/masked_frac",
-                "rollout/rollout_tokens_per_s", "train/tokens_per_s", "rollout/mode_off_policy", "val/score"):
+    for key in ("rollout/return", "rollout/intrinsic_return", "rollout/extrinsic_return", "rollout/score",
+                "rollout/success_rate", "rollout/episode_length", "rollout/invalid_action_rate", "rollout/memory/size",
+                "rollout/memory/novelty_visits", "rollout/tips_written", "train/pg_loss", "train/clip_frac",
+                "train/approx_kl", "train/entropy", "train/masked_frac", "rollout/rollout_tokens_per_s",
+                "train/tokens_per_s", "rollout/mode_off_policy", "val/score"):
         assert key in run.data.metrics, key
     assert run.data.params["algorithm/name"] == "empo2"
     artifacts = {a.path for a in mlflow.MlflowClient(tracking_uri=uri).list_artifacts(logger.run_id)}
     assert {"config.yaml", "checkpoints"} <= artifacts
-    # seed 8 draws on_policy then off_policy: the second iteration is a memory iteration
-    assert [v for _, v in _metric_history(uri, logger.run_id, "rollout/mode_off_policy")] == [0.0, 1.0]
+    assert [v for _, v in _metric_history(uri, logger.run_id, "rollout/mode_off_policy")] == [1.0, 0.0, 0.0, 1.0]
+    # the novelty bonus is in the return: return = extrinsic + intrinsic (γ = 1), and the bonus is positive
+    ret, ext, intr = (dict(_metric_history(uri, logger.run_id, f"rollout/{k}"))
+                      for k in ("return", "extrinsic_return", "intrinsic_return"))
+    assert all(intr[s] > 0 and ret[s] == pytest.approx(ext[s] + intr[s]) for s in ret)
     ckpt = torch.load(objs["last_checkpoint"], map_location="cpu", weights_only=False)
     state = ckpt["callbacks"]["MemoryCallback"]
     assert len(objs["memory"].tips) > 0
@@ -69,41 +79,108 @@ def test_rollouts_use_the_latest_weights(empo2_run):
     uri = empo2_run["cfg"].logger.mlflow.tracking_uri
     run_id = empo2_run["objs"]["loggers"][0].run_id
     at_rollout = [v for _, v in _metric_history(uri, run_id, "rollout/global_step_at_rollout")]
-    # 2 optimizer steps per iteration: the rollouts of iterations 0 and 1 saw global steps 0 and 2
-    assert at_rollout == [0.0, 2.0]
+    # 2 optimizer steps per iteration: the rollouts of iterations 0..3 saw global steps 0, 2, 4, 6
+    assert at_rollout == [0.0, 2.0, 4.0, 6.0]
 
 
-def test_resume_restores_memory_and_continues(empo2_run, tmp_path):
-    from src.callbacks.memory import MemoryCallback
+def _is_timing(key: str) -> bool:
+    return key.endswith("_s") or key in ("epoch",)
 
-    saved = empo2_run["objs"]["last_checkpoint"]
-    ckpt = torch.load(saved, map_location="cpu", weights_only=False)
-    state = ckpt["callbacks"]["MemoryCallback"]
-    n_saved = sum(len(p["entries"]) for p in state["tips"]["partitions"].values())
-    # a fresh callback restored from the checkpoint has every entry, and retrieves one by its own key
+
+def _metrics_of_iterations_2_and_3(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    """Every logged metric point of iterations 2 and 3 (timings aside). Rollout metrics are logged at the
+    iteration's first global step (4 for iteration 2), update metrics after each optimizer step (5..8);
+    validation (after iterations 1 and 3) at Lightning's own batch counter: its last point is iteration 3's."""
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    out = {}
+    for key in client.get_run(run_id).data.metrics:
+        if _is_timing(key):
+            continue
+        points = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        if key.startswith("val/"):
+            points = points[-1:]
+        else:
+            rollout = key.startswith("rollout/") or key == "iteration"
+            points = [(step, v) for step, v in points if step > 4 or (rollout and step == 4)]
+        if points:
+            out[key] = points
+    return out
+
+
+def _memory_state(memory) -> dict:
+    """Tip entries (without their wall-clock creation time), their keys, and the novelty states and counts."""
+    tips = memory.tips.state_dict()["partitions"]
+    return {"tips": {name: ([{k: v for k, v in e.items() if k != "created_at"} for e in p["entries"]],
+                            torch.as_tensor(p["keys"]).tolist()) for name, p in tips.items()},
+            "novelty": memory.novelty.visits(),
+            "novelty_states": {k: v.tolist() for k, v in memory.novelty.state_dict()["states"].items()}}
+
+
+@pytest.fixture
+def launch_dir_is_elsewhere(monkeypatch, tmp_path):
+    """What `hydra.job.chdir=true` does: the process runs in the output dir, Hydra remembers the launch dir."""
+    from hydra.core.hydra_config import HydraConfig
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        hydra_cfg = compose(config_name="train", return_hydra_config=True)
+    hydra_cfg.hydra.runtime.cwd = os.getcwd()
+    HydraConfig.instance().set_config(hydra_cfg)
+    (tmp_path / "chdir").mkdir()
+    monkeypatch.chdir(tmp_path / "chdir")
+    yield
+    HydraConfig.instance().cfg = None
+
+
+def test_resume_is_exact(empo2_run, tmp_path, launch_dir_is_elsewhere):
+    """4 iterations uninterrupted == 2 iterations + resume + 2: weights, optimizer state, memory entries, novelty
+    counts and every logged metric (timings aside) are identical. The checkpoint path is relative to the launch
+    dir while the process runs elsewhere (hydra.job.chdir=true)."""
+    full = empo2_run["objs"]
+    saved = Path(full["trainer"].checkpoint_callback.dirpath) / "iter_0001.ckpt"  # written after iteration 1
+    relative = os.path.relpath(saved, get_original_cwd())
+    assert not Path(relative).exists()  # not from the current directory
+    cfg = _cfg(tmp_path, *EXACT_RUN, f"ckpt_path={relative}")
+    resumed = train(cfg)
+    assert resumed["trainer"].global_step == 8
+    uri_full, uri_resumed = empo2_run["cfg"].logger.mlflow.tracking_uri, cfg.logger.mlflow.tracking_uri
+    assert [v for _, v in _metric_history(uri_resumed, resumed["loggers"][0].run_id, "iteration")] == [2.0, 3.0]
+    got = _metrics_of_iterations_2_and_3(uri_resumed, resumed["loggers"][0].run_id)
+    want = _metrics_of_iterations_2_and_3(uri_full, full["loggers"][0].run_id)
+    assert len(got["val/score"]) == 1 and len(got["rollout/return"]) == 2 and len(got["train/pg_loss"]) == 4
+    assert set(got) == set(want)
+    assert [k for k in sorted(want) if got[k] != want[k]] == []
+    for name, p in full["module"].policy.state_dict().items():
+        assert torch.equal(resumed["module"].policy.state_dict()[name], p), name
+    opt_full = torch.load(full["last_checkpoint"], map_location="cpu", weights_only=False)["optimizer_states"][0]
+    opt_resumed = torch.load(resumed["last_checkpoint"], map_location="cpu", weights_only=False)["optimizer_states"][0]
+    assert opt_full["param_groups"] == opt_resumed["param_groups"]
+    assert opt_full["state"].keys() == opt_resumed["state"].keys() and opt_full["state"]
+    for i, state in opt_full["state"].items():
+        for k, v in state.items():
+            assert torch.equal(opt_resumed["state"][i][k], v), (i, k)
+    assert _memory_state(resumed["memory"]) == _memory_state(full["memory"])
+    assert sum(sum(c) for c in full["memory"].novelty.visits().values()) > 0
+
+
+def test_restored_memory_retrieves_like_the_saved_one(empo2_run):
+    """A fresh memory callback restored from the checkpoint holds every entry and retrieves as the saved one."""
     import hydra
 
+    from src.callbacks.memory import MemoryCallback
+
+    state = torch.load(empo2_run["objs"]["last_checkpoint"], map_location="cpu", weights_only=False)
+    state = state["callbacks"]["MemoryCallback"]
     fresh: MemoryCallback = hydra.utils.instantiate(empo2_run["cfg"].memory)
     assert len(fresh.tips) == 0
     fresh.load_state_dict(state)
-    assert len(fresh.tips) == n_saved
+    assert len(fresh.tips) == sum(len(p["entries"]) for p in state["tips"]["partitions"].values())
+    assert fresh.novelty.visits() == empo2_run["objs"]["memory"].novelty.visits()
     partition, part = next(iter(state["tips"]["partitions"].items()))
     key = torch.as_tensor(part["keys"])[-1:].numpy()
     hits = fresh.tips.retrieve([partition], key)[0]
-    # an entry's own key retrieves from its partition, exactly as the memory that was saved does
     assert hits and {e.content for e in hits} <= {e["content"] for e in part["entries"]}
     original = empo2_run["objs"]["memory"].tips.retrieve([partition], key)[0]
     assert [e.content for e in hits] == [e.content for e in original]
-    # resuming the training run continues at iteration 2 with the memory in place
-    cfg = _cfg(tmp_path, "trainer.max_epochs=3", "data.num_mini_batches=2", f"ckpt_path={saved}",
-               "trainer.check_val_every_n_epoch=5", "memory.tip_max_tokens=8")
-    objs = train(cfg)
-    assert objs["trainer"].current_epoch == 3 and objs["trainer"].global_step == 6
-    uri = cfg.logger.mlflow.tracking_uri
-    iterations = [v for _, v in _metric_history(uri, objs["loggers"][0].run_id, "iteration")]
-    assert iterations == [2.0]
-    sizes = [v for _, v in _metric_history(uri, objs["loggers"][0].run_id, "rollout/memory/size")]
-    assert sizes[0] > n_saved  # restored entries plus the tips written in iteration 2
 
 
 def test_grpo_runs_without_memory(tmp_path):
@@ -120,3 +197,45 @@ def test_memory_mode_without_memory_is_refused(tmp_path):
     cfg = _cfg(tmp_path, "memory=none", "trainer.max_epochs=1", "logger=csv")
     with pytest.raises(ValueError, match="memory is off"):
         train(cfg)
+
+
+def test_fast_dev_run_runs_one_real_iteration(tmp_path):
+    """Lightning's fast_dev_run would stop after one micro-batch, before the iteration's optimizer step."""
+    cfg = _cfg(tmp_path, "algorithm=grpo", "+trainer.fast_dev_run=true")
+    objs = train(cfg)
+    trainer = objs["trainer"]
+    assert trainer.global_step == 1 and trainer.current_epoch == 1  # the whole iteration and its optimizer step
+    assert "rollout/return" in objs["metrics"] and "val/score" in objs["metrics"]
+    assert objs["loggers"] == [] and objs["last_checkpoint"] is None  # as Lightning's: no loggers, no checkpoints
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_no_signal_guard_warns_then_raises(tmp_path):
+    """A stub environment with zero reward under GRPO: every advantage is 0, the run learns nothing. After
+    `no_signal_patience` such iterations the guard warns with the cause and the metrics, or raises."""
+    from stub_envs import STUB_CFG
+
+    def cfg(*overrides):
+        c = _cfg(tmp_path, "algorithm=grpo", "logger=csv", "data.val=null", *overrides)
+        c.env = OmegaConf.create({**STUB_CFG, "reward": 0.0, "max_steps": 2})
+        return c
+
+    with pytest.warns(UserWarning, match=r"no trainable signal for 2 consecutive iterations \(iterations 0\.\.1.*"
+                                         r"all advantages are zero.*'rollout/adv/zero_var_group_frac': 1\.0") as seen:
+        train(cfg("trainer.max_epochs=2", "algorithm.no_signal_patience=2"))
+    assert len([w for w in seen if "no trainable signal" in str(w.message)]) == 1  # not after iteration 0
+    with pytest.raises(RuntimeError, match="no trainable signal for 1 consecutive.*all advantages are zero"):
+        train(cfg("trainer.max_epochs=2", "algorithm.no_signal_patience=1", "algorithm.fail_on_no_signal=true"))
+
+
+@pytest.mark.parametrize("experiment", ["scienceworld", "webshop", "scienceworld_paper", "webshop_paper"])
+def test_experiment_configs_pass_the_algorithm_checks(tmp_path, experiment):
+    """Every experiment passes the start-up checks (WebShop has a KL penalty, so no zero-advantage skipping), and
+    WebShop's memory is one partition for all goals (per-goal partitions almost never retrieve; README)."""
+    from src.models.core_algos import check_algorithm_config
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"experiment={experiment}"])
+    check_algorithm_config(OmegaConf.to_container(cfg.algorithm, resolve=True))
+    if experiment.startswith("webshop"):
+        assert cfg.memory.partition == "task"

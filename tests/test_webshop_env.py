@@ -155,14 +155,19 @@ def test_invalid_actions_are_noops(env):
         assert info["format_ok"] and info["action"] == action
 
 
-def test_wrapper_format_penalty_last_tag_and_step_cap(tmp_path, env):
+def test_wrapper_format_penalty_first_tag_and_step_cap(tmp_path, env):
     obs0, _ = env.reset({"goal_idx": 0})
     obs, r, term, trunc, info = env.step("I think I should search for widgets")
     assert (obs, r, term, trunc) == (obs0, -0.1, False, False)
     assert not info["valid_action"] and not info["format_ok"] and info["action"] == "" and info["step"] == 1
     assert env.step("<action>  </action>")[1] == -0.1  # empty action: also a format error
-    obs, r, *_ = env.step("<action>click[x]</action> no wait <action>search[widget]</action>")
-    assert "Page 1" in obs and r == 0.0
+    # Several tags: the first runs (the rule ScienceWorld uses too), and it is a format error.
+    obs, r, _, _, info = env.step("<action>search[widget]</action> no wait <action>click[x]</action>")
+    assert "Page 1" in obs and r == -0.1 and info["action"] == "search[widget]" and info["valid_action"]
+    assert not info["format_ok"]
+    obs, r, _, _, info = env.step("<action>click[b000000001]")  # unclosed (cut at the token limit): runs
+    assert info["valid_action"] and not info["format_ok"] and r == -0.1 and "Widget Bravo" in obs
+    assert env.step("<action>click[< prev]</action>")[4]["format_ok"]
 
     capped = WebShopEnv(tmp_path / "cache", env.data.source_dir, max_steps=3, format_penalty=0.5)
     capped.reset({"goal_idx": 0})
@@ -176,8 +181,8 @@ def test_wrapper_format_penalty_last_tag_and_step_cap(tmp_path, env):
 
 def test_wrapper_success_reward_mode_and_tasks(tmp_path, env):
     env_s = WebShopEnv(tmp_path / "cache", env.data.source_dir, reward_mode="success", num_test_goals=1)
-    assert env_s.tasks("test") == [{"goal_idx": 0, "split": "test"}]
-    assert env_s.tasks("train") == [{"goal_idx": 1, "split": "train"}]
+    assert env_s.tasks("test") == [{"task_name": "webshop", "goal_idx": 0, "split": "test"}]
+    assert env_s.tasks("train") == [{"task_name": "webshop", "goal_idx": 1, "split": "train"}]
     for asin, opts, expected in (("B000000000", ["black", "large"], 10.0), ("B000000000", [], 0.0)):
         obs, info = env_s.reset({"goal_idx": _idx(env_s, "B000000000")})
         assert info["task_id"] == f"webshop-{_idx(env_s, 'B000000000')}" and info["max_score"] == 1.0

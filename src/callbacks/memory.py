@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 
-from src.data.prompts import build_tip_messages, HistoryItem
+from src.data.prompts import HistoryItem, build_reflection_turn, build_tip_messages, fit_tip_history
 from src.memory.embedder import Embedder
 from src.memory.novelty import NoveltyMemory
 from src.memory.tip_memory import TipMemory, format_entry
@@ -35,16 +35,21 @@ class MemoryCallback(L.Callback):
             matches the embedder, or a built ``TipMemory``.
         partition: ``variation`` (one memory per task variation, the authors' default), ``task`` or ``global``.
         tips_scope: ``current`` or ``all_steps`` (see ``build_step_messages``).
-        tip_max_tokens: token budget of one reflection (64 on CPU, 512 in the paper config).
-        tip_history_length: past steps shown when asking for a reflection.
-        novelty: ``{"enabled": bool, "threshold": 0.9, "coef": 1.0}`` (SPEC §2.6; coef in environment units).
+        tip_max_tokens: token budget of one reflection (64 on CPU, 512 in the paper config). The reflection
+            prompt shows the whole trajectory within the policy's ``max_prompt_tokens`` (``fit_tip_history``).
+        reuse_rollout_cache: let training rollouts keep each episode's last prompt keys/values so that the
+            reflection continues that prompt instead of computing a new one from scratch (see
+            ``reflection_prompt``); costs memory until the tips are written (~46 KB per prompt token for SmolLM2
+            in fp32, ~57 KB for Qwen2.5-7B in bf16).
+        novelty: ``{"enabled": bool, "threshold": 0.9, "coef": 1.0, "count": "visits"}`` (SPEC §2.6; coef in
+            environment units; ``count``: ``visits`` or ``distinct``, see ``NoveltyMemory``).
 
     Raises:
         ValueError: unknown partition, or embedder/tip-memory dimension mismatch.
     """
 
     def __init__(self, embedder: Embedder, tip_memory, partition: str = "variation",
-                 tips_scope: str = "current", tip_max_tokens: int = 64, tip_history_length: int = 10,
+                 tips_scope: str = "current", tip_max_tokens: int = 64, reuse_rollout_cache: bool = True,
                  novelty: dict[str, Any] | None = None):
         super().__init__()
         if partition not in PARTITIONS:
@@ -59,11 +64,11 @@ class MemoryCallback(L.Callback):
         self.partition = partition
         self.tips_scope = tips_scope
         self.tip_max_tokens = tip_max_tokens
-        self.tip_history_length = tip_history_length
+        self.reuse_rollout_cache = bool(reuse_rollout_cache)
         novelty = dict(novelty or {})
         self.novelty_enabled = bool(novelty.get("enabled", False))
         self.novelty = NoveltyMemory(dim=embedder.dim, threshold=float(novelty.get("threshold", 0.9)),
-                                     coef=float(novelty.get("coef", 1.0)))
+                                     coef=float(novelty.get("coef", 1.0)), count=novelty.get("count", "visits"))
         self._reset_counters()
 
     # ------------------------------------------------------------------ used by the rollout runner
@@ -78,42 +83,56 @@ class MemoryCallback(L.Callback):
         self.counters["embed_s"] += time.perf_counter() - tic
         return out
 
+    @staticmethod
+    def task_name(task: dict[str, Any]) -> str:
+        """The task a task dict belongs to (``task_name``; every variation / goal of it shares the name)."""
+        return str(task.get("task_name", task.get("task_id", "task")))
+
     def partition_key(self, task: dict[str, Any]) -> str:
-        """Partition name of a task dict (``task_name``/``goal_idx`` and ``variation`` fields)."""
+        """Partition name of a task dict: ``global``, the task name, or ``<task name>/<variation or goal_idx>``."""
         if self.partition == "global":
             return "global"
-        name = str(task.get("task_name", task.get("task_id", task.get("split", "task"))))
         if self.partition == "task":
-            return name
-        return f"{name}/{task.get('variation', task.get('goal_idx', 0))}"
+            return self.task_name(task)
+        return f"{self.task_name(task)}/{task.get('variation', task.get('goal_idx', 0))}"
 
     def retrieve(self, tasks: list[dict], keys: np.ndarray) -> list[list[str]]:
         """Tip contents for each (task, key [dim]) pair: cosine > threshold, then top-k by score (SPEC §2.7)."""
+        tic = time.perf_counter()
         hits = self.tips.retrieve([self.partition_key(t) for t in tasks], keys)
+        self.counters["retrieve_s"] += time.perf_counter() - tic
         self.counters["queries"] += len(hits)
         self.counters["hits"] += sum(1 for h in hits if h)
         self.counters["tips_shown"] += sum(len(h) for h in hits)
         return [[e.content for e in h] for h in hits]
 
     def novelty_rewards(self, tasks: list[dict], keys: np.ndarray) -> np.ndarray:
-        """Count-based bonus coef/(n+1) for each reached state (per task; SPEC §2.6)."""
-        names = [str(t.get("task_name", t.get("task_id", "task"))) for t in tasks]
-        return self.novelty.rewards(names, keys)
+        """Count-based bonus coef/(N+1) for the states reached in one environment step (per task; SPEC §2.6)."""
+        return self.novelty.rewards([self.task_name(t) for t in tasks], keys)
 
     # ------------------------------------------------------------------ tip writing
     def write_tips(self, episodes, policy, system_prompt: str) -> dict[str, float]:
         """Ask the policy for one reflection per finished episode (one batched call) and store one entry per step.
 
         Entry content: ``<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>.``,
-        key = embedding of step k's state, score = the episode's final score (SPEC §2.7).
+        key = the embedding of step k's state made during the rollout (``StepRecord.key``, not recomputed),
+        score = the episode's final score (SPEC §2.7). Returns timings (s) and token counts; the kept rollout
+        keys/values (``Episode.reflection_prefix``) are released.
         """
-        done = [e for e in episodes if not e.failed and e.steps and e.steps[0].key is not None]
         tic = time.perf_counter()
-        prompts = [policy.encode(build_tip_messages(
-            system_prompt, e.instruction, [HistoryItem(s.observation, s.action) for s in e.steps],
-            e.final_observation, e.score, e.max_score, self.tip_history_length)) for e in done]
-        gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens)
-        generate_s = time.perf_counter() - tic
+        done = [e for e in episodes if not e.failed and e.steps and e.steps[0].key is not None]
+        prompts, prefixes, shortened = [], [], 0
+        for e in done:
+            ids, prefix, n = self.reflection_prompt(policy, system_prompt, e)
+            prompts.append(ids)
+            prefixes.append(prefix)
+            shortened += n
+        for e in episodes:
+            e.reflection_prefix = None
+        tic_generate = time.perf_counter()
+        cached = {"prefix_kv": prefixes} if any(p is not None for p in prefixes) else {}
+        gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens, **cached)
+        generate_s = time.perf_counter() - tic_generate
         batches = []
         for episode, tip in zip(done, gen.texts):
             tip = " ".join(tip.split()) or "No reflection."
@@ -127,18 +146,53 @@ class MemoryCallback(L.Callback):
             written += self.tips.add(partition, keys, contents, scores, steps)
         self.counters["tips_written"] += written
         return {"tips_written": float(written), "tip_generate_s": generate_s,
-                "tip_tokens": float(sum(len(r) for r in gen.response_ids))}
+                "tip_write_s": time.perf_counter() - tic, "tip_tokens": float(sum(len(r) for r in gen.response_ids)),
+                "tip_prompt_tokens": float(sum(len(p) for p in prompts)),
+                "tip_prompt_cached_tokens": float(sum(p.length for p in prefixes if p is not None)),
+                "tip_prompts_continued": float(sum(p is not None for p in prefixes)),
+                "tip_observations_shortened": float(shortened)}
+
+    @staticmethod
+    def reflection_prompt(policy, system_prompt: str, episode) -> tuple[list[int], Any, int]:
+        """(prompt ids, kept keys/values of their first ids or None, observations shortened) of the reflection on
+        ``episode``'s whole trajectory, at most ``policy.max_prompt_tokens`` ids.
+
+        With the episode's last rollout prompt kept (``Episode.reflection_prefix``), the reflection continues that
+        conversation: last prompt + last action + a user turn with the steps that prompt did not show, the final
+        observation and score, and the tip instruction (``build_reflection_turn``); only the new ids are computed.
+        Otherwise (nothing kept, the chat template cannot be continued by ids, or it does not fit) a fresh prompt
+        shows the whole trajectory (``build_tip_messages``). Either way the oldest observations are shortened
+        first to fit (``fit_tip_history``).
+        """
+        history = [HistoryItem(s.observation, s.action) for s in episode.steps]
+        budget = policy.max_prompt_tokens
+        continued = _continue_last_prompt(policy, episode, history, budget)
+        if continued is not None:
+            return continued
+
+        def messages(h):
+            return build_tip_messages(system_prompt, episode.instruction, h, episode.final_observation,
+                                      episode.score, episode.max_score)
+
+        history, ids, shortened = fit_tip_history(history, lambda h: policy.encode(messages(h), truncate=False),
+                                                  policy.tokenizer, budget)
+        if len(ids) > budget:  # even without past observations: the policy's counted cut
+            ids = policy.encode(messages(history))
+        return ids, None, shortened
 
     # ------------------------------------------------------------------ metrics
     def _reset_counters(self) -> None:
-        self.counters = {"queries": 0, "hits": 0, "tips_shown": 0, "tips_written": 0, "embed_s": 0.0}
+        self.counters = {"queries": 0, "hits": 0, "tips_shown": 0, "tips_written": 0, "embed_s": 0.0,
+                         "retrieve_s": 0.0}
 
     def pop_metrics(self) -> dict[str, float]:
         """Memory size, retrieval hit rate, tips shown/written since the last call."""
         c = self.counters
         out = {"memory/size": float(len(self.tips)), "memory/partitions": float(len(self.tips.sizes())),
                "memory/novel_states": float(len(self.novelty)),
-               "memory/tips_written": float(c["tips_written"]), "memory/embed_s": float(c["embed_s"])}
+               "memory/novelty_visits": float(sum(sum(c) for c in self.novelty.visits().values())),
+               "memory/tips_written": float(c["tips_written"]), "memory/embed_s": float(c["embed_s"]),
+               "memory/retrieve_s": float(c["retrieve_s"])}
         if c["queries"]:
             out["memory/hit_rate"] = c["hits"] / c["queries"]
             out["memory/tips_per_query"] = c["tips_shown"] / c["queries"]
@@ -153,3 +207,24 @@ class MemoryCallback(L.Callback):
         self.tips.load_state_dict(state_dict["tips"])
         self.novelty.load_state_dict(state_dict["novelty"])
         log.info("Restored memory: %d tips in %d partitions", len(self.tips), len(self.tips.sizes()))
+
+
+def _continue_last_prompt(policy, episode, history: list[HistoryItem], budget: int):
+    """``reflection_prompt``'s continuation of the last rollout prompt, or None when it cannot be used."""
+    last, prefix = episode.steps[-1], episode.reflection_prefix
+    if prefix is None or prefix.length != len(last.rollout_prompt_ids):
+        return None
+    response = last.response_ids
+    if response and response[-1] in policy.eos_token_ids:
+        response = response[:-1]  # the turn's own closing ids follow
+    head = last.rollout_prompt_ids + response
+    earlier = history[: len(history) - 1 - last.history_shown]
+
+    def render(h):
+        return head + policy.encode_next_turn(build_reflection_turn(h, len(history), episode.final_observation,
+                                                                    episode.score, episode.max_score))
+
+    if policy.encode_next_turn("") is None:
+        return None
+    earlier, ids, shortened = fit_tip_history(earlier, render, policy.tokenizer, budget)
+    return (ids, prefix, shortened) if len(ids) <= budget else None

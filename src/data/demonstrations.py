@@ -223,8 +223,8 @@ def build_examples(policy: Policy, records: list[dict[str, Any]], system_prompt:
         responses = record.get("responses") or record["actions"]
         admissible = record.get("admissible_actions")
         for t, action in enumerate(record["actions"]):
-            prompt, _, _ = step_prompt(policy, cfg, system_prompt, record["instruction"], history, observation,
-                                       admissible[t] if admissible else None, t, max_steps)
+            prompt, _, _, _ = step_prompt(policy, cfg, system_prompt, record["instruction"], history, observation,
+                                          admissible[t] if admissible else None, t, max_steps)
             examples.append(SFTExample(prompt, response_ids(policy, responses[t]), record["task"], t))
             history.append(HistoryItem(observation, action))
             observation = record["observations"][t]

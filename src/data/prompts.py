@@ -34,7 +34,9 @@ def _tips_block(tips: list[str]) -> str:
 def build_step_messages(system_prompt: str, instruction: str, history: list[HistoryItem], observation: str,
                         tips: list[str] | None = None, admissible_actions: list[str] | None = None,
                         history_length: int = 5, tips_scope: str = "current", step: int = 0,
-                        max_steps: int | None = None, history_obs_chars: int | None = None) -> list[dict[str, str]]:
+                        max_steps: int | None = None, history_obs_chars: int | None = None,
+                        admissible_shown: int | None = None,
+                        observation_chars: int | None = None) -> list[dict[str, str]]:
     """Messages for the policy at one step.
 
     Args:
@@ -44,12 +46,17 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
             (keeps CPU prompts short; the paper's 4k-token prompts fit the whole episode).
         observation: the current observation.
         tips: retrieved tips for the current step, or ``None``/``[]`` for a tip-free prompt.
-        admissible_actions: listed in the prompt when given (WebShop).
+        admissible_actions: listed in the prompt when given (WebShop; ScienceWorld with
+            ``include_admissible_actions``).
+        admissible_shown: show only this many of them, evenly spaced over the list so every kind of action
+            keeps examples, with a note of how many there are (``None``: all). Set by ``fit_prompt``.
         tips_scope: ``current`` — only the current step's tips; ``all_steps`` — also each shown past step's
             tips (the authors' code). A tip-free prompt (``tips=None``) drops all of them.
         step, max_steps: shown so the agent knows its budget.
         history_obs_chars: past observations longer than this are cut (with " ...") to keep prompts short on
-            CPU; the current observation is always shown whole. ``None`` keeps them whole.
+            CPU. ``None`` keeps them whole.
+        observation_chars: cut the current observation to its first this many characters (last resort of
+            ``fit_prompt`` when the system prompt, task and observation alone exceed the budget; ``None``: whole).
 
     Raises:
         ValueError: unknown ``tips_scope``.
@@ -72,23 +79,94 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
             lines.append(f"[Step {k}] Action: {item.action}")
         parts.append("\n".join(lines))
     budget = f" (step {step + 1} of {max_steps})" if max_steps else ""
+    if observation_chars is not None and len(observation) > observation_chars:
+        observation = observation[:observation_chars].rstrip() + " ... [cut to fit the prompt]"
     parts.append(f"Current observation{budget}:\n{observation}")
     if with_tips and tips:
         parts.append(_tips_block(tips))
     if admissible_actions:
-        parts.append("Admissible actions: " + ", ".join(admissible_actions))
+        parts.append(_admissible_block(admissible_actions, admissible_shown))
     parts.append("What is your next action?")
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": "\n\n".join(parts)}]
 
 
+def _admissible_block(actions: list[str], shown: int | None) -> str:
+    if shown is None or shown >= len(actions):
+        return "Admissible actions: " + ", ".join(actions)
+    if shown <= 0:
+        return f"Admissible actions: {len(actions)} (not listed: the prompt is full)"
+    picks = [actions[k * len(actions) // shown] for k in range(shown)]
+    return f"Admissible actions ({shown} of {len(actions)} shown): " + ", ".join(picks)
+
+
+SHORTENED = "[...]"
+
+
+def _steps_lines(history: list[HistoryItem]) -> list[str]:
+    return [f"[Step {k}] Observation: {item.observation}\n[Step {k}] Action: {item.action}"
+            for k, item in enumerate(history, start=1)]
+
+
+def _ending_lines(final_observation: str, final_score: float, max_score: float) -> list[str]:
+    return [f"Final observation: {final_observation}", f"Final score: {final_score:g} out of {max_score:g}.",
+            TIP_INSTRUCTION]
+
+
 def build_tip_messages(system_prompt: str, instruction: str, history: list[HistoryItem], final_observation: str,
-                       final_score: float, max_score: float, history_length: int = 10) -> list[dict[str, str]]:
-    """Messages asking the policy for its one-line reflection on a finished episode (SPEC §2.7)."""
-    shown = history[-history_length:] if history_length > 0 else []
-    lines = [f"Task: {instruction}", f"Your trajectory ({len(history)} steps, last {len(shown)} shown):"]
-    for k, item in enumerate(shown, start=len(history) - len(shown) + 1):
-        lines.append(f"[Step {k}] Observation: {item.observation}\n[Step {k}] Action: {item.action}")
-    lines.append(f"Final observation: {final_observation}")
-    lines.append(f"Final score: {final_score:g} out of {max_score:g}.")
-    lines.append(TIP_INSTRUCTION)
+                       final_score: float, max_score: float) -> list[dict[str, str]]:
+    """Messages asking the policy for its one-line reflection on a finished episode (SPEC §2.7).
+
+    Every step of the trajectory is shown (observation and action); ``fit_tip_history`` shortens the oldest
+    observations (marked ``[...]``) to fit a token budget, never dropping a step.
+    """
+    lines = [f"Task: {instruction}", f"Your trajectory ({len(history)} steps):", *_steps_lines(history),
+             *_ending_lines(final_observation, final_score, max_score)]
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": "\n".join(lines)}]
+
+
+def build_reflection_turn(earlier: list[HistoryItem], num_steps: int, final_observation: str, final_score: float,
+                          max_score: float) -> str:
+    """The user turn asking for the reflection when it continues the episode's last rollout prompt and action
+    (SPEC §2.7): that prompt already shows the task, the last steps and the current observation, so this turn adds
+    the ``earlier`` steps it did not show (steps 1..len(earlier) of ``num_steps``), the final observation and score,
+    and the tip instruction. Together they show the whole trajectory."""
+    lines = ["The episode is over."]
+    if earlier:
+        lines += [f"Your first {len(earlier)} steps (of {num_steps}), not shown above:", *_steps_lines(earlier)]
+    return "\n".join(lines + _ending_lines(final_observation, final_score, max_score))
+
+
+def fit_tip_history(history: list[HistoryItem], render, tokenizer,
+                    budget: int) -> tuple[list[HistoryItem], list[int], int]:
+    """The whole trajectory shortened until the reflection prompt has at most ``budget`` ids, where possible.
+
+    Args:
+        history: every step of the episode, oldest first.
+        render: ``history -> prompt ids`` (e.g. ``build_tip_messages`` then ``Policy.encode(truncate=False)``).
+        tokenizer: the policy's tokenizer, to cut observations at token boundaries.
+        budget: max prompt tokens.
+
+    Returns:
+        (history, its prompt ids, number of shortened observations). Observations are cut from their end,
+        oldest step first, each down to nothing before the next is touched, and marked ``[...]``; actions, the
+        task, the final observation and score always stay. If the prompt is still over budget with every past
+        observation emptied, it is returned as it is (the caller's last-resort cut applies).
+    """
+    ids = render(history)
+    if len(ids) <= budget or not history:
+        return history, ids, 0
+    obs_ids = tokenizer([h.observation for h in history], add_special_tokens=False)["input_ids"]
+    keep = [len(x) for x in obs_ids]
+    shortened = history
+    while len(ids) > budget and any(keep):
+        excess = len(ids) - budget  # re-measured each round: the [...] markers cost a few tokens
+        for k in range(len(keep)):
+            take = min(keep[k], excess)
+            keep[k], excess = keep[k] - take, excess - take
+            if excess == 0:
+                break
+        shortened = [h if n == len(o) else
+                     HistoryItem(f"{tokenizer.decode(o[:n]).rstrip()} {SHORTENED}".lstrip(), h.action, h.tips)
+                     for h, o, n in zip(history, obs_ids, keep)]
+        ids = render(shortened)
+    return shortened, ids, sum(n < len(o) for o, n in zip(obs_ids, keep))

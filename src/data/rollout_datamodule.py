@@ -14,6 +14,7 @@ iteration boundaries, and resuming continues at the next iteration.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -22,6 +23,7 @@ from typing import Any, Iterator
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -29,6 +31,8 @@ from src.data.rollout import Episode, RolloutConfig, episode_metrics, padding_sa
 from src.envs.pool import EnvPool
 from src.models.core_algos import check_algorithm_config, compute_grpo_advantages
 from src.utils.distributed import all_reduce, gather_lists, rank_and_world
+from src.utils.rng import (MODE, PERMUTATION, SAMPLING, TASKS, VALIDATION, global_rng_state, seed_torch,
+                           set_global_rng_state)
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +43,25 @@ def draw_mode(seed: int, iteration: int, memory_rollout_prob: float, offpolicy_p
     Drawn from a generator seeded by (seed, iteration), so it is the same on every rank and after a resume
     without storing RNG state.
     """
-    rng = np.random.default_rng([seed, iteration, 0])
+    rng = np.random.default_rng([seed, iteration, MODE])
     if rng.random() >= memory_rollout_prob:
         return "on_policy"
     return "off_policy" if rng.random() < offpolicy_prob else "on_policy_with_tips"
+
+
+NO_SIGNAL_METRICS = ("rollout/episodes", "rollout/failed_episodes", "rollout/return", "rollout/score",
+                     "rollout/adv/samples", "rollout/adv/zero_var_group_frac", "rollout/adv/skipped_zero_adv_samples")
+
+
+def no_signal_cause(steps: float, signal_samples: float, signal_tokens: float) -> str | None:
+    """Why an iteration has no policy-gradient signal (counts over all ranks), or None when it has one."""
+    if steps == 0:
+        return "no samples: every episode failed or ended before its first step"
+    if signal_samples == 0:
+        return "all advantages are zero: in every group all episodes had the same return"
+    if signal_tokens == 0:
+        return "zero trainable tokens: the steps with a non-zero advantage have empty responses"
+    return None
 
 
 class _Stream(IterableDataset):
@@ -72,17 +91,24 @@ class RolloutDataModule(L.LightningDataModule):
         max_response_tokens: tokens per action (32 ScienceWorld, 512 WebShop).
         history_length: past steps shown in the prompt.
         history_obs_chars: cut past observations to this many characters (null: keep whole).
+        history_action: ``raw`` (the model's output, default) or ``executed`` (the action the environment ran)
+            as each past step's action in the prompt (``RolloutConfig``).
         max_steps: shown in the prompt as the step budget (the env enforces its cap).
         num_env_workers: pool size; default = the largest number of concurrent episodes needed.
         val: ``{"split", "num_tasks", "episodes_per_task", "temperature"}`` for in-training validation
             (no memory, SPEC §5), or null.
-        seed: seeds the mode and task draws of every iteration.
+        seed: seeds every iteration's random streams: mode, tasks and micro-batch permutation from
+            (seed, iteration), the same on every rank; generation sampling from (seed, iteration, rank).
+
+    Exact resume: nothing random depends on the generators' state at a checkpoint; ``state_dict`` also saves the
+    global generators and the no-signal guard's counter.
     """
 
     def __init__(self, env: DictConfig | dict, algorithm: DictConfig | dict, tasks_per_iteration: int = 2,
                  group_size: int = 4, train_split: str = "train", ppo_epochs: int = 1, num_mini_batches: int = 1,
                  micro_batch_size: int = 4, temperature: float = 1.0, max_response_tokens: int = 32,
-                 history_length: int = 5, history_obs_chars: int | None = None, max_steps: int | None = None, num_env_workers: int | None = None,
+                 history_length: int = 5, history_obs_chars: int | None = None, history_action: str = "raw",
+                 max_steps: int | None = None, num_env_workers: int | None = None,
                  val: DictConfig | dict | None = None, seed: int = 0, pool_timeout_s: float = 300.0):
         super().__init__()
         for name, value in (("tasks_per_iteration", tasks_per_iteration), ("group_size", group_size),
@@ -105,6 +131,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.max_response_tokens = max_response_tokens
         self.history_length = history_length
         self.history_obs_chars = history_obs_chars
+        self.history_action = history_action
+        RolloutConfig(history_action=history_action)  # refuse a bad value at start-up
         self.max_steps = max_steps
         self.num_env_workers = num_env_workers
         self.seed = seed
@@ -113,6 +141,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.pool: EnvPool | None = None
         self.train_tasks: list[dict] = []
         self.val_tasks: list[dict] = []
+        self.no_signal_iterations = 0  # consecutive iterations without a policy-gradient signal
 
     def rollout_config(self, use_tips: bool, temperature: float | None = None, strip_tips_for_update: bool = False,
                        novelty: bool = False) -> RolloutConfig:
@@ -121,7 +150,8 @@ class RolloutDataModule(L.LightningDataModule):
             temperature=self.temperature if temperature is None else float(temperature),
             max_response_tokens=self.max_response_tokens, history_length=self.history_length,
             history_obs_chars=self.history_obs_chars, use_tips=use_tips, strip_tips_for_update=strip_tips_for_update,
-            tips_scope=getattr(self.memory, "tips_scope", "current"), novelty=novelty)
+            tips_scope=getattr(self.memory, "tips_scope", "current"), novelty=novelty,
+            history_action=self.history_action)
 
     @property
     def steps_per_iteration(self) -> int:
@@ -162,7 +192,7 @@ class RolloutDataModule(L.LightningDataModule):
     def draw_tasks(self, iteration: int) -> list[dict]:
         """This rank's task instances of an iteration (drawn for all ranks, then sharded by rank)."""
         rank, world = rank_and_world()
-        rng = np.random.default_rng([self.seed, iteration, 1])
+        rng = np.random.default_rng([self.seed, iteration, TASKS])
         replace = len(self.train_tasks) < self.tasks_per_iteration
         picks = rng.choice(len(self.train_tasks), size=self.tasks_per_iteration, replace=replace)
         return [self.train_tasks[int(i)] for i in picks][rank::world]
@@ -180,11 +210,17 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"iteration {iteration} drew mode {mode!r} but memory is off; set "
                              "algorithm.memory_rollout_prob=0 or enable memory")
         rank, world = rank_and_world()
+        # Generation (rollout and tip writing) samples from torch's global generator: seed it for this iteration.
+        seed_torch(self.seed, iteration, SAMPLING, rank)
         tasks = self.draw_tasks(iteration)
+        log.info("iteration %d (%s): rank %d of %d runs tasks %s", iteration, mode, rank, world, json.dumps(tasks))
+        truncated_before = policy.num_prompts_truncated
         episode_tasks = [t for t in tasks for _ in range(self.group_size)]
         groups = [rank * 10_000 + k for k in range(len(tasks)) for _ in range(self.group_size)]
         cfg = self.rollout_config(use_tips=mode != "on_policy", strip_tips_for_update=mode == "off_policy",
                                   novelty=self.memory is not None and self.memory.novelty_enabled)
+        # the reflections written below continue each episode's last prompt without recomputing it
+        cfg.keep_reflection_prefix = self.memory is not None and self.memory.reuse_rollout_cache
         with module.rollout_context():
             episodes, metrics = run_episodes(self.pool, policy, episode_tasks, groups, cfg, self.memory, self.max_steps)
             if self.memory is not None:
@@ -197,9 +233,11 @@ class RolloutDataModule(L.LightningDataModule):
         metrics.update(episode_metrics(episodes))
         if self.memory is not None:
             metrics.update(self.memory.pop_metrics())
-        metrics["policy_prompts_truncated"] = float(policy.num_prompts_truncated)
+        metrics["policy_prompts_truncated"] = float(policy.num_prompts_truncated - truncated_before)
+        metrics = {f"rollout/{k}": v for k, v in metrics.items()}
+        self.check_signal(metrics, iteration)
         info = {"iteration": iteration, "mode": mode, "rollout_global_step": rollout_step}
-        yield from self.micro_batches(samples, info, {f"rollout/{k}": v for k, v in metrics.items()}, iteration)
+        yield from self.micro_batches(samples, info, metrics, iteration)
 
     def make_samples(self, episodes: list[Episode], mode: str) -> tuple[list[dict], dict[str, float]]:
         """One sample per step of every valid episode, carrying its episode's GRPO advantage (SPEC §2.2)."""
@@ -212,10 +250,15 @@ class RolloutDataModule(L.LightningDataModule):
         # Optional (off by default): zero-advantage steps add no policy gradient, only cost (and token-mean
         # denominator). Dropping them is DAPO-style filtering; it rescales the loss, so it is opt-in.
         skip_zero = bool(self.algorithm.get("skip_zero_advantage", False))
-        samples, skipped = [], 0
+        metrics.pop("num_failed_episodes")  # counted once, as rollout/failed_episodes (episode_metrics)
+        samples, skipped, steps, signal_samples, signal_tokens = [], 0, 0, 0, 0
         for episode, advantage in zip(episodes, advantages.tolist()):
             if episode.failed:
                 continue
+            steps += len(episode.steps)
+            if advantage != 0.0:
+                signal_samples += len(episode.steps)
+                signal_tokens += sum(len(s.response_ids) for s in episode.steps)
             if skip_zero and advantage == 0.0:
                 skipped += len(episode.steps)
                 continue
@@ -230,9 +273,44 @@ class RolloutDataModule(L.LightningDataModule):
                     "sample_log_probs": step.sample_log_probs,
                     "advantage": advantage,
                 })
-        metrics["skipped_zero_adv_samples"] = float(skipped)
-        metrics["samples"] = float(len(samples))
+        metrics.update(skipped_zero_adv_samples=float(skipped), samples=float(len(samples)), steps=float(steps),
+                       signal_samples=float(signal_samples), signal_tokens=float(signal_tokens))
         return samples, {f"adv/{k}": v for k, v in metrics.items()}
+
+    def check_signal(self, metrics: dict[str, float], iteration: int) -> None:
+        """The no-signal guard: warn (or raise, with ``algorithm.fail_on_no_signal``) after
+        ``algorithm.no_signal_patience`` consecutive iterations without a policy-gradient signal on any rank.
+
+        A signal is a response token of a step whose advantage is non-zero (the KL and entropy terms alone
+        teach nothing about the reward). Without one, the run trains nothing while looking healthy.
+
+        Raises:
+            RuntimeError: ``fail_on_no_signal`` and the patience is used up; the message names the cause and
+                the metrics that show it.
+        """
+        steps, signal, tokens = all_reduce([metrics["rollout/adv/steps"], metrics["rollout/adv/signal_samples"],
+                                            metrics["rollout/adv/signal_tokens"]])
+        cause = no_signal_cause(steps, signal, tokens)
+        self.no_signal_iterations = self.no_signal_iterations + 1 if cause else 0
+        patience = int(self.algorithm.get("no_signal_patience", 3))
+        if cause is None or self.no_signal_iterations < patience:
+            return
+        shown = {k: metrics[k] for k in NO_SIGNAL_METRICS if k in metrics}
+        message = (f"no trainable signal for {self.no_signal_iterations} consecutive iterations (iterations "
+                   f"{iteration - self.no_signal_iterations + 1}..{iteration}; this one over all ranks: {steps:g} "
+                   f"steps, {signal:g} with a non-zero advantage, {tokens:g} of their tokens): {cause}. "
+                   f"Metrics of this rank: {shown}")
+        if self.algorithm.get("fail_on_no_signal", False):
+            raise RuntimeError(message + " (algorithm.fail_on_no_signal=true)")
+        rank_zero_warn(message + " Set algorithm.fail_on_no_signal=true to stop such runs.")
+
+    # ------------------------------------------------------------------ checkpointing (exact resume)
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": global_rng_state(), "no_signal_iterations": self.no_signal_iterations}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_global_rng_state(state_dict["rng"])
+        self.no_signal_iterations = int(state_dict["no_signal_iterations"])
 
     def micro_batches(self, samples: list[dict], info: dict, metrics: dict, iteration: int) -> Iterator[dict]:
         """Yield ``ppo_epochs`` × ``num_mini_batches`` mini-batches, each as micro-batches.
@@ -242,7 +320,7 @@ class RolloutDataModule(L.LightningDataModule):
         micro-batch carries the mini-batch's global token and sequence counts, so summing micro-batch losses
         reproduces the full mini-batch's token-mean (SPEC §2.3).
         """
-        rng = np.random.default_rng([self.seed, iteration, 2])
+        rng = np.random.default_rng([self.seed, iteration, PERMUTATION])
         first = True
         for epoch in range(self.ppo_epochs):
             order = rng.permutation(len(samples))
@@ -279,6 +357,7 @@ class RolloutDataModule(L.LightningDataModule):
         """One batch holding the metrics of a no-memory evaluation on the validation tasks (SPEC §5)."""
         if not self.val_cfg or not self.val_tasks:
             return
+        seed_torch(self.seed, self.trainer.global_step, VALIDATION, rank_and_world()[0])
         yield {"metrics": evaluate(self.pool, self.trainer.lightning_module, self.val_tasks,
                                    int(self.val_cfg.get("episodes_per_task", 1)),
                                    self.rollout_config(use_tips=False, temperature=self.val_cfg.get("temperature", 0.4)),

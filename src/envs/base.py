@@ -17,10 +17,35 @@ actually executed, str), ``task_id`` (str), ``variation`` (int or str), ``instru
 sees), ``max_score`` (float), and ``admissible_actions`` (list[str]) when the environment can list them.
 An invalid action is a no-op with ``valid_action=False``, never an exception. ``truncated`` is True when the
 environment's own action cap is reached.
+
+Both environments read the action with one rule, ``extract_action``: the first ``<action>`` tag wins, and
+``info['format_ok']`` is False when a reply holds several tags or an unclosed one.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Protocol
+
+_OPEN_TAG = re.compile(r"<action>", re.IGNORECASE)
+_CLOSE_TAG = re.compile(r"</action>", re.IGNORECASE)
+
+
+def extract_action(response: str) -> tuple[str | None, bool]:
+    """The action of a raw policy reply, by the rule every environment uses.
+
+    Returns ``(action, well_formed)``. ``action``: the first non-empty line (stripped) of the first
+    ``<action>`` tag's text, which ends at ``</action>`` or, for a reply cut at the token limit, at the end of
+    the text; "" for an empty tag; None when the reply has no tag (each environment decides what that means).
+    ``well_formed``: at most one ``<action>`` tag, and a tag present is closed. Tags are case-insensitive.
+    """
+    opens = list(_OPEN_TAG.finditer(response))
+    if not opens:
+        return None, True
+    start = opens[0].end()
+    close = _CLOSE_TAG.search(response, start)
+    text = response[start:close.start() if close else len(response)]
+    action = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return action, len(opens) == 1 and close is not None
 
 
 class TextEnv(Protocol):

@@ -279,7 +279,8 @@ class EnvPool:
                 return ("error", reason)
             kind, payload = msg
             if kind == "ready":  # a restarted worker announcing itself before the answer
-                worker.ready = True
+                # Its start-up (a JVM: a minute on a busy machine) is not part of this call's timeout_s.
+                worker.ready, start = True, time.monotonic()
                 continue
             if kind in ("error", "init_error"):
                 what = "raised" if kind == "error" else "could not build its environment"

@@ -23,6 +23,8 @@ from typing import Any
 
 from scienceworld.constants import ID2TASK
 
+from src.envs.base import extract_action
+
 logger = logging.getLogger(__name__)
 
 # Paper ids ("4-2") -> task names, from the table the package ships (scienceworld/tasks.json, the numbering of
@@ -59,8 +61,11 @@ _AMBIGUOUS_PROMPT = "Ambiguous request: Please enter the number"
 _AMBIGUOUS_OPTION = re.compile(r"^\s*(\d+):\s*(.+?)\s*$")
 # "reset task" is in the simulator's action list; it would silently restart the episode under the agent.
 _BLOCKED_ACTIONS = {"reset task"}
-_ACTION_TAG = re.compile(r"<action>(.*?)(?:</action>|$)", re.IGNORECASE | re.DOTALL)
 _HEAP = re.compile(r"^\d+[kKmMgG]?$")
+
+
+def _blocked(action: str) -> bool:
+    return " ".join(action.lower().split()) in _BLOCKED_ACTIONS
 
 
 def resolve_task(task: str | int) -> str:
@@ -99,16 +104,20 @@ def default_max_steps(task_name: str) -> int:
 def parse_action(response: str) -> str:
     """Extract the action command from a raw policy response.
 
-    The inside of the first ``<action>...</action>`` (an unclosed tag, e.g. a generation cut at the token limit,
-    runs to the end of the text) if present, else the whole text; of that, the first non-empty line, stripped.
-    Returns "" when there is none.
+    The first ``<action>`` tag's action by the rule of ``src.envs.base.extract_action`` (an unclosed tag, e.g.
+    a generation cut at the token limit, runs to the end of the text); without a tag, the first non-empty line
+    of the whole text, stripped. Returns "" when there is none.
     """
-    match = _ACTION_TAG.search(response)
-    text = match.group(1) if match else response
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
+    return _parse(response)[0]
+
+
+def _parse(response: str) -> tuple[str, bool]:
+    """(action, format_ok): ``format_ok`` is False for several ``<action>`` tags or an unclosed one; free text
+    without any tag is well formed here (the system prompt asks for a bare command)."""
+    action, well_formed = extract_action(response)
+    if action is None:
+        action = next((line.strip() for line in response.splitlines() if line.strip()), "")
+    return action, well_formed
 
 
 def _start_jvm(jvm_heap: str):
@@ -148,18 +157,29 @@ class ScienceWorldEnv:
         max_steps: action cap per episode; None = per-task default (30; 60 chemistry-mix*, 120
             measure-melting-point-known-substance, 100 boil, 80 melt/freeze). Every step call counts,
             invalid ones included. The simulator's own envStepLimit counts ticks and is not used.
-        action_correction: map the parsed action to the most similar valid action (thefuzz ratio) when it is
-            not itself one; the raw response stays in ``info['raw_action']``.
+        action_correction: repair actions the simulator's parser rejects. The action always runs as written
+            first (the valid-action list omits many actions the parser accepts, e.g. ``examine OBJ``, so it is
+            no test of validity); only when the parser rejects it (a no-op) is it replaced by the most similar
+            entry of the valid-action list (thefuzz ratio) scoring at least ``correction_min_similarity``, and
+            that one runs. Below the threshold it stays an invalid no-op. ``info['corrected']`` says whether
+            a replacement ran; the raw response stays in ``info['raw_action']``.
+        correction_min_similarity: 0..100 thefuzz ratio a replacement needs (85: "go to the kitchen" ->
+            "go to kitchen" (87) is repaired, "focus on the water" -> "focus on sewer" (81) is not).
         include_admissible_actions: put the sorted valid-action list (~1000 strings, ~50-500 ms) in ``info``.
         jvm_heap: JVM max heap (``-Xmx``), e.g. "768m".
         seed: accepted so every environment takes the same config keys; the simulator is deterministic given
             (task, variation) and exposes no seed.
 
-    Rewards and scores are in points (−100..100): reward = score delta since the previous step, the first step's
-    baseline being the score right after reset (as in the package's own step/reset), so the rewards of an
-    episode sum to final score − initial score (the initial score is 0 in most tasks; 8 in find-*). A wrong
-    ``focus on`` makes the simulator score −1.0 (= −100 points) without setting "completed"; it ends the episode
-    (terminated) as in the package. success = completed and score ≥ 100.
+    Scores are in points, −100..100. Reward = score delta since the previous step, the first step's baseline
+    being the score right after reset (as in the package's own step/reset), so the rewards of an episode sum to
+    final score − initial score (the initial score is 0 in most tasks; 8 in find-*). A wrong ``focus on`` makes
+    the simulator score −1.0 (= −100 points) without setting "completed"; it ends the episode (terminated) as
+    in the package. So one step's reward lies in −200..100, not −100..100: a wrong focus after s points gives
+    −(100 + s), e.g. −125 after 25 points; an episode's rewards sum to −108..100. Nothing downstream assumes
+    a range: GRPO normalises returns by their group's mean and std. success = completed and score ≥ 100.
+
+    ``info`` adds ``format_ok`` (False for several ``<action>`` tags or an unclosed one; the first runs),
+    ``corrected``, ``raw_action``, ``steps`` and ``max_steps`` to the contract's keys.
 
     When the simulator asks which of several objects an action meant ("Ambiguous request: Please enter the
     number..."), the option whose text sorts first is chosen at once (the listed order varies between JVM
@@ -174,8 +194,8 @@ class ScienceWorldEnv:
 
     def __init__(self, task: str | int | list[str | int] = "find-non-living-thing", simplification: str = "easy",
                  num_train_variations: int = 5, num_test_variations: int = 20, max_steps: int | None = None,
-                 action_correction: bool = False, include_admissible_actions: bool = False,
-                 jvm_heap: str = "768m", seed: int | None = None) -> None:
+                 action_correction: bool = False, correction_min_similarity: int = 85,
+                 include_admissible_actions: bool = False, jvm_heap: str = "768m", seed: int | None = None) -> None:
         # Any sequence (list, tuple, OmegaConf ListConfig from hydra.utils.instantiate) is a list of tasks.
         raw_tasks = [task] if isinstance(task, (str, int)) else list(task)
         if not raw_tasks:
@@ -186,11 +206,15 @@ class ScienceWorldEnv:
                              f"{num_test_variations}: expected non-negative counts")
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"max_steps={max_steps}: expected a positive int or None (per-task default)")
+        if not 0 <= correction_min_similarity <= 100:
+            raise ValueError(f"correction_min_similarity={correction_min_similarity}: expected 0..100 "
+                             "(a thefuzz ratio)")
         self.simplification = simplification
         self.num_train_variations = num_train_variations
         self.num_test_variations = num_test_variations
         self.max_steps = max_steps
         self.action_correction = action_correction
+        self.correction_min_similarity = correction_min_similarity
         self.include_admissible_actions = include_admissible_actions
         self.seed = seed
 
@@ -288,15 +312,16 @@ class ScienceWorldEnv:
             raise RuntimeError("ScienceWorldEnv.step() called before reset()")
         if self._done:
             raise RuntimeError("ScienceWorldEnv.step() called after the episode ended; call reset() first")
-        action = parse_action(response)
-        if self.action_correction:
-            from thefuzz import fuzz, process, utils
-
-            valid_actions = self._valid_actions()
-            # Text without letters or digits matches nothing and stays an invalid no-op.
-            if valid_actions and action not in valid_actions and utils.full_process(action):
-                action = process.extractOne(action, valid_actions, scorer=fuzz.ratio)[0]
+        action, format_ok = _parse(response)
         observation, executed, valid = self._execute(action)
+        corrected = False
+        if not valid and self.action_correction and action and not _blocked(action):
+            # The parser rejected the action (a no-op: the simulator's move counter does not advance), so
+            # trying it first changes nothing; only now is it mapped to a close valid action, if there is one.
+            replacement = self._nearest_valid_action(action)
+            if replacement is not None:
+                observation, executed, valid = self._execute(replacement)
+                corrected = True
         self._steps += 1
         score = self._read_score()
         completed = bool(self._server.getCompleted())
@@ -307,13 +332,14 @@ class ScienceWorldEnv:
         self._done = terminated or truncated
         success = completed and score >= MAX_SCORE
         info = self._info(action=executed, raw_action=response, valid=valid, success=success)
+        info.update(format_ok=format_ok, corrected=corrected)
         return observation, reward, terminated, truncated, info
 
     def _execute(self, action: str) -> tuple[str, str, bool]:
         """Send one action; returns (observation, action actually run, accepted by the simulator)."""
         if not action:
             return "No action given. Reply with one action command, e.g. 'look around'.", "", False
-        if " ".join(action.lower().split()) in _BLOCKED_ACTIONS:
+        if _blocked(action):
             return f"The action '{action}' is not available in this environment.", action, False
         observation = str(self._server.step(action))
         if observation.startswith(_AMBIGUOUS_PROMPT):
@@ -325,6 +351,17 @@ class ScienceWorldEnv:
                 observation = "ERROR: " + str(self._server.step(""))
         valid = not observation.startswith(_INVALID_PREFIXES)
         return observation.strip(), action, valid
+
+    def _nearest_valid_action(self, action: str) -> str | None:
+        """The valid action most similar to ``action`` (thefuzz ratio after lower-casing and stripping
+        punctuation) if it scores at least ``correction_min_similarity``, else None."""
+        from thefuzz import fuzz, process, utils
+
+        if not utils.full_process(action):  # no letters or digits: nothing to compare
+            return None
+        match = process.extractOne(action, self._valid_actions(), scorer=fuzz.ratio,
+                                   score_cutoff=self.correction_min_similarity)
+        return match[0] if match else None
 
     def _read_score(self) -> int:
         # Same conversion as the package: simulator score in [-1, 1] -> rounded points.

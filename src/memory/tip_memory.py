@@ -5,6 +5,13 @@ Each partition (a str chosen by the caller: per task variation, per task, or one
 vector in the same order (row i of the index is entry i). Writes deduplicate by content and keep at most
 ``capacity`` entries per partition (FIFO). Reads keep entries with cosine > ``threshold`` and return the
 ``top_k`` with the highest stored score (the authors' choice) or highest similarity.
+
+Reads scale with the partition size, all queries of a partition at once: ranked by score, the entries are scanned
+in score order in growing chunks (one BLAS product each) until every query's top k is settled, so a large
+partition with many entries above the threshold is read in its first chunk; ranked by similarity, one product
+with every stored key (read from the FAISS index's own storage: exact inner products, as a FAISS range search
+would give, which took 2-3x longer). Only candidates that can still reach a top k are sorted, all queries in one
+``numpy.lexsort``. ``scripts/bench_memory.py`` compares this with a list scan.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ from typing import Any
 
 import faiss
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 _FORMAT = "empo2.tip_memory.v1"
 _META_FILE = "meta.json"
@@ -73,12 +81,53 @@ def format_entry(tip: str, action: str, final_score: float, max_score: float) ->
 
 
 class _Partition:
-    __slots__ = ("index", "entries", "contents")
+    """Row i of ``index`` is ``entries[i]`` with stored score ``scores[i]``; rows are in insertion order."""
+
+    __slots__ = ("index", "entries", "contents", "scores", "_by_score")
 
     def __init__(self, dim: int) -> None:
         self.index = faiss.IndexFlatIP(dim)
         self.entries: list[TipEntry] = []
         self.contents: set[str] = set()
+        self.scores = np.zeros(0, dtype=np.float64)
+        self._by_score: np.ndarray | None = None
+
+    def set_scores(self, scores: np.ndarray) -> None:
+        self.scores, self._by_score = np.asarray(scores, dtype=np.float64), None
+
+    @property
+    def by_score(self) -> np.ndarray:
+        """int64 [N]: the rows in ranking order of their stored scores (highest first, older first among equal
+        scores); computed once after each write."""
+        if self._by_score is None:
+            self._by_score = np.lexsort((np.arange(len(self.scores)), -self.scores))
+        return self._by_score
+
+
+_BLAS: ThreadpoolController | None = None
+
+
+def _one_blas_thread():
+    """Context in which numpy's BLAS runs on one thread. A read's products are small (16 queries x 1,000 keys:
+    6 M multiply-adds): on the 2-core machine shared with other jobs, OpenBLAS's two threads took 8 ms for it,
+    one thread 0.3 ms (waiting for a descheduled second thread costs more than it saves); a 100,000-key full
+    scan is at most ~2x slower on one thread of an idle machine."""
+    global _BLAS
+    if _BLAS is None:
+        _BLAS = ThreadpoolController()
+    return _BLAS.limit(limits=1, user_api="blas")
+
+
+def _stored_keys(index: faiss.IndexFlat) -> np.ndarray:
+    """The index's vectors as a float32 [ntotal, d] view of its storage (no copy; valid until the index changes)."""
+    return faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
+
+
+def _float32_below(x: float) -> np.float32:
+    """The largest float32 r <= x: for any float32 s, s > x exactly when s > r (so float32 arrays can be
+    compared with a float64 threshold without an upcast)."""
+    r = np.float32(x)
+    return np.nextafter(r, np.float32(-np.inf)) if float(r) > x else r
 
 
 class TipMemory:
@@ -88,7 +137,9 @@ class TipMemory:
         dim: key dimension (must equal the embedder's).
         embedder_name: the embedder's name; saved with the memory, and a load with another name is refused.
         capacity: max entries per partition; the oldest leave first.
-        threshold: a tip is a candidate when cosine(key, query) > threshold (strict).
+        threshold: a tip is a candidate when cosine(key, query) > threshold (strict; cosines are clamped to
+            [-1, 1] first, so with threshold 1.0 nothing is retrieved even though float32 inner products of
+            identical unit keys can come out as 1.0000002).
         top_k: max tips returned per query.
         rank_by: "score" (highest stored episode score first, ties by similarity) or "similarity".
 
@@ -123,6 +174,7 @@ class TipMemory:
         self.threshold = float(threshold)
         self.top_k = int(top_k)
         self.rank_by = rank_by
+        self.first_chunk = 1024  # entries per first scan in score order (``_candidates_in_score_order``)
         self._parts: dict[str, _Partition] = {}
         self._counters = {"added": 0, "duplicates": 0, "evicted": 0}
 
@@ -193,6 +245,7 @@ class TipMemory:
         for i in keep:
             part.entries.append(TipEntry(contents[i], scores[i], steps[i], now, it))
             part.contents.add(contents[i])
+        part.set_scores(np.concatenate([part.scores, [scores[i] for i in keep]]))
         self._counters["added"] += len(keep)
         self._evict(part)
         return len(keep)
@@ -208,20 +261,23 @@ class TipMemory:
         for e in part.entries[:extra]:
             part.contents.discard(e.content)
         del part.entries[:extra]
+        part.set_scores(part.scores[extra:].copy())
         self._counters["evicted"] += extra
 
     # ------------------------------------------------------------------ read
     def retrieve(self, partitions: list[str], queries: np.ndarray) -> list[list[TipEntry]]:
-        """Tips for a batch of queries.
+        """Tips for a batch of queries (all queries of one partition read together).
 
         Args:
             partitions: B partition keys, one per query.
             queries: float [B, dim], L2-normalised state embeddings.
 
         Returns:
-            B lists of at most ``top_k`` ``TipEntry``: entries of the query's partition with cosine > threshold,
-            ordered by ``rank_by`` (score: highest score first, ties by higher similarity, then older first;
-            similarity: highest cosine first, ties by higher score). An unknown or empty partition gives [].
+            B lists of at most ``top_k`` ``TipEntry``: entries of the query's partition with cosine > threshold
+            (cosine clamped to [-1, 1]), in this order —
+            rank_by "score": highest stored score first, ties by higher cosine, then older entry first;
+            rank_by "similarity": highest cosine first, ties by higher score, then older entry first.
+            An unknown or empty partition gives [].
 
         Raises:
             ValueError: len(partitions) != B, bad query shape or non-normalised queries.
@@ -241,16 +297,72 @@ class TipMemory:
             part = self._parts.get(p)
             if part is None or not part.entries:
                 continue
-            # k = partition size: exact, and at most `capacity` columns.
-            sims, ids = part.index.search(np.ascontiguousarray(queries[qidx]), len(part.entries))
-            for row, qi in enumerate(qidx):
-                cand = [(float(s), int(j)) for s, j in zip(sims[row], ids[row]) if j >= 0 and s > self.threshold]
-                if self.rank_by == "score":
-                    cand.sort(key=lambda sj: (-part.entries[sj[1]].score, -sj[0], sj[1]))
-                else:
-                    cand.sort(key=lambda sj: (-sj[0], -part.entries[sj[1]].score, sj[1]))
-                out[qi] = [part.entries[j] for _, j in cand[: self.top_k]]
+            with _one_blas_thread():
+                top = self._top_rows(part, queries[qidx])
+            for qi, rows in zip(qidx, top):
+                out[qi] = [part.entries[j] for j in rows]
         return out
+
+    def _top_rows(self, part: _Partition, queries: np.ndarray) -> list[np.ndarray]:
+        """For each of Q queries, the row ids of its top ``top_k`` candidates in ``rank_by`` order (row index =
+        age: smaller is older)."""
+        keys = _stored_keys(part.index)
+        if self.rank_by == "score":
+            q, rows, cos = self._candidates_in_score_order(part, keys, queries)
+        else:
+            q, rows, cos = self._candidates_by_similarity(keys, queries)
+        score = part.scores[rows]
+        order = np.lexsort((rows, -cos, -score, q) if self.rank_by == "score" else (rows, -score, -cos, q))
+        q, rows = q[order], rows[order]
+        first = np.searchsorted(q, np.arange(len(queries)))
+        keep = np.arange(len(q)) - first[q] < self.top_k
+        q, rows = q[keep], rows[keep]
+        return np.split(rows, np.searchsorted(q, np.arange(1, len(queries))))
+
+    def _candidates_by_similarity(self, keys: np.ndarray, queries: np.ndarray):
+        """(query, row, cosine) of the candidates that can be in a query's top k by similarity: one matrix product
+        with every key, then only those at or above the query's k-th best cosine."""
+        sims = np.clip(queries @ keys.T, -1.0, 1.0)  # [Q, N]
+        candidate = sims > _float32_below(self.threshold)
+        n, k = sims.shape[1], self.top_k
+        if n > k:
+            primary = np.where(candidate, sims, -np.inf)
+            kth = np.partition(primary, n - k, axis=1)[:, n - k]
+            candidate &= primary >= kth[:, None]
+        q, rows = np.nonzero(candidate)
+        return q, rows, sims[q, rows]
+
+    def _candidates_in_score_order(self, part: _Partition, keys: np.ndarray, queries: np.ndarray):
+        """(query, row, cosine) of every candidate in the entries scanned in score order, chunk by chunk
+        (``first_chunk`` entries, then doubling), until each query's top k is settled: it has k candidates and
+        the k-th one's score is above every unscanned entry's. In a large partition where many entries pass the
+        threshold, the first chunk usually settles every query; with few candidates it scans everything, as the
+        similarity order does."""
+        order, scores, k = part.by_score, part.scores, self.top_k
+        radius = _float32_below(self.threshold)
+        found = np.zeros(len(queries), dtype=np.int64)
+        kth_score = np.full(len(queries), -np.inf)
+        pending = np.arange(len(queries))
+        out: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        start, size = 0, self.first_chunk
+        while len(pending) and start < len(order):
+            cols = order[start:start + size]
+            sims = np.clip(queries[pending] @ keys[cols].T, -1.0, 1.0)
+            candidate = sims > radius
+            q, c = np.nonzero(candidate)
+            out.append((pending[q], cols[c], sims[q, c]))
+            before = found[pending]
+            found[pending] += candidate.sum(axis=1)
+            start, size = start + size, 2 * size
+            reached = (before < k) & (found[pending] >= k)  # the k-th candidate is in this chunk: its score
+            if reached.any():
+                position = np.argmax(np.cumsum(candidate[reached], axis=1) >= (k - before[reached])[:, None], axis=1)
+                kth_score[pending[reached]] = scores[cols[position]]
+            if start < len(order):
+                pending = pending[kth_score[pending] <= scores[order[start]]]
+        if not out:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
+        return tuple(np.concatenate(parts) for parts in zip(*out))
 
     # ------------------------------------------------------------------ info
     def __len__(self) -> int:
@@ -418,6 +530,7 @@ class TipMemory:
             part.index.add(np.ascontiguousarray(keys, dtype=np.float32))
         part.entries = list(entries)
         part.contents = {e.content for e in entries}
+        part.set_scores([e.score for e in entries])
         return part
 
     def _keys(self, part: _Partition) -> np.ndarray:

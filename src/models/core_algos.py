@@ -13,6 +13,8 @@ which averages gradients over ranks, the caller multiplies each rank's loss by t
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
@@ -41,6 +43,13 @@ def check_algorithm_config(algorithm: dict) -> None:
     for key in ("memory_rollout_prob", "offpolicy_prob"):
         if not 0.0 <= float(algorithm.get(key, 0.0)) <= 1.0:
             raise ValueError(f"algorithm.{key}={algorithm[key]!r}: expected a probability in [0, 1]")
+    if int(algorithm.get("no_signal_patience", 1)) < 1:
+        raise ValueError(f"algorithm.no_signal_patience={algorithm['no_signal_patience']!r}: expected an int >= 1")
+    # Skipping a zero-advantage step drops its KL term too (the step never reaches the loss), so the KL
+    # penalty would silently cover only part of the batch; and keeping those steps for the KL alone saves nothing.
+    if algorithm.get("skip_zero_advantage", False) and float(algorithm.get("kl_coef", 0.0)) > 0:
+        raise ValueError(f"algorithm.skip_zero_advantage=true with algorithm.kl_coef={algorithm['kl_coef']}: "
+                         "skipped steps would lose their KL term; set one of them to false/0")
 
 # exp() of a float32 log-ratio overflows to inf above ~88; a stale or off-policy token can reach that, and
 # inf * 0 (a zero advantage) is NaN. |log ρ| = 20 (ρ ≈ 5e8 or 2e-9) is far outside every clip range, so
@@ -393,13 +402,19 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _token_log_probs(logits: Tensor, labels: Tensor) -> Tensor:
+def _upcast(logits: Tensor, temperature: float) -> Tensor:
+    # Temperature is applied after the upcast: bf16 logits / T in bf16 would round once more.
     z = logits.to(_compute_dtype(logits.dtype))
+    return z / temperature if temperature != 1.0 else z
+
+
+def _token_log_probs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+    z = _upcast(logits, temperature)
     return z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
 
-def _token_entropy(logits: Tensor) -> Tensor:
-    z = logits.to(_compute_dtype(logits.dtype))
+def _token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    z = _upcast(logits, temperature)
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     p = torch.exp(z - lse)
     return lse.squeeze(-1) - (p * z).sum(dim=-1)
@@ -435,8 +450,8 @@ def _chunked(fn, logits: Tensor, labels: Tensor | None, chunk_tokens: int) -> Te
     return torch.cat(row_blocks, dim=0)
 
 
-def log_probs_from_logits(logits: Tensor, labels: Tensor, chunk_tokens: int = 1024) -> Tensor:
-    """Log-probability of each label token, ``log_softmax(logits)[..., label]``, memory-efficiently.
+def log_probs_from_logits(logits: Tensor, labels: Tensor, chunk_tokens: int = 1024, temperature: float = 1.0) -> Tensor:
+    """Log-probability of each label token, ``log_softmax(logits / temperature)[..., label]``, memory-efficiently.
 
     Computed as ``logit[label] - logsumexp(logits)`` in float32 (float64 stays float64), over slices of
     about ``chunk_tokens`` tokens, so bf16 logits such as ``[8, 1024, 49152]`` are never upcast or
@@ -446,12 +461,13 @@ def log_probs_from_logits(logits: Tensor, labels: Tensor, chunk_tokens: int = 10
         logits: ``[B, T, V]`` (any float dtype; may be a non-contiguous view).
         labels: ``[B, T]`` integer token ids in ``[0, V)`` (put any valid id, e.g. the pad id, on padding).
         chunk_tokens: tokens per slice (~``chunk_tokens · V · 4`` bytes of float32 temporaries).
+        temperature: sampling temperature (> 0), applied to each upcast slice.
 
     Returns:
         ``[B, T]`` float32 (float64 for float64 logits) log-probs in nats.
 
     Raises:
-        ValueError: bad shapes, non-integer labels or labels outside ``[0, V)``.
+        ValueError: bad shapes, non-integer labels, labels outside ``[0, V)`` or ``temperature <= 0``.
     """
     if logits.ndim != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
@@ -461,11 +477,12 @@ def log_probs_from_logits(logits: Tensor, labels: Tensor, chunk_tokens: int = 10
     V = logits.shape[-1]
     if labels.numel() and bool(((labels < 0) | (labels >= V)).any()):
         raise ValueError(f"labels must lie in [0, {V}); got min {int(labels.min())}, max {int(labels.max())}")
-    return _chunked(_token_log_probs, logits, labels.long(), chunk_tokens)
+    _check_temperature(temperature)
+    return _chunked(partial(_token_log_probs, temperature=temperature), logits, labels.long(), chunk_tokens)
 
 
-def entropy_from_logits(logits: Tensor, chunk_tokens: int = 1024) -> Tensor:
-    """Entropy (nats) of the softmax distribution at each position, ``-Σ p log p``, memory-efficiently.
+def entropy_from_logits(logits: Tensor, chunk_tokens: int = 1024, temperature: float = 1.0) -> Tensor:
+    """Entropy (nats) of ``softmax(logits / temperature)`` at each position, ``-Σ p log p``, memory-efficiently.
 
     Computed as ``logsumexp(z) - Σ softmax(z)·z`` in float32 over slices, like
     :func:`log_probs_from_logits`. Differentiable w.r.t. ``logits``.
@@ -473,11 +490,18 @@ def entropy_from_logits(logits: Tensor, chunk_tokens: int = 1024) -> Tensor:
     Args:
         logits: ``[B, T, V]`` (finite values).
         chunk_tokens: tokens per slice.
+        temperature: as in :func:`log_probs_from_logits`.
 
     Returns:
         ``[B, T]`` float32 (float64 for float64 logits).
 
     Raises:
-        ValueError: ``logits`` not 3-D.
+        ValueError: ``logits`` not 3-D, or ``temperature <= 0``.
     """
-    return _chunked(_token_entropy, logits, None, chunk_tokens)
+    _check_temperature(temperature)
+    return _chunked(partial(_token_entropy, temperature=temperature), logits, None, chunk_tokens)
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")

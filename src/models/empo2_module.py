@@ -25,6 +25,8 @@ from src.models.core_algos import (UPDATE_MODES, aggregate_loss, check_algorithm
                                    compute_policy_loss, low_prob_token_mask)
 from src.models.hub import load_causal_lm, load_tokenizer, resolve_name_or_path
 from src.models.policy import Policy
+from src.models.precision import check_trainable_dtype, fsdp_mixed_precision, torch_dtype
+from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
 from src.utils.distributed import all_reduce
 
 log = logging.getLogger(__name__)
@@ -41,16 +43,28 @@ def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
-def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", max_response_tokens: int = 32,
-                 max_prompt_tokens: int = 4096, temperature: float = 1.0, gradient_checkpointing: bool = False,
-                 lora: dict | None = None, attn_implementation: str | None = None) -> Policy:
-    """Load tokenizer + causal LM (optionally wrapped with PEFT LoRA) into a ``Policy`` (SPEC §4)."""
+def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", master_dtype: str = "float32",
+                 trainable: bool = True, max_response_tokens: int = 32, max_prompt_tokens: int = 4096,
+                 temperature: float = 1.0, gradient_checkpointing: bool = False, lora: dict | None = None,
+                 attn_implementation: str | None = None) -> Policy:
+    """Load tokenizer + causal LM (optionally wrapped with PEFT LoRA) into a ``Policy`` (SPEC §4).
+
+    Precision (see ``src/models/precision.py``): the trainable parameters (all of them, or the LoRA adapters) are
+    ``master_dtype`` (float32 unless insisted otherwise, with a warning); frozen weights (the LoRA base model, or
+    the whole model with ``trainable=False``, e.g. the KL reference) stay in the loading ``dtype``.
+
+    Raises:
+        ValueError: ``dtype`` or ``master_dtype`` is not a floating-point torch dtype name.
+    """
     path = resolve_name_or_path(name_or_path, cache_dir)
     tokenizer = load_tokenizer(path)
-    model = load_causal_lm(path, dtype=dtype, attn_implementation=attn_implementation)
+    lora_on = bool(lora and lora.get("enabled"))
+    master = master_dtype_of(master_dtype) if trainable else None
+    model = load_causal_lm(path, dtype=master_dtype if trainable and not lora_on else dtype,
+                           attn_implementation=attn_implementation)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if lora and lora.get("enabled"):
+    if lora_on:
         from peft import LoraConfig, get_peft_model
 
         if gradient_checkpointing:
@@ -58,6 +72,12 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", max_
         model = get_peft_model(model, LoraConfig(
             r=int(lora.get("r", 16)), lora_alpha=int(lora.get("alpha", 32)), lora_dropout=float(lora.get("dropout", 0.0)),
             target_modules=lora.get("target_modules", "all-linear"), task_type="CAUSAL_LM"))
+    if trainable:
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != master:
+                p.data = p.data.to(master)
+    else:
+        model.requires_grad_(False)
     return Policy(model, tokenizer, max_response_tokens=max_response_tokens, max_prompt_tokens=max_prompt_tokens,
                   temperature=temperature)
 
@@ -87,8 +107,7 @@ class EMPO2Module(L.LightningModule):
         lora = (policy.get("lora") or {}).get("enabled", False)
         if float(self.algorithm.get("kl_coef", 0.0)) > 0 and not lora:
             # Without LoRA the reference is a frozen copy; with LoRA it is the base model (adapters off).
-            self.ref_policy = build_policy(**{**policy, "gradient_checkpointing": False})
-            self.ref_policy.requires_grad_(False)
+            self.ref_policy = build_policy(**{**policy, "gradient_checkpointing": False, "trainable": False})
         self._step_stats: dict[str, float] = {}
         self._train_tokens = 0
         self._train_time = 0.0
@@ -96,8 +115,10 @@ class EMPO2Module(L.LightningModule):
     def configure_model(self) -> None:
         """FSDP2 (``trainer=fsdp``: Lightning's ``ModelParallelStrategy``): shard each decoder layer and the root.
 
-        Sharded parameters are gathered inside each module's forward, so every rank must run the same number of
-        forward passes: the policy is switched to synchronised generation (see ``run_episodes``).
+        Under ``bf16-mixed`` the sharded parameters stay fp32 master weights, all-gathered in bf16 for compute,
+        with gradients reduce-scattered in fp32 (``precision.fsdp_mixed_precision``). Sharded parameters are
+        gathered inside each module's forward, so every rank must run the same number of forward passes: the
+        policy is switched to synchronised generation (see ``run_episodes``).
         """
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -106,15 +127,27 @@ class EMPO2Module(L.LightningModule):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
+        mp_policy = self._fsdp_mp_policy = fsdp_mixed_precision(self.trainer.precision)
         for policy in (self.policy, self.ref_policy):
             if policy is None:
                 continue
             model = policy.model
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             for layer in base.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+            fully_shard(model, mesh=mesh, mp_policy=mp_policy)
             policy.synced = True
+
+    def on_fit_start(self) -> None:
+        """Refuse trainable parameters that are not master weights of ``master_dtype``; log the precision layout."""
+        expected = torch_dtype(self.hparams.policy.get("master_dtype", "float32"))
+        summary = check_trainable_dtype(self.policy, expected, self.trainer.precision)
+        if self.ref_policy is not None:
+            summary += f"; frozen reference in {next(self.ref_policy.parameters()).dtype}"
+        mp = getattr(self, "_fsdp_mp_policy", None)
+        if mp is not None:
+            summary += f"; FSDP2 compute {mp.param_dtype or 'unchanged'}, gradient reduction {mp.reduce_dtype}"
+        log.info("Precision: %s", summary)
 
     # ------------------------------------------------------------------ rollout-time helpers
     @contextlib.contextmanager

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from src.models.precision import torch_dtype
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_SMOLLM2 = "embedded:SmolLM2-135M-Instruct"
@@ -101,8 +103,12 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
 
 
 def load_causal_lm(name_or_path: str, dtype: str = "bfloat16", attn_implementation: str | None = None) -> PreTrainedModel:
-    """Load a causal LM from a hub id or a local directory in the given dtype name (``bfloat16``/``float32``/...)."""
-    kwargs = {"dtype": getattr(torch, dtype)}
+    """Load a causal LM from a hub id or a local directory in the given dtype name (``bfloat16``/``float32``/...).
+
+    Raises:
+        ValueError: ``dtype`` is not a floating-point torch dtype name.
+    """
+    kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)

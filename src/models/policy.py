@@ -3,9 +3,9 @@
 It does three things and nothing else:
 
 - ``encode`` renders structured chat messages to prompt token ids with the tokenizer's chat template;
-- ``generate`` samples responses for a batch of prompts and returns the sampled token ids with their
-  per-token log-probs under the sampling distribution (these ids are what the trainer trains on: a response
-  is never decoded and re-encoded);
+- ``generate`` samples responses for a batch of prompts from exactly ``softmax(logits / T)`` and returns the
+  sampled token ids with their per-token log-probs under that distribution (these ids are what the trainer
+  trains on: a response is never decoded and re-encoded);
 - ``log_probs`` recomputes per-token log-probs (and optionally entropies) of given responses for given
   prompts, in one padded forward pass.
 
@@ -16,13 +16,20 @@ Position ids are derived from the attention mask, so padding never shifts positi
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from src.models.core_algos import entropy_from_logits, log_probs_from_logits
+from src.models.prompt_cache import PromptKV, batch_with_prefixes, row_prompt_kv
+from src.models.sampling import (SampledTokenLogProbs, checkpoint_generation_defaults_off, dropped_generation_defaults,
+                                 sampling_config)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +46,15 @@ class Generation:
     log_probs: list[list[float]]
     texts: list[str]
     truncated: list[bool]
+    # (model cache, prompt end column, prompt lengths) when generate(keep_prompt_kv=True)
+    _kv: tuple[Any, int, list[int]] | None = field(default=None, repr=False)
+
+    def prompt_kv(self, i: int) -> PromptKV:
+        """A copy of prompt i's keys/values (needs ``generate(keep_prompt_kv=True)``), to continue it later."""
+        if self._kv is None:
+            raise ValueError("prompt keys/values were not kept; call generate(..., keep_prompt_kv=True)")
+        cache, prompt_end, lengths = self._kv
+        return row_prompt_kv(cache, i, prompt_end, lengths[i])
 
 
 def pack_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int) -> dict[str, Tensor]:
@@ -99,6 +115,7 @@ class Policy(nn.Module):
         # True under FSDP: generation keeps stepping until every rank is done (sharded weights are gathered
         # inside each forward, a collective that all ranks must join).
         self.synced = False
+        self._checked_generation_defaults = False
         eos = tokenizer.eos_token_id
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
         ids = set([eos] if isinstance(eos, int) else eos or [])
@@ -124,16 +141,46 @@ class Policy(nn.Module):
             ids = ids[-self.max_prompt_tokens:]
         return ids
 
+    def encode_next_turn(self, content: str) -> list[int] | None:
+        """Ids that close the assistant's turn after its content and add a user turn with ``content`` and the
+        assistant header: appended to a prompt's ids plus its response (without the final EOS) they give the
+        continued conversation. ``None`` when the chat template renders a conversation's beginning differently
+        once more turns follow (then continuing by ids would not match a fresh rendering).
+        """
+        def render(messages, generation_prompt):
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                           tokenize=True, return_dict=False))
+
+        head = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+        answer = self.tokenizer.encode("A", add_special_tokens=False)
+        prompt = render(head, True)
+        full = render(head + [{"role": "assistant", "content": "A"}, {"role": "user", "content": content}], True)
+        if full[:len(prompt)] != prompt or full[len(prompt):len(prompt) + len(answer)] != answer:
+            return None
+        return full[len(prompt) + len(answer):]
+
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], max_new_tokens: int | None = None, temperature: float | None = None,
-                 do_sample: bool = True) -> Generation:
+                 do_sample: bool = True, keep_prompt_kv: bool = False,
+                 prefix_kv: list[PromptKV | None] | None = None) -> Generation:
         """Sample one response per prompt in one batched call.
 
-        Sampling uses the full softmax of ``logits / temperature`` (top-k and top-p disabled) so the returned
-        log-probs are exactly the behaviour policy's. ``do_sample=False`` is greedy (log-probs still reported
-        at the given temperature).
+        Tokens are drawn from exactly ``softmax(logits / temperature)`` over the full vocabulary, the distribution
+        the trainer scores: the checkpoint's generation_config is ignored (a warning names what it set, see
+        ``src/models/sampling.py``). The log-probs are gathered step by step (extra memory O(B·V)).
+        ``do_sample=False`` is greedy (log-probs still reported at the given temperature).
+
+        Prefix caching (``src/models/prompt_cache.py``): ``keep_prompt_kv=True`` keeps the prompts' keys/values
+        (``Generation.prompt_kv(i)``); ``prefix_kv[i]``, kept from an earlier call with the same weights, stands
+        for the first ``prefix_kv[i].length`` ids of prompt i, which are then not recomputed.
+
+        Raises:
+            ValueError: ``temperature <= 0``, or ``keep_prompt_kv`` together with ``prefix_kv``.
         """
+        if keep_prompt_kv and prefix_kv is not None:
+            raise ValueError("keep_prompt_kv and prefix_kv cannot be combined (the kept prompt would not be "
+                             "contiguous in the cache)")
         max_new_tokens = max_new_tokens or self.max_response_tokens
         temperature = self.temperature if temperature is None else temperature
         if not prompt_ids and not self.synced:
@@ -141,24 +188,28 @@ class Policy(nn.Module):
         if not prompt_ids:  # this rank has nothing to say, but must join the other ranks' forward passes
             self.generate([[self.tokenizer.eos_token_id]], max_new_tokens, temperature, do_sample)
             return Generation([], [], [], [])
+        self._warn_dropped_generation_defaults()
+        recorder = SampledTokenLogProbs(temperature)
         pad = self.tokenizer.pad_token_id
-        batch = pack_batch(prompt_ids, [[] for _ in prompt_ids], pad)
+        config = sampling_config(max_new_tokens, temperature, do_sample, self.eos_token_ids, pad)
+        extra = {}
+        if prefix_kv is not None and any(p is not None for p in prefix_kv):
+            batch, extra["cache"] = batch_with_prefixes(prompt_ids, prefix_kv, pad, self.model.config)
+        else:
+            batch = pack_batch(prompt_ids, [[] for _ in prompt_ids], pad)
         batch = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
         was_training = self.model.training
         self.model.eval()
         try:
-            out = self.model.generate(
-                **batch, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature if do_sample else None,
-                top_k=0, top_p=1.0, output_logits=True, return_dict_in_generate=True, pad_token_id=pad,
-                eos_token_id=self.eos_token_ids, synced_gpus=self.synced,
-            )
+            with checkpoint_generation_defaults_off(self.model):
+                out = self.model.generate(**batch, generation_config=config, synced_gpus=self.synced,
+                                          logits_processor=LogitsProcessorList([recorder]), **extra)
         finally:
             self.model.train(was_training)
         p_len = batch["input_ids"].shape[1]
-        sequences = out.sequences[:, p_len:].cpu()
-        # output_logits holds the raw logits of each step: [steps] x [B, V]
-        logits = torch.stack(out.logits, dim=1).float().cpu() / temperature
-        token_log_probs = log_probs_from_logits(logits, sequences)
+        sequences = out.sequences[:, p_len:]
+        token_log_probs = recorder.finish(sequences).cpu()
+        sequences = sequences.cpu()
         eos = torch.tensor(self.eos_token_ids)
         response_ids, log_probs, truncated = [], [], []
         for i in range(sequences.shape[0]):
@@ -169,7 +220,18 @@ class Policy(nn.Module):
             log_probs.append(token_log_probs[i, :n].tolist())
             truncated.append(len(hits) == 0)
         texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-        return Generation(response_ids, log_probs, texts, truncated)
+        kv = (out.cache, p_len, [len(p) for p in prompt_ids]) if keep_prompt_kv and not extra else None
+        return Generation(response_ids, log_probs, texts, truncated, kv)
+
+    def _warn_dropped_generation_defaults(self) -> None:
+        if self._checked_generation_defaults:
+            return
+        self._checked_generation_defaults = True
+        dropped = dropped_generation_defaults(getattr(self.model, "generation_config", None))
+        if dropped:
+            log.warning("Policy sampling ignores the checkpoint's generation_config settings %s: tokens are drawn "
+                        "from softmax(logits / T) over the full vocabulary, the distribution whose log-probs the "
+                        "trainer uses", ", ".join(f"{k}={v!r}" for k, v in dropped.items()))
 
     # ------------------------------------------------------------------ scoring
     def log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float = 1.0,
@@ -190,12 +252,12 @@ class Policy(nn.Module):
             # asking for just those avoids a [B, P + R, V] tensor (GBs for long prompts).
             logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                 position_ids=batch["position_ids"], use_cache=False, logits_to_keep=r_len + 1).logits
+        # bf16 logits (autocast) are upcast to float32 slice by slice before the temperature is applied
         logits = logits[:, :-1]
-        if temperature != 1.0:
-            logits = logits / temperature
         response = batch["input_ids"][:, p_len:]
         mask = batch["response_mask"].float()
-        out = {"log_probs": log_probs_from_logits(logits, response) * mask, "response_mask": mask}
+        out = {"log_probs": log_probs_from_logits(logits, response, temperature=temperature) * mask,
+               "response_mask": mask}
         if with_entropy:
-            out["entropy"] = entropy_from_logits(logits) * mask
+            out["entropy"] = entropy_from_logits(logits, temperature=temperature) * mask
         return out

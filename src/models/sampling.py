@@ -1,0 +1,115 @@
+"""Sampling exactly from ``softmax(logits / T)`` with the sampled tokens' log-probs, in bounded memory.
+
+The trainer scores every sampled token with ``log_softmax(logits / T)`` over the full vocabulary (old and
+behaviour log-probs, SPEC §2.3), so the tokens must be drawn from that same distribution. A checkpoint's
+``generation_config`` may carry defaults that change it (Qwen2.5-7B-Instruct ships ``repetition_penalty: 1.05``,
+``top_k: 20``, ``top_p: 0.8``; others ``min_p``, ``no_repeat_ngram_size``, ``bad_words_ids``, ...), and
+transformers fills every field a call leaves unset from it, so passing a fresh ``GenerationConfig`` is not
+enough: :func:`checkpoint_generation_defaults_off` also hides the checkpoint's config for the duration of a call.
+
+:class:`SampledTokenLogProbs` records the sampled tokens' log-probs step by step instead of keeping every
+step's ``[B, V]`` logits (``output_logits=True`` held ``[B, T, V]`` float32: ~5 GB for 16 × 512 tokens of a
+152k vocabulary).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+from transformers import GenerationConfig, LogitsProcessor
+
+log = logging.getLogger(__name__)
+
+# generation_config fields that do not change which token is drawn (token ids and bookkeeping).
+NEUTRAL_GENERATION_KEYS = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
+                                     "use_cache", "output_attentions", "output_hidden_states",
+                                     "transformers_version", "_from_model_config"})
+
+
+def sampling_config(max_new_tokens: int, temperature: float, do_sample: bool, eos_token_ids: list[int],
+                    pad_token_id: int) -> GenerationConfig:
+    """The whole generation config of a policy call: plain sampling at ``temperature`` (or greedy), nothing else.
+
+    ``top_k=0`` and ``top_p=1.0`` are explicit because transformers' global defaults (top_k 50) fill unset fields.
+    """
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample,
+                            temperature=temperature if do_sample else None, top_k=0, top_p=1.0,
+                            eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id,
+                            return_dict_in_generate=True)
+
+
+def dropped_generation_defaults(generation_config: GenerationConfig | None) -> dict[str, Any]:
+    """The checkpoint's generation settings that policy sampling ignores: every field that differs from
+    transformers' defaults, except token ids and bookkeeping (:data:`NEUTRAL_GENERATION_KEYS`)."""
+    if generation_config is None:
+        return {}
+    defaults = GenerationConfig._get_default_generation_params()
+    return {k: v for k, v in sorted(generation_config.to_diff_dict().items())
+            if k not in NEUTRAL_GENERATION_KEYS and v != defaults.get(k)}
+
+
+def _holders(model: nn.Module) -> list[nn.Module]:
+    # A PEFT model copies its own generation_config into the base model at every generate call.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return [m for m in dict.fromkeys([model, base]) if hasattr(m, "generation_config")]
+
+
+@contextlib.contextmanager
+def checkpoint_generation_defaults_off(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model.generation_config`` (and a PEFT base model's) is an empty ``GenerationConfig``,
+    so ``generate`` uses only the config passed to it; the checkpoint's config is restored afterwards."""
+    holders = _holders(model)
+    saved = [m.generation_config for m in holders]
+    try:
+        for m in holders:
+            m.generation_config = GenerationConfig()
+        yield
+    finally:
+        for m, config in zip(holders, saved):
+            m.generation_config = config
+
+
+class SampledTokenLogProbs(LogitsProcessor):
+    """Log-probs of the sampled tokens under ``softmax(logits / temperature)``, gathered step by step.
+
+    ``generate`` calls it at every step with that step's raw logits ``[B, V]`` (no other processor runs before it
+    under :func:`sampling_config`); the token drawn at step t is the last column of ``input_ids`` at step t + 1,
+    and the last step's token is passed to :meth:`finish`. Only one step's ``[B, V]`` float32 log-softmax is
+    held at a time: extra memory O(B·V), independent of the response length.
+    """
+
+    def __init__(self, temperature: float):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.temperature = temperature
+        self._previous: Tensor | None = None
+        self._steps: list[Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._gather(input_ids[:, -1])
+        self._previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _gather(self, tokens: Tensor) -> None:
+        if self._previous is not None:
+            index = tokens.to(self._previous.device).unsqueeze(-1)
+            self._steps.append(self._previous.gather(-1, index).squeeze(-1))
+            self._previous = None
+
+    def finish(self, sequences: Tensor) -> Tensor:
+        """``[B, T]`` float32 log-probs of the generated ``sequences`` ``[B, T]`` (prompt columns removed).
+
+        Raises:
+            RuntimeError: the number of recorded steps is not T (generation skipped or repeated this processor).
+        """
+        if sequences.shape[1]:
+            self._gather(sequences[:, -1])
+        if len(self._steps) != sequences.shape[1]:
+            raise RuntimeError(f"recorded log-probs for {len(self._steps)} steps but {sequences.shape[1]} tokens "
+                               f"were generated")
+        if not self._steps:
+            return torch.zeros(sequences.shape, dtype=torch.float32)
+        return torch.stack(self._steps, dim=1)

@@ -1,0 +1,47 @@
+"""Random streams for exact resume: per-iteration seeds and checkpointable global RNG states.
+
+Every random draw of a training iteration comes from a stream seeded by ``(seed, iteration, ...)`` at the start of
+that iteration, so a run resumed from a checkpoint draws exactly what the uninterrupted run drew, whatever the
+generators' states were when the checkpoint was written. The global generators (Python, NumPy, torch, CUDA) are
+also saved in checkpoints and restored, for anything stochastic that does not draw from a seeded stream.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+# Stream ids: one independent random stream per purpose and iteration.
+MODE, TASKS, PERMUTATION, SAMPLING, VALIDATION = range(5)
+
+
+def stream_seed(seed: int, iteration: int, stream: int, rank: int = 0) -> int:
+    """A 63-bit seed for ``(seed, iteration, stream, rank)`` (NumPy ``SeedSequence`` hashing; all must be >= 0)."""
+    return int(np.random.SeedSequence([seed, iteration, stream, rank]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def seed_torch(seed: int, iteration: int, stream: int, rank: int = 0) -> None:
+    """Seed torch's global generators (CPU and every CUDA device), which Hugging Face ``generate`` samples from."""
+    torch.manual_seed(stream_seed(seed, iteration, stream, rank))
+
+
+def global_rng_state() -> dict[str, Any]:
+    """The Python, NumPy, torch and CUDA generator states, as objects ``torch.load(weights_only=True)`` accepts."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_global_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``global_rng_state`` returned (a CUDA state only where CUDA is in use)."""
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,155 @@
+"""Sampling draws from exactly softmax(logits / T), whatever the checkpoint's generation_config says, and the
+sampling log-probs are gathered step by step in bounded memory (src/models/sampling.py).
+
+Comparing logged log-probs with a recomputation cannot catch a distorted sampler (both come from raw logits), so
+the z-tests look at the *sampled tokens*: for a set S_t of tokens at each step, the number of sampled tokens in
+S_t must match the raw probability mass of S_t summed over steps (a sum of Bernoulli(mass_t) under the right
+sampler), with S_t chosen where a checkpoint default would move probability away.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TemperatureLogitsWarper
+
+from src.models.policy import Policy, pack_batch
+from src.models.sampling import SampledTokenLogProbs
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPICS = ["a cat", "the sea", "a train", "winter", "a robot", "bread", "a city", "music"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(model_cache_dir) -> Path:
+    from src.models.hub import EMBEDDED_SMOLLM2, resolve_name_or_path
+
+    return Path(resolve_name_or_path(EMBEDDED_SMOLLM2, model_cache_dir))
+
+
+def _smollm2_with_generation_config(smollm2_dir: Path, out_dir: Path, model_cache_dir, **settings) -> Policy:
+    """The real SmolLM2 (weights linked, not copied) with ``settings`` added to its generation_config.json."""
+    from src.models.empo2_module import build_policy
+
+    out_dir.mkdir()
+    for f in smollm2_dir.iterdir():
+        if f.name != "generation_config.json":
+            (out_dir / f.name).symlink_to(f)
+    config = json.loads((smollm2_dir / "generation_config.json").read_text())
+    (out_dir / "generation_config.json").write_text(json.dumps({**config, **settings}))
+    return build_policy(name_or_path=str(out_dir), cache_dir=str(model_cache_dir), dtype="float32")
+
+
+def _raw_probs(policy: Policy, prompts: list[list[int]], responses: list[list[int]], temperature: float
+               ) -> torch.Tensor:
+    """``[B, R, V]`` softmax(logits / T) at each response position, from a plain forward pass."""
+    batch = pack_batch(prompts, responses, policy.tokenizer.pad_token_id)
+    r_len = batch["response_mask"].shape[1]
+    with torch.no_grad():
+        logits = policy.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              position_ids=batch["position_ids"], use_cache=False).logits
+    return torch.softmax(logits[:, -r_len - 1:-1].float() / temperature, dim=-1)
+
+
+def _low_prob_set(probs: torch.Tensor, context: list[int]) -> torch.Tensor:
+    return probs < probs.max() / 2  # what min_p (0.9) removes
+
+
+def _context_set(probs: torch.Tensor, context: list[int]) -> torch.Tensor:
+    in_set = torch.zeros_like(probs, dtype=torch.bool)  # what repetition_penalty pushes down
+    in_set[torch.tensor(sorted(set(context)))] = True
+    return in_set
+
+
+def _repeated_bigram_set(probs: torch.Tensor, context: list[int]) -> torch.Tensor:
+    in_set = torch.zeros_like(probs, dtype=torch.bool)  # what no_repeat_ngram_size=2 bans
+    followers = [b for a, b in zip(context, context[1:]) if a == context[-1]]
+    if followers:
+        in_set[torch.tensor(followers)] = True
+    return in_set
+
+
+def _z_score(policy: Policy, in_set, request: str, temperature: float = 1.0, max_new_tokens: int = 40
+             ) -> tuple[float, int]:
+    """z of (sampled tokens in S_t) against the raw mass of S_t, over all sampled tokens; and the token count."""
+    torch.manual_seed(0)
+    prompts = [policy.encode([{"role": "user", "content": request.format(topic)}]) for topic in TOPICS]
+    gen = policy.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature)
+    probs = _raw_probs(policy, prompts, gen.response_ids, temperature)
+    observed = expected = variance = 0.0
+    tokens = 0
+    for i, (prompt, response) in enumerate(zip(prompts, gen.response_ids)):
+        for j, token in enumerate(response):
+            mask = in_set(probs[i, j], prompt + response[:j])
+            mass = float(probs[i, j][mask].sum())
+            observed += float(mask[token])
+            expected += mass
+            variance += mass * (1 - mass)
+            tokens += 1
+    return (observed - expected) / max(variance, 1e-12) ** 0.5, tokens
+
+
+WRITE = "Write a few sentences about {}."
+REPEAT = "Write a short poem about {} with a refrain that repeats."  # repeated bigrams for no_repeat_ngram_size
+
+
+@pytest.mark.parametrize("settings, in_set, request_", [
+    ({"do_sample": True, "min_p": 0.9}, _low_prob_set, WRITE),
+    ({"repetition_penalty": 1.05}, _context_set, WRITE),  # Qwen2.5-7B-Instruct's value
+    ({"no_repeat_ngram_size": 2}, _repeated_bigram_set, REPEAT),
+], ids=["min_p", "repetition_penalty", "no_repeat_ngram_size"])
+def test_sampling_ignores_checkpoint_generation_defaults(smollm2_dir, tmp_path, model_cache_dir, caplog, settings,
+                                                         in_set, request_):
+    policy = _smollm2_with_generation_config(smollm2_dir, tmp_path / "model", model_cache_dir, **settings)
+    with caplog.at_level(logging.WARNING, logger="src.models.policy"):
+        z, tokens = _z_score(policy, in_set, request_)
+    assert tokens >= 250
+    assert abs(z) < 4, f"sampled tokens do not follow softmax(logits / T): z = {z:.1f} over {tokens} tokens"
+    # the warning names each dropped checkpoint default; the checkpoint's own config is left as it was
+    for key, value in settings.items():
+        assert f"{key}={value!r}" in caplog.text
+        assert getattr(policy.model.generation_config, key) == value
+
+
+@pytest.mark.parametrize("temperature, expected", [(1.0, [SampledTokenLogProbs]),
+                                                   (0.5, [SampledTokenLogProbs, TemperatureLogitsWarper])])
+def test_generation_builds_no_logits_processor_beyond_temperature(tiny_policy: Policy, monkeypatch, temperature,
+                                                                  expected):
+    """Even with a checkpoint config full of sampling settings, generation builds only the log-prob recorder and,
+    at T != 1, the temperature warper."""
+    model = tiny_policy.model
+    for key, value in {"do_sample": True, "top_k": 20, "top_p": 0.8, "min_p": 0.1, "repetition_penalty": 1.05,
+                       "no_repeat_ngram_size": 3, "typical_p": 0.9, "min_new_tokens": 2,
+                       "suppress_tokens": [5], "bad_words_ids": [[7]]}.items():
+        monkeypatch.setattr(model.generation_config, key, value, raising=False)
+    built = []
+    real = model._get_logits_processor
+
+    def spy(*args, **kwargs):  # the real method; the test only records what it returns
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(model, "_get_logits_processor", spy)
+    tiny_policy.generate([tiny_policy.encode([{"role": "user", "content": "hi"}])], max_new_tokens=3,
+                         temperature=temperature)
+    assert [type(p) for p in built[0]] == expected
+    assert model.generation_config.top_k == 20  # restored after the call
+
+
+def test_generation_memory_does_not_grow_with_response_length(tiny_model_dir, tmp_path):
+    """Peak resident memory of one generate call stays far below one [B, T, V] float32 logits tensor (which the
+    previous implementation held two to three times over); measured in a fresh process."""
+    batch, tokens = 8, 96
+    proc = subprocess.run([sys.executable, "scripts/bench_generation_memory.py", "--modes", "policy",
+                           "--model", tiny_model_dir, "--batch", str(batch), "--tokens", str(tokens)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])["policy"]
+    assert result["generated_tokens"] == batch * tokens
+    logits_bytes = batch * tokens * result["vocab_size"] * 4
+    assert result["peak_rss_increase_bytes"] < logits_bytes / 4, result
