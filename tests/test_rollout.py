@@ -10,7 +10,7 @@ from src.data.prompts import TIPS_HEADER
 from src.data.rollout import Episode, RolloutConfig, StepRecord, episode_metrics, run_episodes
 from src.data.rollout_datamodule import RolloutDataModule, draw_mode
 from src.envs.pool import EnvPool
-from src.models.policy import pack_batch
+from src.models.policy import Generation, Policy, pack_batch
 
 ENV_CFG = {"_target_": "src.envs.scienceworld.ScienceWorldEnv", "task": "find-non-living-thing", "max_steps": 3}
 TASK = {"task_name": "find-non-living-thing", "variation": 0}
@@ -278,16 +278,29 @@ def corrected_pool():
         yield p
 
 
+class ScriptedPolicy(Policy):
+    """The real policy (real ``encode``) whose replies are scripted texts, encoded to ids as generation would."""
+
+    def __init__(self, base: Policy, replies: list[str]):
+        super().__init__(base.model, base.tokenizer, base.max_response_tokens, base.max_prompt_tokens)
+        self.replies = list(replies)
+
+    def generate(self, prompt_ids, **kwargs) -> Generation:
+        texts = [self.replies.pop(0) for _ in prompt_ids]
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        return Generation(ids, [[0.0] * len(i) for i in ids], texts, [False] * len(ids))
+
+
 @pytest.mark.parametrize("history_action", ["raw", "executed"])
 def test_history_shows_the_raw_output_or_the_executed_action(corrected_pool, tiny_policy, history_action):
     """With action correction the model's text and the executed action differ; the next prompt's history shows
     the raw output (default, the authors' record_original_action) or, as an option, the corrected action."""
-    torch.manual_seed(0)
+    raw = "look aroundd"  # rejected by the parser, repaired to the valid "look around"
+    policy = ScriptedPolicy(tiny_policy, [raw, "look around"])
     cfg = RolloutConfig(max_response_tokens=6, history_length=2, history_action=history_action)
-    (episode,), _ = run_episodes(corrected_pool, tiny_policy, [TASK], [0], cfg)
+    (episode,), _ = run_episodes(corrected_pool, policy, [TASK], [0], cfg)
     first, second = episode.steps
-    raw = first.response_text.strip()
-    assert raw and first.action and raw != first.action  # noise from the tiny model, corrected to a valid action
+    assert first.response_text == raw and first.action == "look around" and first.valid_action
     prompt = tiny_policy.tokenizer.decode(second.rollout_prompt_ids)
     shown, hidden = (raw, first.action) if history_action == "raw" else (first.action, raw)
     assert f"[Step 1] Action: {shown}\n" in prompt and f"[Step 1] Action: {hidden}\n" not in prompt
