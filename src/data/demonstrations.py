@@ -226,6 +226,7 @@ def build_examples(policy: Policy, records: list[dict[str, Any]], system_prompt:
             prompt, _, _, _ = step_prompt(policy, cfg, system_prompt, record["instruction"], history, observation,
                                           admissible[t] if admissible else None, t, max_steps)
             examples.append(SFTExample(prompt, response_ids(policy, responses[t]), record["task"], t))
-            history.append(HistoryItem(observation, action))
+            # as the runner records it: the reply as written (history_action=raw) or the executed action
+            history.append(HistoryItem(observation, responses[t].strip() if cfg.history_action == "raw" else action))
             observation = record["observations"][t]
     return examples
