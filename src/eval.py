@@ -167,7 +167,11 @@ def _build(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, verbose=False)
     algorithm = OmegaConf.to_container(cfg.algorithm, resolve=True)
     # No update happens here, so no frozen reference copy is needed even when the run used a KL term.
-    module = hydra.utils.instantiate(cfg.model, algorithm={**algorithm, "kl_coef": 0.0})
+    from src.sft import warm_start_model_config
+
+    # Checkpoint weights replace the warm start's, so it is only built/loaded when there is no checkpoint.
+    model_cfg, _ = warm_start_model_config(cfg, build=not cfg.get("ckpt_path"))
+    module = hydra.utils.instantiate(model_cfg, algorithm={**algorithm, "kl_coef": 0.0})
     module.policy.requires_grad_(False)
     memory_state = load_checkpoint(module, cfg.ckpt_path) if cfg.get("ckpt_path") else None
     # One device, the trainer group's accelerator and precision (autocast under bf16-mixed); no strategy.

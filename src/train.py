@@ -29,14 +29,16 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     import lightning as L
 
     from src.models.memory_estimate import check_device_memory
+    from src.sft import warm_start_model_config
     from src.utils.checkpoint_io import AtomicCheckpointIO
     from src.utils.instantiate import instantiate_callbacks, instantiate_loggers
 
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     check_device_memory(cfg)  # before loading any weights: refuse what cannot fit
-    log.info("Instantiating model <%s>", cfg.model._target_)
-    module = hydra.utils.instantiate(cfg.model)
+    model_cfg, warm_start = warm_start_model_config(cfg)  # model.warm_start: built once, then reused
+    log.info("Instantiating model <%s> from %s", cfg.model._target_, model_cfg.policy.name_or_path)
+    module = hydra.utils.instantiate(model_cfg)
     # `memory=none` leaves no `_target_` (an experiment's memory settings may still sit there, unused).
     use_memory = cfg.algorithm.get("use_memory", True) and "_target_" in (cfg.get("memory") or {})
     memory = hydra.utils.instantiate(cfg.memory) if use_memory else None
@@ -51,7 +53,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     sharded = "ModelParallelStrategy" in str(cfg.trainer.get("strategy"))
     trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
                                       plugins=None if sharded else [AtomicCheckpointIO()])
-    return {"module": module, "datamodule": datamodule, "memory": memory, "trainer": trainer, "loggers": loggers}
+    return {"module": module, "datamodule": datamodule, "memory": memory, "trainer": trainer, "loggers": loggers,
+            "warm_start": warm_start}
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -59,12 +62,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from src.utils.startup_checks import prepare_run
 
     prepare_run(cfg)  # refuses/adapts options before anything (even torch) is loaded
+    from src.sft import warm_start_metrics
     from src.utils.logging import log_checkpoint, log_config
 
     objs = build(cfg)
     trainer = objs["trainer"]
     if trainer.is_global_zero:
         log_config(cfg, objs["loggers"])
+        start = warm_start_metrics(objs["warm_start"])  # the point RL starts from: its held-out score
+        for logger in objs["loggers"] if start else []:
+            logger.log_metrics(start, step=0)
     # A user's path is relative to where the command ran, also when hydra.job.chdir=true moved the process.
     ckpt_path = hydra.utils.to_absolute_path(cfg.ckpt_path) if cfg.get("ckpt_path") else None
     trainer.fit(objs["module"], datamodule=objs["datamodule"], ckpt_path=ckpt_path)

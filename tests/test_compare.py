@@ -244,7 +244,7 @@ def test_two_real_training_runs(tmp_path):
 
     from src.train import train
 
-    base = ["experiment=scienceworld", "model=tiny", f"paths.log_dir={tmp_path}/logs", "data.tasks_per_iteration=1",
+    base = ["experiment=scienceworld", "model=tiny", "model.warm_start=null", f"paths.log_dir={tmp_path}/logs", "data.tasks_per_iteration=1",
             "data.group_size=2", "env.max_steps=3", "data.micro_batch_size=2",
             "data.val.num_tasks=1", "data.max_response_tokens=6", "memory.tip_max_tokens=8",
             "~callbacks.rich_progress_bar", "trainer.enable_progress_bar=false", "trainer.max_epochs=2"]

@@ -16,7 +16,7 @@ from src.eval import best_relative_gain, check_eval_config, mean_stderr, run_eva
 from src.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["model=tiny", "env.max_steps=3", "data.max_response_tokens=6", "memory.tip_max_tokens=8",
+SMALL = ["model=tiny", "model.warm_start=null", "env.max_steps=3", "data.max_response_tokens=6", "memory.tip_max_tokens=8",
          "~callbacks.rich_progress_bar", "trainer.enable_progress_bar=false"]
 
 

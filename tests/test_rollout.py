@@ -114,6 +114,20 @@ def test_batch_ids_masks_and_old_log_probs_line_up(pool, tiny_policy):
         assert b["response_mask"].sum(1).tolist() == [len(s["response_ids"]) for s in m["samples"]]
 
 
+def test_micro_batches_group_similar_lengths():
+    """Each mini-batch is cut into micro-batches of similar lengths (less padding), keeping its samples and counts."""
+    lengths = [10, 100, 12, 98, 50, 11, 99, 52]
+    samples = [{"prompt_ids": [1] * n, "response_ids": [2, 3], "k": k} for k, n in enumerate(lengths)]
+    dm = RolloutDataModule(env=ENV_CFG, algorithm={}, micro_batch_size=3, num_mini_batches=2)
+    micro = list(dm.micro_batches(samples, {"iteration": 0, "mode": "on_policy", "rollout_global_step": 0}, {}, 0))
+    for mb in (0, 1):
+        parts = [[len(s["prompt_ids"]) for s in m["samples"]] for m in micro if m["mini_batch"] == mb]
+        flat = [n for part in parts for n in part]
+        assert flat == sorted(flat) and len(flat) == 4, parts
+        assert all(m["global_seq_count"] == 4 for m in micro if m["mini_batch"] == mb)
+    assert sorted(s["k"] for m in micro for s in m["samples"]) == list(range(8))
+
+
 def test_off_policy_update_prompt_has_no_tips(pool, tiny_policy, memory):
     """Tips shown during the rollout are absent from the update prompt of an off-policy sample."""
     obs, info = pool.reset([(0, TASK)])[0]

@@ -182,18 +182,12 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
             timers["memory_s"] += time.perf_counter() - tic
         prompts, update_prompts, shown = [], [], []
         for j, i in enumerate(active):
-            common = dict(system_prompt=pool.system_prompt, instruction=episodes[i].instruction, history=histories[i],
-                          observation=observations[i], admissible_actions=infos[i].get("admissible_actions"),
-                          history_length=cfg.history_length, history_obs_chars=cfg.history_obs_chars,
-                          tips_scope=cfg.tips_scope,
-                          step=len(episodes[i].steps), max_steps=max_steps)
-            step_tips = fit_prompt(policy, common, tips[j] if cfg.use_tips else None, prompt_cuts)
-            tips[j] = step_tips or []
-            shown.append(min(common["history_length"], len(histories[i])) if common["history_length"] > 0 else 0)
-            ids = policy.encode(build_step_messages(tips=step_tips, **common))
+            ids, update_ids, tips[j], history_shown = step_prompt(
+                policy, cfg, pool.system_prompt, episodes[i].instruction, histories[i], observations[i],
+                infos[i].get("admissible_actions"), len(episodes[i].steps), max_steps, tips[j], prompt_cuts)
+            shown.append(history_shown)
             prompts.append(ids)
-            update_prompts.append(policy.encode(build_step_messages(tips=None, **common))
-                                  if cfg.use_tips and cfg.strip_tips_for_update else ids)
+            update_prompts.append(update_ids)
         tic = time.perf_counter()
         keep = {"keep_prompt_kv": True} if cfg.keep_reflection_prefix else {}
         gen = policy.generate(prompts, max_new_tokens=cfg.max_response_tokens, temperature=cfg.temperature,
@@ -264,6 +258,37 @@ def _any_active(policy: Policy, active: list[int]) -> bool:
     if policy.synced:
         return all_reduce([float(len(active))], op="max")[0] > 0
     return bool(active)
+
+
+def step_prompt(policy: Policy, cfg: RolloutConfig, system_prompt: str, instruction: str,
+                history: list[HistoryItem], observation: str, admissible_actions: list[str] | None, step: int,
+                max_steps: int | None, tips: list[str] | None = None,
+                cuts: dict[str, float] | None = None) -> tuple[list[int], list[int], list[str], int]:
+    """The prompt ids of one agent step, fitted to ``policy.max_prompt_tokens`` (SPEC §2.1).
+
+    The one place a step's prompt is rendered: rollouts, validation and the imitation warm start
+    (``src/sft.py``) all call it, so a demonstration's prompt is token for token the prompt RL samples from.
+
+    Args:
+        cfg: history length, past-observation cap, tips scope, ``use_tips`` / ``strip_tips_for_update``.
+        history: past steps of the episode, oldest first; ``step``: how many there were (0-based index).
+        tips: retrieved tips, shown only when ``cfg.use_tips``.
+        cuts: accumulates what ``fit_prompt`` cut (see there).
+
+    Returns:
+        (rollout prompt ids, update prompt ids — tip-free when ``cfg.strip_tips_for_update``, else the same
+        list —, the tips that fit, the number of past steps the prompt shows).
+    """
+    common = dict(system_prompt=system_prompt, instruction=instruction, history=history, observation=observation,
+                  admissible_actions=admissible_actions, history_length=cfg.history_length,
+                  history_obs_chars=cfg.history_obs_chars, tips_scope=cfg.tips_scope, step=step,
+                  max_steps=max_steps)
+    step_tips = fit_prompt(policy, common, tips if cfg.use_tips else None, cuts)
+    ids = policy.encode(build_step_messages(tips=step_tips, **common))
+    update_ids = (policy.encode(build_step_messages(tips=None, **common))
+                  if cfg.use_tips and cfg.strip_tips_for_update else ids)
+    shown = min(common["history_length"], len(history)) if common["history_length"] > 0 else 0
+    return ids, update_ids, step_tips or [], shown
 
 
 def fit_prompt(policy: Policy, common: dict, tips: list[str] | None,
