@@ -90,8 +90,12 @@ def _paper_module(tiny_model_dir, experiment: str = "webshop_paper", *overrides:
         cfg = compose(config_name="train", overrides=[f"experiment={experiment}",
                                                       f"model.policy.name_or_path={tiny_model_dir}", *overrides])
     assert cfg.model.policy.dtype == "bfloat16" and cfg.model.optimizer.lr == 1e-6
+    from src.sft import warm_start_model_config
+
+    model_cfg, warm_start = warm_start_model_config(cfg)  # as src/train.py; the paper runs have no warm start
+    assert warm_start is None
     torch.manual_seed(0)
-    return hydra.utils.instantiate(cfg.model), cfg
+    return hydra.utils.instantiate(model_cfg), cfg
 
 
 def test_paper_path_trains_fp32_master_weights_under_bf16_mixed(tiny_model_dir):
