@@ -163,9 +163,14 @@ def rollout_curve(client: mlflow.MlflowClient, run: Run, key: str) -> Curve:
 
 def val_curve(client: mlflow.MlflowClient, run: Run, key: str) -> Curve:
     """A validation metric (``val/*``) against the iterations completed before it: 1 + the iteration of the
-    latest rollout logged before it (validation runs at the end of a training iteration), 0 if none."""
+    latest rollout logged before it (validation runs at the end of a training iteration), 0 if none.
+
+    A run that started from an imitation warm start has its held-out result (``warm_start/<name>``, the same
+    protocol as ``val/<name>``, logged at the run's start) as the point at iteration 0, minute 0.
+    """
     rollouts = sorted((m.timestamp, m.value) for m in client.get_metric_history(run.info.run_id, "iteration"))
-    points = []
+    points = [(0.0, 0.0, m.value) for m in
+              client.get_metric_history(run.info.run_id, "warm_start/" + key.removeprefix("val/"))]
     for m in client.get_metric_history(run.info.run_id, key):
         before = [it for ts, it in rollouts if ts <= m.timestamp]
         points.append((before[-1] + 1 if before else 0.0, (m.timestamp - run.info.start_time) / 60_000.0, m.value))

@@ -1,13 +1,18 @@
-"""Launch a small GRPO-vs-EMPO² study on CPU (several seeds, one run at a time), then draw the comparison.
+"""Run the GRPO-vs-EMPO² study on CPU (same warm start, same seeds), then draw and tabulate the comparison.
 
-    python scripts/run_study.py --experiment scienceworld --seeds 1 2 3 --iterations 4
-    python scripts/run_study.py --experiment webshop --seeds 1 2 --iterations 3 -- data.group_size=2
+    python scripts/run_study.py --experiment webshop --seeds 0 1 --iterations 10 --parallel 2
+    python scripts/run_study.py --experiment scienceworld --seeds 0 1 --iterations 6 -- env.task=find-living-thing
     python scripts/run_study.py --seeds 1 2 --iterations 2 --dry-run        # print the plan and the estimate
 
 Each run is `python src/train.py experiment=<exp> algorithm=<algo> seed=<s> trainer.max_epochs=<N> tags=[...]`
 plus the overrides after `--`; the runs get the extra Hydra tag `study-<id>` so that
-`scripts/compare_runs.py --tag study-<id>` (called at the end) compares exactly this study's runs. Runs go one
-after another because the policy and the environment workers already use every core of a laptop.
+`scripts/compare_runs.py --tag study-<id>` (called at the end) compares exactly this study's runs, writes the
+learning curves and the results table (`results.md`). The imitation warm start (when the experiment has one) is
+built once before any run starts, so that runs side by side never race to build it.
+
+`--parallel K` runs K processes side by side, each limited to `--threads` threads (OMP/MKL/torch): on a small
+CPU two single-threaded runs finish sooner than two two-threaded runs one after the other, because generation
+and the environment steps leave cores idle. Timings are then per-process timings under that sharing.
 
 Before starting it prints an estimate of the total time: minutes per iteration measured from earlier finished
 runs of the same experiment, algorithm and policy in the MLflow store when there are any, else
@@ -77,6 +82,38 @@ def measured_minutes_per_iteration(tracking_uri: str, experiment_name: str, algo
     return (statistics.median(per_iter), len(per_iter)) if per_iter else None
 
 
+def _thread_env(threads: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    if threads:
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[var] = str(threads)
+    return env
+
+
+def run_all(commands: list[list[str]], parallel: int, threads: int | None) -> list[str]:
+    """Run ``commands`` (``parallel`` at a time, each with ``threads`` threads); return the failed ones."""
+    if parallel > 1 and threads is None:
+        threads = 1
+    env = _thread_env(threads)
+    failed, pending, running = [], list(enumerate(commands)), {}
+    start = time.perf_counter()
+    while pending or running:
+        while pending and len(running) < max(parallel, 1):
+            i, cmd = pending.pop(0)
+            print(f"[{i + 1}/{len(commands)}] start {' '.join(cmd[2:6])}", flush=True)
+            running[i] = (subprocess.Popen(cmd, cwd=ROOT, env=env), time.perf_counter(), cmd)
+        time.sleep(2.0)
+        for i, (proc, t0, cmd) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[i]
+            print(f"[{i + 1}/{len(commands)}] exit {proc.returncode} after {(time.perf_counter() - t0) / 60:.1f} "
+                  f"min (study so far {(time.perf_counter() - start) / 60:.1f} min)", flush=True)
+            if proc.returncode != 0:
+                failed.append(" ".join(cmd[2:6]))
+    return failed
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the study (or print it with ``--dry-run``); return the number of failed training runs."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,6 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="for the estimate when the store has no earlier run to measure")
     ap.add_argument("--out-dir", default=None, help="comparison output (default: logs/comparison/study-<id>)")
     ap.add_argument("--adaptation", nargs="+", default=[], help="adaptation summaries to add to the comparison")
+    ap.add_argument("--parallel", type=int, default=1, help="runs side by side (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads per run (OMP/MKL/torch); default: all cores when --parallel 1, else 1")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and the estimate, run nothing")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (after --)")
     args = ap.parse_args(argv)
@@ -109,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     total = 0.0
     print(f"Study {study_tag}: {len(commands)} runs ({', '.join(args.algorithms)} x seeds {args.seeds}), "
-          f"{args.iterations} iterations each, one at a time; policy {model}; MLflow {tracking_uri}")
+          f"{args.iterations} iterations each, {args.parallel} at a time; policy {model}; MLflow {tracking_uri}")
     for algo in args.algorithms:
         measured = measured_minutes_per_iteration(tracking_uri, exp_name, algo, env_target, model)
         if measured:
@@ -122,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         total += minutes
         print(f"  {algo}: {per_iter:.1f} min/iteration ({source}) + {STARTUP_MINUTES} min start-up per run -> "
               f"{minutes:.0f} min for {len(args.seeds)} runs")
+    total /= max(args.parallel, 1)  # optimistic: side-by-side runs each slow down somewhat
     print(f"Estimated total: {total:.0f} min" + (f" (~{total / 60:.1f} h)" if total >= 60 else ""))
     for cmd in commands:
         print("  python src/train.py " + " ".join(cmd[2:]))
@@ -134,16 +175,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         return 0
 
-    failed = []
-    start = time.perf_counter()
-    for i, cmd in enumerate(commands):
-        t0 = time.perf_counter()
-        print(f"\n[{i + 1}/{len(commands)}] {' '.join(cmd[2:6])}", flush=True)
-        rc = subprocess.run(cmd, cwd=ROOT).returncode
-        print(f"[{i + 1}/{len(commands)}] exit {rc} after {(time.perf_counter() - t0) / 60:.1f} min "
-              f"(study so far {(time.perf_counter() - start) / 60:.1f} min)", flush=True)
+    if cfg.model.get("warm_start"):
+        print("\nwarm start: python src/sft.py " + " ".join([f"experiment={args.experiment}", *args.overrides]),
+              flush=True)
+        rc = subprocess.run([sys.executable, str(ROOT / "src" / "sft.py"), f"experiment={args.experiment}",
+                             *args.overrides], cwd=ROOT).returncode
         if rc != 0:
-            failed.append(" ".join(cmd[2:6]))
+            print(f"building the warm start failed (exit {rc})", file=sys.stderr)
+            return len(commands)
+    failed = run_all(commands, args.parallel, args.threads)
     if failed:
         print(f"{len(failed)} run(s) failed: {failed}; comparing the finished ones", file=sys.stderr)
     if len(failed) < len(commands):

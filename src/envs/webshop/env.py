@@ -213,6 +213,8 @@ class WebShopEnv:
         stemmer: search analyzer stemming, "porter" (original) or "none".
         noun_tagger: product-name noun tagger of the reward's type factor: "fallback" (default) or "spacy"
             (the original's en_core_web_sm, opt-in install: requirements-spacy.txt); see reward.py.
+        observation_instruction: keep the instruction the original repeats at the top of every page (True) or
+            drop it from the observation (False; the prompt shows it once as the task).
         seed: accepted so every environment takes the same config keys; unused (episodes are deterministic
             given the goal; the catalog and prices have their own seeds).
     Raises ValueError for a bad setting, WebShopDataError for missing/malformed data files.
@@ -222,7 +224,8 @@ class WebShopEnv:
                  num_products: int | None = None, human_goals: bool = True, catalog_size: int = 1000,
                  catalog_seed: int = 0, price_seed: int = 0, max_steps: int = 15, format_penalty: float = 0.1,
                  reward_mode: str = "score", num_test_goals: int = 500, num_dev_goals: int = 0,
-                 stemmer: str = "porter", noun_tagger: str = "fallback", seed: int | None = None):
+                 stemmer: str = "porter", noun_tagger: str = "fallback", observation_instruction: bool = True,
+                 seed: int | None = None):
         if reward_mode not in ("score", "success"):
             raise ValueError(f"reward_mode must be 'score' or 'success', got {reward_mode!r}")
         if max_steps < 1:
@@ -239,6 +242,7 @@ class WebShopEnv:
         self.reward_mode = reward_mode
         self.num_test_goals, self.num_dev_goals = num_test_goals, num_dev_goals
         self.text_env = WebShopTextEnv(self.data, self.engine, noun_tagger)
+        self.observation_instruction = bool(observation_instruction)
         self.system_prompt = SYSTEM_PROMPT.format(max_steps=max_steps)
         self._active = False
 
@@ -264,7 +268,7 @@ class WebShopEnv:
                                                                 self.num_dev_goals):
             raise ValueError(f"goal_idx {idx} is not in the {split!r} split")
         self.goal_idx = idx
-        obs = self.text_env.reset(idx)
+        obs = self._shown(self.text_env.reset(idx))
         self.steps = 0
         self._active = True
         return obs, self._info(action="", valid=True, format_ok=True)
@@ -290,12 +294,19 @@ class WebShopEnv:
         truncated = not done and self.steps >= self.max_steps
         if done or truncated:
             self._active = False
-        return obs, float(reward), done, truncated, self._info(action=action, valid=valid, format_ok=format_ok)
+        return self._shown(obs), float(reward), done, truncated, self._info(action=action, valid=valid, format_ok=format_ok)
 
     def close(self) -> None:
         self._active = False
 
     # ------------------------------------------------------------------ helpers
+    def _shown(self, obs: str) -> str:
+        # Every page repeats the instruction; the prompt already shows it as the task, and in a CPU-sized prompt
+        # the copy would crowd out the page (and fill the capped history observations).
+        if self.observation_instruction:
+            return obs
+        return obs.replace(f"Instruction:{pages.SEP}{self.text_env.instruction}{pages.SEP}", "", 1)
+
     def _info(self, action: str, valid: bool, format_ok: bool) -> dict[str, Any]:
         te = self.text_env
         score = float(te.reward) if te.done else 0.0
@@ -310,14 +321,9 @@ class WebShopEnv:
         return info
 
 
-SYSTEM_PROMPT = """You are a shopping agent on the WebShop website. Buy the product that best matches the \
-instruction: its attributes, its options (such as color and size) and the price limit.
-Each turn you see the current web page as text (page elements separated by [SEP]) and the admissible actions.
-Actions:
-- search[keywords]: search the store, e.g. search[red running shoes] (available while the search box is shown).
-- click[element]: click a button, a product id or an option exactly as listed in the admissible actions, \
-e.g. click[b09abc1234], click[large], click[next >], click[< prev], click[back to search], click[buy now].
-On a product page click the options you need before click[buy now]; buying ends the episode and scores the \
-purchase. You have at most {max_steps} actions.
-Think briefly inside <think>...</think>, then give exactly one action inside <action>...</action>, e.g.
-<think>The instruction asks for red running shoes under 50 dollars.</think><action>search[red running shoes]</action>"""
+SYSTEM_PROMPT = """You shop on the WebShop website: buy the product that best matches the instruction (its \
+attributes, options such as color and size, and price limit). Each turn shows the page (elements separated by \
+[SEP]) and the admissible actions: search[keywords] while the search box shows, or click[element] on a product \
+id, an option or a button as listed. On a product page click the options you need, then click[buy now], which \
+ends the episode. At most {max_steps} actions. Reply with one action inside <action>...</action>, optionally \
+after brief reasoning inside <think>...</think>."""
