@@ -14,6 +14,8 @@ give the mean and a ± standard-error band (std with Bessel correction / sqrt(n)
 - `learning_curves_wallclock.png`: the same points against wall-clock minutes since each run's start (x: the mean
   over seeds of the time at which the point was logged).
 - `adaptation.png` (with `--adaptation`): score per trial of the OOD adaptation protocol (SPEC §5).
+- `results.md`: the results table (``results_table``): warm start, final held-out score and success per
+  algorithm (mean ± s.e. over seeds), iterations, wall-clock and seconds per iteration.
 - `curves.json`: the plotted numbers.
 
 and logs them as artifacts of a new MLflow run `comparison-...` in the experiment of the compared runs.
@@ -476,6 +478,63 @@ def run_info(client: mlflow.MlflowClient, run: Run) -> dict[str, Any]:
             "minutes_per_iteration": minutes / iterations if minutes is not None and iterations else None}
 
 
+def _per_iteration_sum(client: mlflow.MlflowClient, run: Run, key: str) -> float | None:
+    """Mean over iterations of a timing metric summed within each iteration (e.g. ``train/update_s`` is logged once
+    per optimizer step); None when the run never logged it."""
+    iters = sorted((m.timestamp, m.value) for m in client.get_metric_history(run.info.run_id, "iteration"))
+    hist = client.get_metric_history(run.info.run_id, key)
+    if not iters or not hist:
+        return None
+    sums: dict[float, float] = {}
+    for m in hist:
+        before = [it for ts, it in iters if ts <= m.timestamp + 1]
+        sums[before[-1] if before else iters[0][1]] = sums.get(before[-1] if before else iters[0][1], 0.0) + m.value
+    return float(np.mean([sums.get(it, 0.0) for _, it in iters]))
+
+
+TIMING_KEYS = {"rollout": "rollout/rollout_s", "tips": "rollout/tip_write_s", "update": "train/update_s"}
+
+
+def _mean_sem(values: Sequence[float]) -> tuple[float, float]:
+    v = np.asarray(values, dtype=float)
+    return float(v.mean()), float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
+
+
+def _fmt(mean: float, sem: float, digits: int) -> str:
+    return f"{mean:.{digits}f}" + ("" if np.isnan(sem) else f" ± {sem:.{digits}f}")
+
+
+def results_table(client: mlflow.MlflowClient, runs: Sequence[Run], kind: str) -> str:
+    """Markdown table of the compared runs, per algorithm: warm-start held-out score and success, final held-out
+    score and success (the last validation of each run; mean ± s.e. over runs), iterations, wall-clock minutes,
+    seconds per iteration (rollout / tips / update) and the seeds. Every number is read from the MLflow store."""
+    digits = 3 if kind == "webshop" else 1
+    unit = "score in [0, 1]" if kind == "webshop" else "points"
+    lines = [f"| algorithm | seeds | iterations | wall-clock (min) | s / iteration: rollout / tips / update | "
+             f"warm start: held-out score ({unit}) / success | final held-out score | final success |",
+             "|---|---|---|---|---|---|---|---|"]
+    for algo in sorted({r.data.params["algorithm/name"] for r in runs}, key=_algo_rank):
+        mine = [r for r in runs if r.data.params["algorithm/name"] == algo]
+        info = [run_info(client, r) for r in mine]
+        last = {k: [client.get_metric_history(r.info.run_id, k) for r in mine] for k in VAL_KEYS.values()}
+        finals = {k: [max(h, key=lambda m: m.timestamp).value for h in hs if h] for k, hs in last.items()}
+        ws = [(r.data.metrics.get("warm_start/score"), r.data.metrics.get("warm_start/score_stderr"),
+               r.data.metrics.get("warm_start/success_rate")) for r in mine]
+        ws_txt = ("none" if ws[0][0] is None else
+                  f"{ws[0][0]:.{digits}f} ± {ws[0][1]:.{digits}f} / {ws[0][2]:.2f}")
+        timing = []
+        for key in TIMING_KEYS.values():
+            vals = [v for r in mine if (v := _per_iteration_sum(client, r, key)) is not None]
+            timing.append(f"{np.mean(vals):.0f}" if vals else "–")
+        minutes = [i["minutes"] for i in info if i["minutes"] is not None]
+        score = _fmt(*_mean_sem(finals["val/score"]), digits) if finals["val/score"] else "–"
+        success = _fmt(*_mean_sem(finals["val/success_rate"]), 2) if finals["val/success_rate"] else "–"
+        lines.append(f"| {ALGORITHM_LABELS.get(algo, algo)} | {', '.join(str(i['seed']) for i in info)} | "
+                     f"{np.mean([i['iterations'] for i in info]):.0f} | "
+                     f"{np.mean(minutes):.0f} | {' / '.join(timing)} | {ws_txt} | {score} | {success} |")
+    return "\n".join(lines) + "\n"
+
+
 def log_comparison(client: mlflow.MlflowClient, experiment_id: str, files: Sequence[Path], runs: Sequence[Run],
                    name: str) -> str:
     """Create the MLflow run ``name`` in ``experiment_id``, log ``files`` as its artifacts and the compared run
@@ -536,6 +595,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         adapt = load_adaptation(args.adaptation)
         files.append(out / "adaptation.png")
         report["adaptation"] = plot_adaptation(adapt, kind, files[-1])
+    files.append(out / "results.md")
+    _atomic_write_text(files[-1], results_table(client, runs, kind))
     files.append(out / "curves.json")
     _atomic_write_text(files[-1], json.dumps(report, indent=1))
     run_id = None

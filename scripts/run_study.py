@@ -52,11 +52,12 @@ def compose(experiment: str, overrides: Sequence[str]):
 
 def run_commands(experiment: str, algorithms: Sequence[str], seeds: Sequence[int], iterations: int,
                  tags: Sequence[str], overrides: Sequence[str]) -> list[list[str]]:
-    """One `src/train.py` command line (argv list) per (algorithm, seed), algorithms outermost."""
+    """One `src/train.py` command line (argv list) per (algorithm, seed), seeds outermost (runs side by side
+    then compare the algorithms under the same load)."""
     tag_list = "[" + ",".join(tags) + "]"
     return [[sys.executable, str(ROOT / "src" / "train.py"), f"experiment={experiment}", f"algorithm={algo}",
              f"seed={seed}", f"trainer.max_epochs={iterations}", f"tags={tag_list}", *overrides]
-            for algo in algorithms for seed in seeds]
+            for seed in seeds for algo in algorithms]
 
 
 def measured_minutes_per_iteration(tracking_uri: str, experiment_name: str, algorithm: str, env_target: str,
