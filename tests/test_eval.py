@@ -159,6 +159,7 @@ def test_adaptation_on_a_transfer_pair_leaves_the_weights_unchanged(checkpoint, 
 def test_webshop_checkpoint_eval(tmp_path):
     """A one-iteration WebShop run (KL on, so the run had a reference model) evaluates from its checkpoint."""
     run = _compose("train", tmp_path / "train", "experiment=webshop", "data.tasks_per_iteration=1",
+                   "algorithm.kl_coef=0.01", "algorithm.skip_zero_advantage=false",
                    "data.group_size=2", "data.micro_batch_size=2", "trainer.max_epochs=1",
                    "trainer.check_val_every_n_epoch=5", "logger=none")
     ckpt = train(run)["last_checkpoint"]

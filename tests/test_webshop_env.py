@@ -179,6 +179,25 @@ def test_wrapper_format_penalty_first_tag_and_step_cap(tmp_path, env):
         capped.step("<action>search[x]</action>")
 
 
+def test_observation_without_the_instruction(tmp_path, env):
+    """observation_instruction=False drops exactly the instruction nodes every page repeats; the rest of each page,
+    the admissible actions and the rewards are the original's."""
+    short = WebShopEnv(tmp_path / "cache", env.data.source_dir, num_test_goals=1, max_steps=40,
+                       observation_instruction=False)
+    goal = {"goal_idx": _idx(env, "B000000000")}
+    for e in (env, short):
+        e.reset(goal)
+    obs, info = short.reset(goal)
+    assert obs == "WebShop [SEP] Search" and info["instruction"] == INSTR
+    for action in ("search[widget]", "click[b000000000]", "click[description]", "click[< prev]", "click[black]"):
+        full, short_step = act(env, action), act(short, action)
+        assert full[0] == f"Instruction: [SEP] {INSTR} [SEP] " + short_step[0]
+        assert INSTR not in short_step[0] and short_step[0].startswith("Back to Search [SEP] ")
+        assert full[1:4] == short_step[1:4] and full[4]["admissible_actions"] == short_step[4]["admissible_actions"]
+    full, short_step = act(env, "click[buy now]"), act(short, "click[buy now]")
+    assert full[:4] == short_step[:4] and short_step[2]
+
+
 def test_wrapper_success_reward_mode_and_tasks(tmp_path, env):
     env_s = WebShopEnv(tmp_path / "cache", env.data.source_dir, reward_mode="success", num_test_goals=1)
     assert env_s.tasks("test") == [{"task_name": "webshop", "goal_idx": 0, "split": "test"}]
