@@ -174,7 +174,8 @@ def test_main_writes_pngs_json_and_logs_artifacts(store):
     out = store["tmp"] / "cmp"
     result = compare_runs.main(["--tracking-uri", store["uri"], "--tag", "scienceworld", "--out-dir", str(out),
                                 "--adaptation", *_adaptation_files(store["tmp"])])
-    names = {"learning_curves_iteration.png", "learning_curves_wallclock.png", "adaptation.png", "curves.json"}
+    names = {"learning_curves_iteration.png", "learning_curves_wallclock.png", "adaptation.png", "curves.json",
+             "results.md"}
     assert {f.name for f in result["files"]} == names
     for name in ("learning_curves_iteration.png", "learning_curves_wallclock.png"):
         img = _read_png(out / name)
@@ -203,6 +204,31 @@ def test_main_writes_pngs_json_and_logs_artifacts(store):
     assert {a.path for a in client.list_artifacts(comp.info.run_id)} == names
     # the comparison run is not itself picked up as a training run
     assert len(compare_runs.select_runs(client, "empo2", tags=["scienceworld"])) == 3
+
+
+def test_results_table_known_answers(store):
+    """Final validation per run (GRPO 25 and 35: mean 30, s.e. 10 / 2 = 5; EMPO² one run: no s.e.), iterations,
+    minutes, no timings and no warm start logged."""
+    client = store["client"]
+    runs = compare_runs.select_runs(client, "empo2", tags=["scienceworld"])
+    lines = compare_runs.results_table(client, runs, "scienceworld").splitlines()
+    assert lines[2] == "| GRPO | 1, 2 | 2 | 10 | – / – / – | none | 30.0 ± 5.0 | 0.50 ± 0.00 |"
+    assert lines[3] == "| EMPO² | 1 | 2 | 10 | – / – / – | none | 40.0 | 0.50 |"
+
+
+def test_warm_start_is_the_validation_point_at_iteration_0(store):
+    client = store["client"]
+    rid = store["ids"]["grpo1"]
+    client.log_batch(rid, metrics=[Metric("warm_start/score", 12.0, T0, 0), Metric("warm_start/score_stderr", 2.0, T0, 0),
+                                   Metric("warm_start/success_rate", 0.25, T0, 0),
+                                   Metric("train/update_s", 30.0, T0 + 1 * MIN, 1),
+                                   Metric("train/update_s", 20.0, T0 + 1 * MIN + 500, 2)])
+    curve = compare_runs.val_curve(client, client.get_run(rid), "val/score")
+    assert curve.iteration.tolist() == [0, 2] and curve.value.tolist() == [12.0, 25.0]
+    assert curve.minutes.tolist() == [0.0, 4.0]
+    row = compare_runs.results_table(client, [client.get_run(rid)], "scienceworld").splitlines()[2]
+    # update time summed within iteration 0 (two optimizer steps), averaged over the run's 2 iterations
+    assert row == "| GRPO | 1 | 2 | 10 | – / – / 25 | 12.0 ± 2.0 / 0.25 | 25.0 | 0.50 |"
 
 
 def test_no_log_writes_files_only(store):
