@@ -37,7 +37,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -296,6 +295,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     """
     from src.envs.pool import EnvPool
     from src.utils.instantiate import instantiate_loggers
+    from src.utils.io import write_text_atomic
     from src.utils.logging import log_config
 
     ev = cfg.eval
@@ -365,7 +365,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     text = json.dumps(summary, indent=2, default=str)
     print(text)
     path = Path(ev.summary_file)
-    _atomic_write(path, text + "\n")
+    write_text_atomic(path, text + "\n")
     log.info("Summary written to %s", path)
 
     logger_cfg = OmegaConf.create(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {})
@@ -377,18 +377,6 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         log_config(cfg, loggers)
         _log_summary(summary, loggers, path)
     return summary
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _log_summary(summary: dict[str, Any], loggers, path: Path) -> None:

@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -47,6 +46,7 @@ import torch  # noqa: E402
 
 from src.data.demonstrations import SFTExample, build_examples, demonstration_records  # noqa: E402
 from src.models.policy import Policy  # noqa: E402
+from src.utils.io import atomic_dir, write_json_atomic  # noqa: E402
 from src.utils.logging import flatten  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -195,25 +195,11 @@ def save_policy(policy: Policy, out_dir: str | os.PathLike, info: dict[str, Any]
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
         policy.model = model
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    old = None
-    try:
+    with atomic_dir(out_dir, replace=True) as tmp:
         model.save_pretrained(tmp)
         policy.tokenizer.save_pretrained(tmp)
         if info is not None:
             (tmp / "sft_info.json").write_text(json.dumps(info, indent=1))
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not out_dir.exists():
-            os.replace(old, out_dir)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
@@ -370,7 +356,7 @@ def _ensure(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
         if ws.get("eval", True) and prep["protocol"].get("split"):
             if pkey not in info["heldout"]:
                 info["heldout"][pkey] = _heldout(cfg, prep)
-                _write_json(out_dir / "sft_info.json", info)
+                write_json_atomic(out_dir / "sft_info.json", info, indent=1, default=str)
             heldout = info["heldout"][pkey]
     result = {"path": str(out_dir), "info": info, "heldout": heldout}
     for logger in loggers:  # the warm-start run's own MLflow/CSV record
@@ -420,12 +406,6 @@ def warm_start_model_config(cfg: DictConfig, build: bool = True) -> tuple[DictCo
     if result is not None:
         model_cfg.policy.name_or_path = result["path"]
     return model_cfg, result
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 def _print_summary(result: dict[str, Any]) -> None:

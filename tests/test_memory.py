@@ -220,30 +220,14 @@ def _all_results(m: TipMemory) -> list[list[TipEntry]]:
     return m.retrieve(["v1", "v1", "v2", "v3"], q)
 
 
-def test_save_load_round_trip(tmp_path):
-    m = _filled()
-    d = tmp_path / "mem"
-    m.save(d)
-    m2 = TipMemory.load(d, "emb", DIM)
-    assert m2.sizes() == m.sizes() and m2.entries("v1") == m.entries("v1") and m2.entries("v2") == m.entries("v2")
-    assert (m2.capacity, m2.threshold, m2.top_k, m2.rank_by) == (4, 0.5, 3, "score")
-    assert _all_results(m2) == _all_results(m) and contents(_all_results(m)[0]) == ["b", "a"]
-    assert m2.stats() == m.stats()
-    # overwriting an existing save replaces it whole and leaves no temp/old directories behind
-    m.add("v3", rows(e(4)), ["z"], [1], [0])
-    m.save(d)
-    assert TipMemory.load(d, "emb", DIM).sizes() == {"v1": 3, "v2": 1, "v3": 1}
-    assert sorted(os.listdir(tmp_path)) == ["mem"]
-
-
-def test_load_refuses_other_embedder(tmp_path):
-    _filled().save(tmp_path / "mem")
+def test_state_dict_refuses_another_embedder():
+    state = _filled().state_dict()
     with pytest.raises(ValueError, match=r"'emb'.*'other'"):
-        TipMemory.load(tmp_path / "mem", "other", DIM)
+        TipMemory(DIM, "other").load_state_dict(state)
     with pytest.raises(ValueError, match=rf"dim {DIM}.*dim 384"):
-        TipMemory.load(tmp_path / "mem", "emb", 384)
-    with pytest.raises(FileNotFoundError):
-        TipMemory.load(tmp_path / "nothing", "emb", DIM)
+        TipMemory(384, "emb").load_state_dict(state)
+    with pytest.raises(ValueError, match="not a tip-memory state"):
+        TipMemory(DIM, "emb").load_state_dict({"format": "other"})
 
 
 def test_state_dict_round_trip_through_torch_weights_only():
@@ -254,9 +238,9 @@ def test_state_dict_round_trip_through_torch_weights_only():
     state = torch.load(buf, weights_only=True)["memory"]  # what Lightning does on resume
     m2 = TipMemory(DIM, "emb", capacity=4, top_k=3)
     m2.load_state_dict(state)
-    assert m2.entries("v1") == m.entries("v1") and _all_results(m2) == _all_results(m)
-    with pytest.raises(ValueError, match=r"'emb'.*'other'"):
-        TipMemory(DIM, "other").load_state_dict(m.state_dict())
+    assert m2.sizes() == m.sizes() and m2.entries("v1") == m.entries("v1") and m2.entries("v2") == m.entries("v2")
+    assert _all_results(m2) == _all_results(m) and contents(_all_results(m)[0]) == ["b", "a"]
+    assert m2.stats() == m.stats()
 
 
 def test_load_state_dict_with_smaller_capacity_keeps_newest():

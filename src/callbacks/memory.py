@@ -4,7 +4,7 @@ The callback owns the tip memory (FAISS, per partition), the novelty state memor
 rollout runner calls it to embed states, retrieve tips and score novelty; after each training rollout the
 datamodule calls ``write_tips`` so the *current policy* reflects on every finished episode (one batched
 generation) and one entry per step is stored. Lightning saves its ``state_dict`` inside every checkpoint and
-restores it on resume; ``TipMemory.save``/``load`` give a standalone copy for evaluation.
+restores it on resume; evaluation reads it from the checkpoint too (the memory's one persistence path).
 """
 from __future__ import annotations
 

@@ -17,13 +17,13 @@ import numbers
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from scienceworld.constants import ID2TASK
 
 from src.envs.base import extract_action
+from src.utils.io import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -501,16 +501,7 @@ def save_gold(out_dir: str | os.PathLike, records: list[dict[str, Any]]) -> list
             data["variations"].update(existing.get("variations", {}))
         data["variations"].update({str(r["variation"]): r for r in task_records})
         data["variations"] = dict(sorted(data["variations"].items(), key=lambda kv: int(kv[0])))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_json_atomic(path, data, indent=1)
         paths.append(path)
     return paths
 

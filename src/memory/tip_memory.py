@@ -15,15 +15,9 @@ would give, which took 2-3x longer). Only candidates that can still reach a top 
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
-import tempfile
 import time
-import uuid
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import faiss
@@ -31,7 +25,6 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 _FORMAT = "empo2.tip_memory.v1"
-_META_FILE = "meta.json"
 _RANK_BY = ("score", "similarity")
 _NORM_TOL = 1e-3
 
@@ -427,86 +420,6 @@ class TipMemory:
             parts[name] = self._build_partition(name, keys, entries)
         self._parts = parts
         self._counters = {k: int(state.get("counters", {}).get(k, 0)) for k in self._counters}
-
-    def save(self, directory: str | os.PathLike) -> None:
-        """Write ``directory`` as a whole: one ``partition_<i>.faiss`` per partition (``faiss.write_index``) plus
-        ``meta.json`` (format, embedder name, dim, config, counters, partition names and entries).
-
-        The files are written to a temporary sibling directory which then replaces ``directory``, so a crash never
-        leaves a half-written memory in place.
-        """
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-        try:
-            meta_parts = []
-            for i, (name, part) in enumerate(self._parts.items()):
-                fname = f"partition_{i}.faiss"
-                faiss.write_index(part.index, str(tmp / fname))
-                meta_parts.append({"name": name, "index_file": fname, "entries": [asdict(e) for e in part.entries]})
-            meta = {
-                "format": _FORMAT,
-                "embedder_name": self.embedder_name,
-                "dim": self.dim,
-                "config": {
-                    "capacity": self.capacity,
-                    "threshold": self.threshold,
-                    "top_k": self.top_k,
-                    "rank_by": self.rank_by,
-                },
-                "counters": self._counters,
-                "partitions": meta_parts,
-            }
-            with open(tmp / _META_FILE, "w", encoding="utf-8") as f:
-                json.dump(meta, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if directory.exists():
-                old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex}"
-                os.replace(directory, old)
-                os.replace(tmp, directory)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    @classmethod
-    def load(cls, directory: str | os.PathLike, embedder_name: str, dim: int) -> "TipMemory":
-        """Read a memory written by ``save``; capacity / threshold / top_k / rank_by come from the saved config.
-
-        Args:
-            directory: the saved directory.
-            embedder_name, dim: the embedder the caller will query with.
-
-        Raises:
-            FileNotFoundError: no ``meta.json`` in ``directory``.
-            ValueError: wrong format, embedder name or dim mismatch (naming both), or an index file whose size
-                disagrees with its metadata.
-        """
-        directory = Path(directory)
-        meta_path = directory / _META_FILE
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"no tip memory at {directory} ({_META_FILE} missing)")
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-        if meta.get("format") != _FORMAT:
-            raise ValueError(f"{meta_path}: format {meta.get('format')!r}, expected {_FORMAT!r}")
-        cls._check_compatible(meta["embedder_name"], int(meta["dim"]), embedder_name, int(dim))
-        mem = cls(dim=int(meta["dim"]), embedder_name=meta["embedder_name"], **meta["config"])
-        for p in meta["partitions"]:
-            index = faiss.read_index(str(directory / p["index_file"]))
-            entries = [TipEntry(**e) for e in p["entries"]]
-            if index.d != mem.dim or index.ntotal != len(entries):
-                raise ValueError(
-                    f"{directory / p['index_file']}: index has dim {index.d} and {index.ntotal} rows, "
-                    f"metadata says dim {mem.dim} and {len(entries)} entries"
-                )
-            keys = index.reconstruct_n(0, index.ntotal) if index.ntotal else np.zeros((0, mem.dim), np.float32)
-            mem._parts[p["name"]] = mem._build_partition(p["name"], keys, entries)
-        mem._counters = {k: int(meta.get("counters", {}).get(k, 0)) for k in mem._counters}
-        return mem
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
