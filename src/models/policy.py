@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
-from src.models.core_algos import entropy_from_logits, log_probs_from_logits
+from src.models.logprobs import entropy_from_logits, log_probs_from_logits
 from src.models.prompt_cache import PromptKV, batch_with_prefixes, row_prompt_kv
 from src.models.sampling import (SampledTokenLogProbs, checkpoint_generation_defaults_off, dropped_generation_defaults,
                                  sampling_config)
