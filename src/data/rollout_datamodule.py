@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from src.data.rollout import Episode, RolloutConfig, episode_metrics, padding_sample, run_episodes
 from src.envs.pool import EnvPool
-from src.models.core_algos import check_algorithm_config, compute_grpo_advantages
+from src.models.core_algos import check_algorithm_config, compute_grpo_advantages, loss_denominators
 from src.utils.distributed import all_reduce, gather_lists, rank_and_world
 from src.utils.rng import (MODE, PERMUTATION, SAMPLING, TASKS, VALIDATION, global_rng_state, seed_torch,
                            set_global_rng_state)
@@ -70,6 +70,14 @@ class _Stream(IterableDataset):
 
     def __iter__(self):
         return self.fn()
+
+
+def _denominators(samples: list[dict]) -> tuple[int, int]:
+    """This rank's share of a mini-batch's ``global_token_count`` / ``global_seq_count``, counted as the loss
+    counts them (``loss_denominators``: response tokens, and rows with at least one)."""
+    lengths = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.long)
+    width = int(lengths.max()) if len(samples) else 0
+    return loss_denominators(torch.arange(width) < lengths[:, None])
 
 
 def _sample_length(sample: dict) -> int:
@@ -328,8 +336,7 @@ class RolloutDataModule(L.LightningDataModule):
                 # Similar lengths share a micro-batch: ~25% less padding computed, and the same gradient (the
                 # mini-batch's loss is a sum over its micro-batches).
                 minibatch = sorted((samples[i] for i in idx), key=_sample_length)
-                tokens = float(sum(len(s["response_ids"]) for s in minibatch))
-                g_tokens, g_seqs = all_reduce([tokens, float(len(minibatch))])
+                g_tokens, g_seqs = all_reduce([float(n) for n in _denominators(minibatch)])
                 n_micro = max(1, math.ceil(len(minibatch) / self.micro_batch_size))
                 n_micro = int(all_reduce([float(n_micro)], op="max")[0])
                 chunks = np.array_split(np.arange(len(minibatch)), n_micro)

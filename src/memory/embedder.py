@@ -136,3 +136,27 @@ class Embedder:
 
     def __repr__(self) -> str:
         return f"Embedder(name={self.name!r}, dim={self.dim}, device={self.device!r}, dtype={self.dtype!r})"
+
+
+NORM_TOL = 1e-3  # how far from 1 a row's L2 norm may be and still count as unit (float32 round-off, bf16 models)
+
+
+def check_unit_rows(x: np.ndarray, dim: int, what: str = "embeddings") -> np.ndarray:
+    """``x`` as a C-contiguous float32 ``[N, dim]`` array of finite, L2-normalised rows (as ``Embedder.encode``
+    returns them), for stores that compare rows by inner product (cosine).
+
+    Raises:
+        ValueError: wrong shape, a non-finite value, or a row whose norm is off 1 by more than ``NORM_TOL``
+            (the message names ``what`` and the worst row).
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != dim:
+        raise ValueError(f"{what} must have shape [N, {dim}], got {x.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError(f"{what} contain non-finite values")
+    if x.shape[0]:
+        off = np.abs(np.linalg.norm(x, axis=1) - 1.0)
+        if (off > NORM_TOL).any():
+            i = int(np.argmax(off))
+            raise ValueError(f"{what} must be L2-normalised; row {i} has norm {1.0 + off[i]:.6f}")
+    return np.ascontiguousarray(x)

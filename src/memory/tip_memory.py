@@ -24,9 +24,10 @@ import faiss
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
+from src.memory.embedder import check_unit_rows
+
 _FORMAT = "empo2.tip_memory.v1"
 _RANK_BY = ("score", "similarity")
-_NORM_TOL = 1e-3
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ class TipMemory:
             ValueError: shape/length mismatch, non-finite or non-normalised keys, non-finite scores.
         """
         self._check_partition(partition)
-        keys = self._check_keys(keys, "keys")
+        keys = check_unit_rows(keys, self.dim, "keys")
         n = keys.shape[0]
         contents = list(contents)
         scores = [float(s) for s in scores]
@@ -276,7 +277,7 @@ class TipMemory:
             ValueError: len(partitions) != B, bad query shape or non-normalised queries.
             TypeError: a partition key is not a str.
         """
-        queries = self._check_keys(queries, "queries")
+        queries = check_unit_rows(queries, self.dim, "queries")
         partitions = list(partitions)
         if len(partitions) != queries.shape[0]:
             raise ValueError(f"got {len(partitions)} partitions for {queries.shape[0]} queries")
@@ -449,20 +450,6 @@ class TipMemory:
     def _keys(self, part: _Partition) -> np.ndarray:
         n = part.index.ntotal
         return part.index.reconstruct_n(0, n) if n else np.zeros((0, self.dim), np.float32)
-
-    def _check_keys(self, x: np.ndarray, what: str) -> np.ndarray:
-        x = np.asarray(x, dtype=np.float32)
-        if x.ndim != 2 or x.shape[1] != self.dim:
-            raise ValueError(f"{what} must have shape [N, {self.dim}], got {x.shape}")
-        if not np.isfinite(x).all():
-            raise ValueError(f"{what} contain non-finite values")
-        if x.shape[0]:
-            norms = np.linalg.norm(x, axis=1)
-            bad = np.abs(norms - 1.0) > _NORM_TOL
-            if bad.any():
-                i = int(np.argmax(bad))
-                raise ValueError(f"{what} must be L2-normalised; row {i} has norm {norms[i]:.6f}")
-        return np.ascontiguousarray(x)
 
     @staticmethod
     def _check_partition(p: Any) -> None:
