@@ -66,7 +66,7 @@ def measure(mode: str, model_dir: str, batch: int, tokens: int) -> dict:
     """Run one approach in this process; returns the peak RSS increase and what was generated."""
     import torch
 
-    from src.models.empo2_module import build_policy
+    from src.models.policy import build_policy
 
     torch.manual_seed(0)
     policy = build_policy(name_or_path=model_dir, cache_dir=tempfile.gettempdir(), dtype="float32")

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     from src.data.demonstrations import build_examples, demonstration_records
     from src.models.core_algos import compute_policy_loss
-    from src.models.empo2_module import build_policy
+    from src.models.policy import build_policy
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=["experiment=webshop", *args.overrides])

@@ -533,3 +533,16 @@ def test_paper_experiments_use_the_paper_tip_budget(experiment):
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[f"experiment={experiment}"])
     assert cfg.memory.tip_max_tokens == 512 and cfg.model.policy.max_prompt_tokens >= 4096
+
+
+def test_partition_key_one_derivation_for_both_environments():
+    from src.callbacks.memory import partition_key
+
+    sw, shop = {"task_name": "boil", "variation": 3}, {"task_name": "webshop", "goal_idx": 7, "split": "train"}
+    assert [partition_key(sw, p) for p in ("variation", "task", "global")] == ["boil/3", "boil", "global"]
+    assert partition_key(shop, "variation") == "webshop/7"
+    # neither key: every variation would silently share the partition "<task>/0"
+    with pytest.raises(ValueError, match="no 'variation' or 'goal_idx'"):
+        partition_key({"task_name": "boil", "split": "train"}, "variation")
+    with pytest.raises(ValueError, match="'episode'"):
+        partition_key(sw, "episode")

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from src.models.empo2_module import EMPO2Module, build_policy
+from src.models.empo2_module import EMPO2Module
+from src.models.policy import build_policy
 
 ALGORITHM = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_c": 10.0, "loss_agg_mode": "token-mean",
              "mask_modes": ["off_policy"], "kl_coef": 0.0, "temperature": 1.0}
@@ -90,7 +91,7 @@ def _paper_module(tiny_model_dir, experiment: str = "webshop_paper", *overrides:
         cfg = compose(config_name="train", overrides=[f"experiment={experiment}",
                                                       f"model.policy.name_or_path={tiny_model_dir}", *overrides])
     assert cfg.model.policy.dtype == "bfloat16" and cfg.model.optimizer.lr == 1e-6
-    from src.sft import warm_start_model_config
+    from src.warm_start import warm_start_model_config
 
     model_cfg, warm_start = warm_start_model_config(cfg)  # as src/train.py; the paper runs have no warm start
     assert warm_start is None

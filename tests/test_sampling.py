@@ -34,7 +34,7 @@ def smollm2_dir(model_cache_dir) -> Path:
 
 def _smollm2_with_generation_config(smollm2_dir: Path, out_dir: Path, model_cache_dir, **settings) -> Policy:
     """The real SmolLM2 (weights linked, not copied) with ``settings`` added to its generation_config.json."""
-    from src.models.empo2_module import build_policy
+    from src.models.policy import build_policy
 
     out_dir.mkdir()
     for f in smollm2_dir.iterdir():

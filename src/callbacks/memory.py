@@ -26,6 +26,34 @@ log = logging.getLogger(__name__)
 PARTITIONS = ("variation", "task", "global")
 
 
+def task_name(task: dict[str, Any]) -> str:
+    """The task a task dict belongs to (``task_name``; every variation / goal of it shares the name): the novelty
+    store's key, and the ``task`` partition."""
+    return str(task.get("task_name", task.get("task_id", "task")))
+
+
+def partition_key(task: dict[str, Any], partition: str) -> str:
+    """The tip-memory partition of a task dict, the one derivation used for reads and writes (SPEC §2.7).
+
+    ``global``: one partition; ``task``: the task name; ``variation``: ``<task name>/<variation>`` with the
+    ScienceWorld ``variation`` or the WebShop ``goal_idx``.
+
+    Raises:
+        ValueError: an unknown ``partition``, or ``variation`` for a task dict with neither key (all its
+            variations would silently share one partition).
+    """
+    if partition == "global":
+        return "global"
+    if partition == "task":
+        return task_name(task)
+    if partition != "variation":
+        raise ValueError(f"memory partition must be one of {PARTITIONS}, got {partition!r}")
+    variation = task.get("variation", task.get("goal_idx"))
+    if variation is None:
+        raise ValueError(f"task {task!r} has no 'variation' or 'goal_idx' for memory.partition=variation")
+    return f"{task_name(task)}/{variation}"
+
+
 class MemoryCallback(L.Callback):
     """Self-generated tips memory plus intrinsic novelty reward.
 
@@ -71,6 +99,16 @@ class MemoryCallback(L.Callback):
                                      coef=float(novelty.get("coef", 1.0)), count=novelty.get("count", "visits"))
         self._reset_counters()
 
+    # ------------------------------------------------------------------ Lightning
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Attach to the Trainer's datamodule, which runs the rollouts that read and write this memory."""
+        if trainer.datamodule is not None:
+            self.attach(trainer.datamodule)
+
+    def attach(self, datamodule) -> None:
+        """Make ``datamodule`` (a ``RolloutDataModule``) roll out with this memory: tips, novelty, tip writing."""
+        datamodule.memory = self
+
     # ------------------------------------------------------------------ used by the rollout runner
     @staticmethod
     def state_text(instruction: str, observation: str) -> str:
@@ -83,18 +121,9 @@ class MemoryCallback(L.Callback):
         self.counters["embed_s"] += time.perf_counter() - tic
         return out
 
-    @staticmethod
-    def task_name(task: dict[str, Any]) -> str:
-        """The task a task dict belongs to (``task_name``; every variation / goal of it shares the name)."""
-        return str(task.get("task_name", task.get("task_id", "task")))
-
     def partition_key(self, task: dict[str, Any]) -> str:
-        """Partition name of a task dict: ``global``, the task name, or ``<task name>/<variation or goal_idx>``."""
-        if self.partition == "global":
-            return "global"
-        if self.partition == "task":
-            return self.task_name(task)
-        return f"{self.task_name(task)}/{task.get('variation', task.get('goal_idx', 0))}"
+        """This memory's partition of a task dict (``partition_key`` with ``self.partition``)."""
+        return partition_key(task, self.partition)
 
     def retrieve(self, tasks: list[dict], keys: np.ndarray) -> list[list[str]]:
         """Tip contents for each (task, key [dim]) pair: cosine > threshold, then top-k by score (SPEC §2.7)."""
@@ -108,7 +137,7 @@ class MemoryCallback(L.Callback):
 
     def novelty_rewards(self, tasks: list[dict], keys: np.ndarray) -> np.ndarray:
         """Count-based bonus coef/(N+1) for the states reached in one environment step (per task; SPEC §2.6)."""
-        return self.novelty.rewards([self.task_name(t) for t in tasks], keys)
+        return self.novelty.rewards([task_name(t) for t in tasks], keys)
 
     # ------------------------------------------------------------------ tip writing
     def write_tips(self, episodes, policy, system_prompt: str) -> dict[str, float]:

@@ -267,7 +267,7 @@ def step_prompt(policy: Policy, cfg: RolloutConfig, system_prompt: str, instruct
     """The prompt ids of one agent step, fitted to ``policy.max_prompt_tokens`` (SPEC §2.1).
 
     The one place a step's prompt is rendered: rollouts, validation and the imitation warm start
-    (``src/sft.py``) all call it, so a demonstration's prompt is token for token the prompt RL samples from.
+    (``src/warm_start.py``) all call it, so a demonstration's prompt is token for token the prompt RL samples from.
 
     Args:
         cfg: history length, past-observation cap, tips scope, ``use_tips`` / ``strip_tips_for_update``.

@@ -145,7 +145,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.num_env_workers = num_env_workers
         self.seed = seed
         self.pool_timeout_s = pool_timeout_s
-        self.memory = None  # set by train.py to the MemoryCallback when memory is on
+        self.memory = None  # the MemoryCallback attaches itself here in its setup() when memory is on
         self.pool: EnvPool | None = None
         self.train_tasks: list[dict] = []
         self.val_tasks: list[dict] = []
@@ -378,7 +378,7 @@ def evaluate(pool: EnvPool, module, tasks: list[dict], episodes_per_task: int, c
     Without ``memory`` and ``cfg.use_tips``: the paper's protocol (SPEC §5). Returns episode metrics
     (``score``, ``success_rate``, ...) and the rollout time; with ``return_episodes`` the pair
     ``(metrics, episodes)``, episodes task-major (all episodes of task 0 first), for per-episode statistics
-    (``src/eval.py``).
+    (``src/evaluation/``).
     """
     rank, world = rank_and_world()
     tasks = tasks[rank::world]
