@@ -18,6 +18,7 @@ from src.models.core_algos import (
 )
 
 EPS = 1e-6
+CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_c": 10.0}  # the paper's, as in the YAML
 F64 = torch.float64
 
 
@@ -114,7 +115,7 @@ def test_policy_loss_clip_cases_known_answer():
     lp, old = _lp(ratios)
     adv = t([[1.0, 1.0, -1.0, -1.0, 2.0]])
     mask = torch.ones(1, 5, dtype=torch.bool)
-    loss, m = compute_policy_loss(lp, old, adv, mask)
+    loss, m = compute_policy_loss(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, **CLIP)
     assert loss.item() == pytest.approx(1.48, abs=1e-12)
     assert m["pg_loss"] == pytest.approx(1.48, abs=1e-12)
     assert m["clip_frac"] == pytest.approx(2 / 5)
@@ -135,7 +136,8 @@ def test_policy_loss_asymmetric_clip():
     for ratio, a, expected, clipped in [(1.25, 1.0, -1.25, 0.0), (1.35, 1.0, -1.3, 1.0),
                                         (0.85, -1.0, 0.85, 0.0), (0.75, -1.0, 0.8, 1.0)]:
         lp, old = _lp([ratio])
-        loss, m = compute_policy_loss(lp, old, t([a]), torch.ones(1, 1), clip_ratio_low=0.2, clip_ratio_high=0.3)
+        loss, m = compute_policy_loss(old_log_prob=old, log_prob=lp, advantages=t([a]), response_mask=torch.ones(1, 1),
+                                      clip_ratio_low=0.2, clip_ratio_high=0.3, clip_ratio_c=10.0)
         assert loss.item() == pytest.approx(expected, abs=1e-12), ratio
         assert m["clip_frac"] == clipped, ratio
 
@@ -147,8 +149,9 @@ def test_policy_loss_broadcast_advantages_and_padding():
     lp = old + torch.log(t([[1.1, 1.0], [1.0, 1.2]]))
     lp[0, 1] = float("nan")
     mask = t([[1, 0], [1, 1]])
-    loss_b, m = compute_policy_loss(lp, old, t([1.0, -1.0]), mask)
-    loss_bt, _ = compute_policy_loss(lp, old, t([[1.0, 1.0], [-1.0, -1.0]]), mask)
+    loss_b, m = compute_policy_loss(old_log_prob=old, log_prob=lp, advantages=t([1.0, -1.0]), response_mask=mask, **CLIP)
+    loss_bt, _ = compute_policy_loss(old_log_prob=old, log_prob=lp, advantages=t([[1.0, 1.0], [-1.0, -1.0]]),
+                                     response_mask=mask, **CLIP)
     assert loss_b.item() == pytest.approx(1.1 / 3, abs=1e-12)
     assert loss_bt.item() == loss_b.item()
     assert all(math.isfinite(v) for v in m.values())
@@ -156,12 +159,16 @@ def test_policy_loss_broadcast_advantages_and_padding():
 
 def test_policy_loss_bad_input():
     lp = torch.zeros(2, 3)
+    args = dict(old_log_prob=lp, log_prob=lp, response_mask=torch.ones(2, 3))
     with pytest.raises(ValueError, match="advantages"):
-        compute_policy_loss(lp, lp, torch.zeros(3), torch.ones(2, 3))
+        compute_policy_loss(**args, advantages=torch.zeros(3), **CLIP)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        compute_policy_loss(lp, lp, torch.zeros(2), torch.ones(2, 3), clip_ratio_c=1.0)
+        compute_policy_loss(**args, advantages=torch.zeros(2), **{**CLIP, "clip_ratio_c": 1.0})
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        compute_policy_loss(lp, lp, torch.zeros(2), torch.ones(2, 3), loss_agg_mode="mean")
+        compute_policy_loss(**args, advantages=torch.zeros(2), loss_agg_mode="mean", **CLIP)
+    # keyword-only: old and new log-probs can never be swapped by position
+    with pytest.raises(TypeError):
+        compute_policy_loss(lp, lp, torch.zeros(2), torch.ones(2, 3), **CLIP)
 
 
 # ------------------------------------------------------------------------------------------------ masking
@@ -185,7 +192,8 @@ def test_masked_tokens_zero_gradient_denominator_unchanged():
     # (-1 + 0 - 1 - 1) / 4 = -0.75 (not -1: the masked token stays in the denominator)
     lp, old = _lp([1.0, 1.0, 1.0, 1.0])
     keep = torch.tensor([[True, False, True, True]])
-    loss, m = compute_policy_loss(lp, old, t([1.0]), torch.ones(1, 4), keep_mask=keep)
+    loss, m = compute_policy_loss(old_log_prob=old, log_prob=lp, advantages=t([1.0]), response_mask=torch.ones(1, 4),
+                                  keep_mask=keep, **CLIP)
     assert loss.item() == pytest.approx(-0.75, abs=1e-12)
     assert m["masked_frac"] == pytest.approx(0.25)
     loss.backward()
@@ -198,7 +206,8 @@ def test_low_prob_mask_through_policy_loss():
     # current log-probs [-1, -7] (ρ = 1 each, A = +1), threshold -5 -> token 1 masked; loss = (-1 + 0)/2
     lp = t([[-1.0, -7.0]]).requires_grad_()
     keep = low_prob_token_mask(lp, torch.ones(1, 2))
-    loss, m = compute_policy_loss(lp, lp.detach(), t([1.0]), torch.ones(1, 2), keep_mask=keep)
+    loss, m = compute_policy_loss(old_log_prob=lp.detach(), log_prob=lp, advantages=t([1.0]),
+                                  response_mask=torch.ones(1, 2), keep_mask=keep, **CLIP)
     assert loss.item() == pytest.approx(-0.5) and m["masked_frac"] == 0.5
 
 
@@ -219,11 +228,11 @@ def test_aggregate_modes_known_answer(mode, expected):
 
 def test_aggregate_global_counts():
     # token-mean: 10 / 8; seq modes: (2 + 4) / 4 and (6 + 4) / 5
-    assert aggregate_loss(LOSS, RAGGED, "token-mean", global_token_count=8).item() == pytest.approx(1.25)
-    assert aggregate_loss(LOSS, RAGGED, "seq-mean-token-mean", global_seq_count=4).item() == pytest.approx(1.5)
-    assert aggregate_loss(LOSS, RAGGED, "seq-mean-token-sum", global_seq_count=5).item() == pytest.approx(2.0)
-    with pytest.raises(ValueError, match="global_token_count"):
-        aggregate_loss(LOSS, RAGGED, global_token_count=0)
+    assert aggregate_loss(LOSS, RAGGED, "token-mean", batch_num_tokens=8).item() == pytest.approx(1.25)
+    assert aggregate_loss(LOSS, RAGGED, "seq-mean-token-mean", global_batch_size=4).item() == pytest.approx(1.5)
+    assert aggregate_loss(LOSS, RAGGED, "seq-mean-token-sum", global_batch_size=5).item() == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        aggregate_loss(LOSS, RAGGED, batch_num_tokens=0)
 
 
 def test_aggregate_empty_rows():
@@ -251,15 +260,17 @@ def test_micro_batching_invariance(mode):
     mask = torch.arange(T) < lengths[:, None]
     keep = low_prob_token_mask(lp, mask, log_threshold=-2.5)
 
-    full, _ = compute_policy_loss(lp, old, adv, mask, loss_agg_mode=mode, keep_mask=keep)
+    full, _ = compute_policy_loss(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode=mode,
+                                  keep_mask=keep, **CLIP)
     (grad_full,) = torch.autograd.grad(full, lp)
 
     n_tok, n_seq = loss_denominators(mask)
     assert (n_tok, n_seq) == (15, 5)
     total = 0.0
     for sl in (slice(0, 2), slice(2, 3), slice(3, 6)):  # uneven micro-batches
-        part, _ = compute_policy_loss(lp[sl], old[sl], adv[sl], mask[sl], loss_agg_mode=mode, keep_mask=keep[sl],
-                                      global_token_count=n_tok, global_seq_count=n_seq)
+        part, _ = compute_policy_loss(old_log_prob=old[sl], log_prob=lp[sl], advantages=adv[sl], response_mask=mask[sl],
+                                      loss_agg_mode=mode, keep_mask=keep[sl], batch_num_tokens=n_tok,
+                                      global_batch_size=n_seq, **CLIP)
         total = total + part
     (grad_micro,) = torch.autograd.grad(total, lp)
     torch.testing.assert_close(total, full, rtol=0, atol=1e-12)
@@ -291,11 +302,11 @@ def test_kl_kinds_known_answer():
         kl_penalty(lp, ref, "k3")
 
 
-def test_check_algorithm_config_refuses_bad_choices():
-    from src.models.core_algos import check_algorithm_config
+def test_algorithm_config_refuses_bad_choices():
+    from src.models.algorithm_config import AlgorithmConfig
 
-    check_algorithm_config({"loss_agg_mode": "token-mean", "mask_modes": ["off_policy"], "memory_rollout_prob": 0.25})
-    check_algorithm_config({"skip_zero_advantage": True, "kl_coef": 0.0})
+    AlgorithmConfig.from_dict({"loss_agg_mode": "token-mean", "mask_modes": ["off_policy"], "memory_rollout_prob": 0.25})
+    AlgorithmConfig.from_dict({"skip_zero_advantage": True, "kl_coef": 0.0})
     for bad, match in [({"loss_agg_mode": "foo"}, "loss_agg_mode='foo'"),
                        ({"offpolicy_old_logprob": "nope"}, "offpolicy_old_logprob='nope'"),
                        ({"mask_level": "word"}, "mask_level='word'"),
@@ -303,7 +314,18 @@ def test_check_algorithm_config_refuses_bad_choices():
                        ({"mask_modes": ["sometimes"]}, "sometimes"),
                        ({"memory_rollout_prob": 1.5}, "memory_rollout_prob=1.5"),
                        ({"no_signal_patience": 0}, "no_signal_patience=0"),
+                       ({"clip_ratio_c": 1.0}, "clip_ratio_low/high/c=0.2/0.3/1.0"),
+                       # a typo would silently fall back to the default
+                       ({"clip_ratio_hgh": 0.28}, "unknown algorithm keys \\['clip_ratio_hgh'\\]"),
                        # a skipped zero-advantage step would silently lose its KL term
                        ({"skip_zero_advantage": True, "kl_coef": 0.01}, "skip_zero_advantage=true with .*kl_coef=0.01")]:
         with pytest.raises(ValueError, match=match):
-            check_algorithm_config(bad)
+            AlgorithmConfig.from_dict(bad)
+
+
+def test_algorithm_config_one_default_per_field():
+    """Missing keys take the dataclass defaults (plain GRPO); YAML integers become the field's float."""
+    from src.models.algorithm_config import AlgorithmConfig
+
+    a = AlgorithmConfig.from_dict({"kl_coef": 0, "mask_modes": None})
+    assert (a.kl_coef, type(a.kl_coef), a.mask_modes, a.clip_ratio_high, a.memory_rollout_prob) == (0.0, float, [], 0.3, 0.0)

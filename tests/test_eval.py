@@ -12,7 +12,6 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from src.evaluation.protocols import check_eval_config
 from src.evaluation.runner import run_eval
 from src.evaluation.stats import best_relative_gain, mean_stderr, weights_sha256
 from src.train import train

@@ -16,7 +16,8 @@ import torch
 from src.memory import embedder as embedder_mod
 from src.memory.embedder import EMBEDDED_NAME, Embedder
 from src.memory.novelty import NoveltyMemory
-from src.memory.tip_memory import TipEntry, TipMemory, format_entry
+from src.memory.tip_entry import TipEntry, format_entry
+from src.memory.tip_memory import TipMemory
 from scripts.bench_memory import ListScanMemory, clustered_keys
 
 DIM = 8
@@ -320,7 +321,7 @@ def test_novelty_same_new_state_in_one_step_gives_equal_bonuses_and_zero_advanta
                                                             intrinsic=float(b))]) for b in bonus]
     dm = RolloutDataModule(env={"_target_": "x"}, algorithm={"norm_adv_by_std": True})
     samples, _ = dm.make_samples(episodes, "on_policy")
-    assert [s["advantage"] for s in samples] == [0.0] * 8
+    assert [s.advantage for s in samples] == [0.0] * 8
 
 
 @pytest.mark.parametrize("count", ["visits", "distinct"])

@@ -18,8 +18,10 @@ import numpy as np
 from src.data.prompts import HistoryItem, build_reflection_turn, build_tip_messages, fit_tip_history
 from src.memory.embedder import Embedder
 from src.memory.novelty import NoveltyMemory
-from src.memory.tip_memory import TipMemory, format_entry
+from src.memory.tip_entry import format_entry
+from src.memory.tip_memory import TipMemory
 from src.utils.distributed import gather_lists
+from src.utils.timing import timed
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +118,8 @@ class MemoryCallback(L.Callback):
         return f"{instruction}\n{observation}"
 
     def embed(self, texts: list[str]) -> np.ndarray:
-        tic = time.perf_counter()
-        out = self.embedder.encode(texts)
-        self.counters["embed_s"] += time.perf_counter() - tic
-        return out
+        with timed(self.counters, "embed_s"):
+            return self.embedder.encode(texts)
 
     def partition_key(self, task: dict[str, Any]) -> str:
         """This memory's partition of a task dict (``partition_key`` with ``self.partition``)."""
@@ -127,9 +127,8 @@ class MemoryCallback(L.Callback):
 
     def retrieve(self, tasks: list[dict], keys: np.ndarray) -> list[list[str]]:
         """Tip contents for each (task, key [dim]) pair: cosine > threshold, then top-k by score (SPEC §2.7)."""
-        tic = time.perf_counter()
-        hits = self.tips.retrieve([self.partition_key(t) for t in tasks], keys)
-        self.counters["retrieve_s"] += time.perf_counter() - tic
+        with timed(self.counters, "retrieve_s"):
+            hits = self.tips.retrieve([self.partition_key(t) for t in tasks], keys)
         self.counters["queries"] += len(hits)
         self.counters["hits"] += sum(1 for h in hits if h)
         self.counters["tips_shown"] += sum(len(h) for h in hits)
@@ -158,10 +157,10 @@ class MemoryCallback(L.Callback):
             shortened += n
         for e in episodes:
             e.reflection_prefix = None
-        tic_generate = time.perf_counter()
-        cached = {"prefix_kv": prefixes} if any(p is not None for p in prefixes) else {}
-        gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens, **cached)
-        generate_s = time.perf_counter() - tic_generate
+        timers: dict[str, float] = {}
+        with timed(timers, "tip_generate_s"):
+            cached = {"prefix_kv": prefixes} if any(p is not None for p in prefixes) else {}
+            gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens, **cached)
         batches = []
         for episode, tip in zip(done, gen.texts):
             tip = " ".join(tip.split()) or "No reflection."
@@ -174,7 +173,7 @@ class MemoryCallback(L.Callback):
         for partition, keys, contents, scores, steps in gather_lists(batches):
             written += self.tips.add(partition, keys, contents, scores, steps)
         self.counters["tips_written"] += written
-        return {"tips_written": float(written), "tip_generate_s": generate_s,
+        return {"tips_written": float(written), **timers,
                 "tip_write_s": time.perf_counter() - tic, "tip_tokens": float(sum(len(r) for r in gen.response_ids)),
                 "tip_prompt_tokens": float(sum(len(p) for p in prompts)),
                 "tip_prompt_cached_tokens": float(sum(p.length for p in prefixes if p is not None)),

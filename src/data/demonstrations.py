@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from src.data.prompts import HistoryItem
-from src.data.rollout import RolloutConfig, step_prompt
+from src.data.rollout import RolloutConfig
+from src.data.step_prompt import step_prompt
 from src.models.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,8 @@ def ensure_gold(tasks: list[dict[str, Any]], gold_dir: str | os.PathLike, simpli
         ValueError: the cache holds another simplification, or a bad task name.
         RuntimeError: the script failed (its stderr is in the message) or did not write a requested variation.
     """
-    from src.envs.scienceworld import load_gold, resolve_task
+    from src.envs.scienceworld import resolve_task
+    from src.envs.scienceworld_gold import load_gold
 
     names = [resolve_task(t["task_name"]) for t in tasks]
     wanted: dict[str, list[int]] = {}
@@ -225,8 +227,8 @@ def build_examples(policy: Policy, records: list[dict[str, Any]], system_prompt:
         responses = record.get("responses") or record["actions"]
         admissible = record.get("admissible_actions")
         for t, action in enumerate(record["actions"]):
-            prompt, _, _, _ = step_prompt(policy, cfg, system_prompt, record["instruction"], history, observation,
-                                          admissible[t] if admissible else None, t, max_steps)
+            prompt = step_prompt(policy, cfg, system_prompt, record["instruction"], history, observation,
+                                 admissible[t] if admissible else None, t, max_steps).rollout_ids
             examples.append(SFTExample(prompt, response_ids(policy, responses[t]), record["task"], t))
             # as the runner records it: the reply as written (history_action=raw) or the executed action
             history.append(HistoryItem(observation, responses[t].strip() if cfg.history_action == "raw" else action))

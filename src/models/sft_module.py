@@ -11,14 +11,16 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
 
-from src.data.demonstrations import SFTExample
 from src.models.policy import Policy
 from src.utils.io import atomic_dir
+
+if TYPE_CHECKING:  # batches of demonstrations (src/data/demonstrations.py); no runtime import of the data layer
+    from src.data.demonstrations import SFTExample
 
 log = logging.getLogger(__name__)
 
