@@ -26,7 +26,7 @@ from src.data.demonstrations import (  # noqa: E402
 )
 from src.data.rollout import RolloutConfig, run_episodes  # noqa: E402
 from src.envs.pool import EnvPool  # noqa: E402
-from src.envs.scienceworld import gold_file  # noqa: E402
+from src.envs.scienceworld_gold import gold_file  # noqa: E402
 from src.models.policy import build_policy  # noqa: E402
 from src.models.hub import EMBEDDED_TINY, resolve_name_or_path  # noqa: E402
 from src.models.policy import Generation, Policy, pack_batch  # noqa: E402
