@@ -87,27 +87,13 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         RuntimeError: the policy weights changed during the evaluation.
     """
     from src.envs.pool import EnvPool
-    from src.utils.instantiate import instantiate_loggers
-    from src.utils.io import write_text_atomic
-    from src.utils.logging import log_config
 
     ev = cfg.eval
     check_eval_config(ev)
     b = _build(cfg)
     module, fabric = b["module"], b["fabric"]
     adaptation = ev.protocol == "adaptation"
-    memory, memory_source, write_tips = None, "none", False
-    if adaptation:
-        memory, memory_source, write_tips = _build_memory(cfg), "built", True
-    elif ev.memory:
-        memory = _build_memory(cfg)
-        if b["memory_state"] is not None:
-            memory.load_state_dict(b["memory_state"])
-            memory_source = "checkpoint"
-        else:
-            memory_source, write_tips = "built", True
-    if memory is not None:  # no Trainer here to call the callback's setup: rollout_config reads its tips_scope
-        memory.attach(b["datamodule"])
+    memory, memory_source, write_tips = _eval_memory(cfg, b)
 
     hash_before = weights_sha256(module.policy)
     pool = None
@@ -156,6 +142,36 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     if memory_source == "checkpoint" and not summary["memory_hit_rate"]:
         log.warning("the checkpoint's memory gave no tips on these tasks (partition=%s: the training "
                     "partitions do not cover the evaluation tasks)", memory.partition)
+    _write_and_log(cfg, summary)
+    return summary
+
+
+def _eval_memory(cfg: DictConfig, b: dict[str, Any]):
+    """(memory or None, where it comes from: ``none`` / ``checkpoint`` / ``built``, whether reflections are written
+    during the evaluation), attached to the datamodule."""
+    ev = cfg.eval
+    memory, memory_source, write_tips = None, "none", False
+    if ev.protocol == "adaptation":
+        memory, memory_source, write_tips = _build_memory(cfg), "built", True
+    elif ev.memory:
+        memory = _build_memory(cfg)
+        if b["memory_state"] is not None:
+            memory.load_state_dict(b["memory_state"])
+            memory_source = "checkpoint"
+        else:
+            memory_source, write_tips = "built", True
+    if memory is not None:  # no Trainer here to call the callback's setup: rollout_config reads its tips_scope
+        memory.attach(b["datamodule"])
+    return memory, memory_source, write_tips
+
+
+def _write_and_log(cfg: DictConfig, summary: dict[str, Any]) -> None:
+    """Print the summary, write it atomically to ``eval.summary_file`` and log it with the ``logger`` group."""
+    from src.utils.instantiate import instantiate_loggers
+    from src.utils.io import write_text_atomic
+    from src.utils.logging import log_config
+
+    ev = cfg.eval
     text = json.dumps(summary, indent=2, default=str)
     print(text)
     path = Path(ev.summary_file)
@@ -170,7 +186,6 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     if loggers:
         log_config(cfg, loggers)
         _log_summary(summary, loggers, path)
-    return summary
 
 
 def _log_summary(summary: dict[str, Any], loggers, path: Path) -> None:
