@@ -48,7 +48,7 @@ def _generate_old(policy, prompts, tokens: int, temperature: float = 1.0) -> lis
     """The previous implementation: ``output_logits=True`` keeps every step's [B, V] logits, stacked afterwards."""
     import torch
 
-    from src.models.core_algos import log_probs_from_logits
+    from src.models.logprobs import log_probs_from_logits
     from src.models.policy import pack_batch
 
     batch = pack_batch(prompts, [[] for _ in prompts], policy.tokenizer.pad_token_id)
@@ -66,7 +66,7 @@ def measure(mode: str, model_dir: str, batch: int, tokens: int) -> dict:
     """Run one approach in this process; returns the peak RSS increase and what was generated."""
     import torch
 
-    from src.models.empo2_module import build_policy
+    from src.models.policy import build_policy
 
     torch.manual_seed(0)
     policy = build_policy(name_or_path=model_dir, cache_dir=tempfile.gettempdir(), dtype="float32")

@@ -1,7 +1,7 @@
 """Generate ScienceWorld gold trajectories offline and cache them as JSON (SPEC §3.1).
 
 Asking the simulator for a gold path slows every later reset of that JVM, so this runs in its own process;
-training and SFT read the cache with ``src.envs.scienceworld.load_gold``. Each path is replayed through
+training and SFT read the cache with ``src.envs.scienceworld_gold.load_gold``. Each path is replayed through
 ``ScienceWorldEnv`` and stored with the observations the agent sees, rewards, scores and a success flag.
 
     python scripts/cache_gold_trajectories.py --task find-non-living-thing 4-1 --split train \
@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script from any directory
 
-from src.envs.scienceworld import (  # noqa: E402
-    ScienceWorldEnv, default_max_steps, generate_gold, resolve_task, save_gold)
+from src.envs.scienceworld import ScienceWorldEnv, default_max_steps, resolve_task  # noqa: E402
+from src.envs.scienceworld_gold import generate_gold, save_gold  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -417,9 +417,9 @@ def plot_adaptation(adapt: dict[str, dict[str, Any]], kind: str | None, path: Pa
     Band: ± standard error over files with one label, or, for a single file, the summary's own per-trial
     standard error over its episodes (and seeds). Units from the summaries' ``env`` (else ``kind``).
     Returns ``{label: {"mean": [...], "sem": [...], "best_relative_gain": float | None, "files": [...]}}`` with
-    the gain as ``src.eval.best_relative_gain`` defines it (max over trials ≥ 1 of (score − score₀) / |score₀|).
+    the gain as ``src.evaluation.stats.best_relative_gain`` defines it (max over trials ≥ 1 of (score − score₀) / |score₀|).
     """
-    from src.eval import best_relative_gain
+    from src.evaluation.stats import best_relative_gain
 
     fig, ax = plt.subplots(figsize=ADAPT_FIGSIZE, dpi=DPI)
     summary = {}

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     from src.data.demonstrations import build_examples, demonstration_records
     from src.models.core_algos import compute_policy_loss
-    from src.models.empo2_module import build_policy
+    from src.models.policy import build_policy
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=["experiment=webshop", *args.overrides])
@@ -90,8 +90,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         deltas.append((new - old).abs()[mask.bool()])
         ratios.append(torch.exp(new - old)[mask.bool()])
         adv = torch.tensor([1.0 if (start + i) % 2 == 0 else -1.0 for i in range(len(chunk))])
-        _, metrics = compute_policy_loss(new, old, adv, mask, clip_ratio_low=float(algo.clip_ratio_low),
-                                         clip_ratio_high=float(algo.clip_ratio_high))
+        _, metrics = compute_policy_loss(old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
+                                         clip_ratio_low=float(algo.clip_ratio_low),
+                                         clip_ratio_high=float(algo.clip_ratio_high),
+                                         clip_ratio_c=float(algo.clip_ratio_c))
         clip.append((metrics["clip_frac"], float(mask.sum())))
     delta, ratio = torch.cat(deltas), torch.cat(ratios)
     low, high = 1 - float(algo.clip_ratio_low), 1 + float(algo.clip_ratio_high)

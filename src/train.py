@@ -7,17 +7,14 @@
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import sys
 from typing import Any
 
 import hydra
 import rootutils
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True)
-import src  # noqa: E402,F401 - registers the config resolvers (${pid:} in the run directory)
+from src.utils.entrypoint import start_run  # noqa: E402 - also registers the config resolvers
 
 # Heavy imports (torch, Lightning) live inside the functions: environment workers are spawned processes
 # that re-import this module, and they should not each load torch.
@@ -29,7 +26,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     import lightning as L
 
     from src.models.memory_estimate import check_device_memory
-    from src.sft import warm_start_model_config
+    from src.warm_start import warm_start_model_config
     from src.utils.checkpoint_io import AtomicCheckpointIO
     from src.utils.instantiate import instantiate_callbacks, instantiate_loggers
 
@@ -46,7 +43,6 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"algorithm {cfg.algorithm.name!r} has memory_rollout_prob="
                          f"{cfg.algorithm.memory_rollout_prob} but memory is off (memory=none)")
     datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
-    datamodule.memory = memory
     callbacks = instantiate_callbacks(cfg.get("callbacks")) + ([memory] if memory is not None else [])
     loggers = instantiate_loggers(cfg.get("logger"))
     # ModelParallelStrategy (FSDP2) writes distributed checkpoints itself and takes no CheckpointIO plugin.
@@ -62,7 +58,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from src.utils.startup_checks import prepare_run
 
     prepare_run(cfg)  # refuses/adapts options before anything (even torch) is loaded
-    from src.sft import warm_start_metrics
+    from src.warm_start import warm_start_metrics
     from src.utils.logging import log_checkpoint, log_config
 
     objs = build(cfg)
@@ -85,12 +81,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
 def main(cfg: DictConfig) -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # faiss logs its CPU-feature probing (ModuleNotFoundError lines) at INFO; they read like failures.
-    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
-    # SIGTERM (a job scheduler, `kill`) unwinds like Ctrl-C, so the environment workers and JVMs are shut down.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    log.info("Config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+    start_run(cfg)
     train(cfg)
 
 

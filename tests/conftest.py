@@ -28,7 +28,7 @@ def tiny_model_dir(model_cache_dir) -> str:
 def tiny_policy(tiny_model_dir, model_cache_dir):
     import torch
 
-    from src.models.empo2_module import build_policy
+    from src.models.policy import build_policy
 
     torch.manual_seed(0)
     return build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir), dtype="float32",

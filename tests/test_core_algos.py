@@ -12,14 +12,13 @@ from src.models.core_algos import (
     compute_grpo_advantages,
     compute_kl_loss,
     compute_policy_loss,
-    entropy_from_logits,
     kl_penalty,
-    log_probs_from_logits,
     loss_denominators,
     low_prob_token_mask,
 )
 
 EPS = 1e-6
+CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_c": 10.0}  # the paper's, as in the YAML
 F64 = torch.float64
 
 
@@ -116,7 +115,7 @@ def test_policy_loss_clip_cases_known_answer():
     lp, old = _lp(ratios)
     adv = t([[1.0, 1.0, -1.0, -1.0, 2.0]])
     mask = torch.ones(1, 5, dtype=torch.bool)
-    loss, m = compute_policy_loss(lp, old, adv, mask)
+    loss, m = compute_policy_loss(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, **CLIP)
     assert loss.item() == pytest.approx(1.48, abs=1e-12)
     assert m["pg_loss"] == pytest.approx(1.48, abs=1e-12)
     assert m["clip_frac"] == pytest.approx(2 / 5)
@@ -137,7 +136,8 @@ def test_policy_loss_asymmetric_clip():
     for ratio, a, expected, clipped in [(1.25, 1.0, -1.25, 0.0), (1.35, 1.0, -1.3, 1.0),
                                         (0.85, -1.0, 0.85, 0.0), (0.75, -1.0, 0.8, 1.0)]:
         lp, old = _lp([ratio])
-        loss, m = compute_policy_loss(lp, old, t([a]), torch.ones(1, 1), clip_ratio_low=0.2, clip_ratio_high=0.3)
+        loss, m = compute_policy_loss(old_log_prob=old, log_prob=lp, advantages=t([a]), response_mask=torch.ones(1, 1),
+                                      clip_ratio_low=0.2, clip_ratio_high=0.3, clip_ratio_c=10.0)
         assert loss.item() == pytest.approx(expected, abs=1e-12), ratio
         assert m["clip_frac"] == clipped, ratio
 
@@ -149,8 +149,9 @@ def test_policy_loss_broadcast_advantages_and_padding():
     lp = old + torch.log(t([[1.1, 1.0], [1.0, 1.2]]))
     lp[0, 1] = float("nan")
     mask = t([[1, 0], [1, 1]])
-    loss_b, m = compute_policy_loss(lp, old, t([1.0, -1.0]), mask)
-    loss_bt, _ = compute_policy_loss(lp, old, t([[1.0, 1.0], [-1.0, -1.0]]), mask)
+    loss_b, m = compute_policy_loss(old_log_prob=old, log_prob=lp, advantages=t([1.0, -1.0]), response_mask=mask, **CLIP)
+    loss_bt, _ = compute_policy_loss(old_log_prob=old, log_prob=lp, advantages=t([[1.0, 1.0], [-1.0, -1.0]]),
+                                     response_mask=mask, **CLIP)
     assert loss_b.item() == pytest.approx(1.1 / 3, abs=1e-12)
     assert loss_bt.item() == loss_b.item()
     assert all(math.isfinite(v) for v in m.values())
@@ -158,12 +159,16 @@ def test_policy_loss_broadcast_advantages_and_padding():
 
 def test_policy_loss_bad_input():
     lp = torch.zeros(2, 3)
+    args = dict(old_log_prob=lp, log_prob=lp, response_mask=torch.ones(2, 3))
     with pytest.raises(ValueError, match="advantages"):
-        compute_policy_loss(lp, lp, torch.zeros(3), torch.ones(2, 3))
+        compute_policy_loss(**args, advantages=torch.zeros(3), **CLIP)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        compute_policy_loss(lp, lp, torch.zeros(2), torch.ones(2, 3), clip_ratio_c=1.0)
+        compute_policy_loss(**args, advantages=torch.zeros(2), **{**CLIP, "clip_ratio_c": 1.0})
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        compute_policy_loss(lp, lp, torch.zeros(2), torch.ones(2, 3), loss_agg_mode="mean")
+        compute_policy_loss(**args, advantages=torch.zeros(2), loss_agg_mode="mean", **CLIP)
+    # keyword-only: old and new log-probs can never be swapped by position
+    with pytest.raises(TypeError):
+        compute_policy_loss(lp, lp, torch.zeros(2), torch.ones(2, 3), **CLIP)
 
 
 # ------------------------------------------------------------------------------------------------ masking
@@ -187,7 +192,8 @@ def test_masked_tokens_zero_gradient_denominator_unchanged():
     # (-1 + 0 - 1 - 1) / 4 = -0.75 (not -1: the masked token stays in the denominator)
     lp, old = _lp([1.0, 1.0, 1.0, 1.0])
     keep = torch.tensor([[True, False, True, True]])
-    loss, m = compute_policy_loss(lp, old, t([1.0]), torch.ones(1, 4), keep_mask=keep)
+    loss, m = compute_policy_loss(old_log_prob=old, log_prob=lp, advantages=t([1.0]), response_mask=torch.ones(1, 4),
+                                  keep_mask=keep, **CLIP)
     assert loss.item() == pytest.approx(-0.75, abs=1e-12)
     assert m["masked_frac"] == pytest.approx(0.25)
     loss.backward()
@@ -200,7 +206,8 @@ def test_low_prob_mask_through_policy_loss():
     # current log-probs [-1, -7] (ρ = 1 each, A = +1), threshold -5 -> token 1 masked; loss = (-1 + 0)/2
     lp = t([[-1.0, -7.0]]).requires_grad_()
     keep = low_prob_token_mask(lp, torch.ones(1, 2))
-    loss, m = compute_policy_loss(lp, lp.detach(), t([1.0]), torch.ones(1, 2), keep_mask=keep)
+    loss, m = compute_policy_loss(old_log_prob=lp.detach(), log_prob=lp, advantages=t([1.0]),
+                                  response_mask=torch.ones(1, 2), keep_mask=keep, **CLIP)
     assert loss.item() == pytest.approx(-0.5) and m["masked_frac"] == 0.5
 
 
@@ -221,11 +228,11 @@ def test_aggregate_modes_known_answer(mode, expected):
 
 def test_aggregate_global_counts():
     # token-mean: 10 / 8; seq modes: (2 + 4) / 4 and (6 + 4) / 5
-    assert aggregate_loss(LOSS, RAGGED, "token-mean", global_token_count=8).item() == pytest.approx(1.25)
-    assert aggregate_loss(LOSS, RAGGED, "seq-mean-token-mean", global_seq_count=4).item() == pytest.approx(1.5)
-    assert aggregate_loss(LOSS, RAGGED, "seq-mean-token-sum", global_seq_count=5).item() == pytest.approx(2.0)
-    with pytest.raises(ValueError, match="global_token_count"):
-        aggregate_loss(LOSS, RAGGED, global_token_count=0)
+    assert aggregate_loss(LOSS, RAGGED, "token-mean", batch_num_tokens=8).item() == pytest.approx(1.25)
+    assert aggregate_loss(LOSS, RAGGED, "seq-mean-token-mean", global_batch_size=4).item() == pytest.approx(1.5)
+    assert aggregate_loss(LOSS, RAGGED, "seq-mean-token-sum", global_batch_size=5).item() == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        aggregate_loss(LOSS, RAGGED, batch_num_tokens=0)
 
 
 def test_aggregate_empty_rows():
@@ -253,15 +260,17 @@ def test_micro_batching_invariance(mode):
     mask = torch.arange(T) < lengths[:, None]
     keep = low_prob_token_mask(lp, mask, log_threshold=-2.5)
 
-    full, _ = compute_policy_loss(lp, old, adv, mask, loss_agg_mode=mode, keep_mask=keep)
+    full, _ = compute_policy_loss(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode=mode,
+                                  keep_mask=keep, **CLIP)
     (grad_full,) = torch.autograd.grad(full, lp)
 
     n_tok, n_seq = loss_denominators(mask)
     assert (n_tok, n_seq) == (15, 5)
     total = 0.0
     for sl in (slice(0, 2), slice(2, 3), slice(3, 6)):  # uneven micro-batches
-        part, _ = compute_policy_loss(lp[sl], old[sl], adv[sl], mask[sl], loss_agg_mode=mode, keep_mask=keep[sl],
-                                      global_token_count=n_tok, global_seq_count=n_seq)
+        part, _ = compute_policy_loss(old_log_prob=old[sl], log_prob=lp[sl], advantages=adv[sl], response_mask=mask[sl],
+                                      loss_agg_mode=mode, keep_mask=keep[sl], batch_num_tokens=n_tok,
+                                      global_batch_size=n_seq, **CLIP)
         total = total + part
     (grad_micro,) = torch.autograd.grad(total, lp)
     torch.testing.assert_close(total, full, rtol=0, atol=1e-12)
@@ -293,112 +302,11 @@ def test_kl_kinds_known_answer():
         kl_penalty(lp, ref, "k3")
 
 
-# ---------------------------------------------------------------------------------------- logits helpers
+def test_algorithm_config_refuses_bad_choices():
+    from src.models.algorithm_config import AlgorithmConfig
 
-
-def _naive_lp(logits, labels):
-    return torch.log_softmax(logits.float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-
-
-def _naive_entropy(logits):
-    logp = torch.log_softmax(logits.float(), -1)
-    return -(logp.exp() * logp).sum(-1)
-
-
-def test_logits_helpers_uniform_known_answer():
-    # zero logits over V = 4: p = 1/4 everywhere -> log p = -ln 4, entropy = ln 4
-    logits, labels = torch.zeros(2, 3, 4), torch.tensor([[0, 1, 2], [3, 0, 1]])
-    torch.testing.assert_close(log_probs_from_logits(logits, labels), torch.full((2, 3), -math.log(4)))
-    torch.testing.assert_close(entropy_from_logits(logits), torch.full((2, 3), math.log(4)))
-
-
-@pytest.mark.parametrize("chunk_tokens", [1, 4, 16, 1024])  # within-row chunks, multi-row chunks, one chunk
-def test_logits_helpers_match_naive_with_grad(chunk_tokens):
-    g = torch.Generator().manual_seed(1)
-    base = torch.randn(3, 8, 11, generator=g) * 3
-    labels = torch.randint(0, 11, (3, 7), generator=g)
-    w = torch.randn(3, 7, generator=g)
-    for fn, naive, args in [(log_probs_from_logits, _naive_lp, (labels,)), (entropy_from_logits, _naive_entropy, ())]:
-        x1, x2 = base.clone().requires_grad_(), base.clone().requires_grad_()
-        # logits[:, :-1] is a non-contiguous view, as in a causal-LM shift
-        out = fn(x1[:, :-1], *args, chunk_tokens=chunk_tokens)
-        ref = naive(x2[:, :-1], *args)
-        assert out.dtype == torch.float32 and out.shape == (3, 7)
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        (out * w).sum().backward()
-        (ref * w).sum().backward()
-        torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-6)
-
-
-def test_logits_helpers_bf16_and_no_grad():
-    g = torch.Generator().manual_seed(2)
-    logits = (torch.randn(2, 5, 13, generator=g) * 4).bfloat16()
-    labels = torch.randint(0, 13, (2, 5), generator=g)
-    with torch.no_grad():
-        out = log_probs_from_logits(logits, labels, chunk_tokens=3)
-        ent = entropy_from_logits(logits, chunk_tokens=3)
-    assert out.dtype == torch.float32 and ent.dtype == torch.float32
-    # same bf16 values upcast: float32 arithmetic on both sides
-    torch.testing.assert_close(out, _naive_lp(logits, labels), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, _naive_entropy(logits), rtol=1e-5, atol=1e-5)
-    # against a bf16 log_softmax: bf16 rounding tolerance
-    naive_bf16 = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1).float()
-    torch.testing.assert_close(out, naive_bf16, rtol=2e-2, atol=5e-2)
-    # gradients flow into bf16 logits
-    x = logits.clone().requires_grad_()
-    log_probs_from_logits(x, labels, chunk_tokens=3).sum().backward()
-    assert x.grad is not None and x.grad.dtype == torch.bfloat16 and x.grad.abs().sum() > 0
-
-
-def test_logits_helpers_gradcheck_float64():
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 3, 5, generator=g, dtype=F64, requires_grad=True)
-    labels = torch.randint(0, 5, (2, 3), generator=g)
-    assert torch.autograd.gradcheck(lambda z: log_probs_from_logits(z, labels, chunk_tokens=2), (x,))
-    assert torch.autograd.gradcheck(lambda z: entropy_from_logits(z, chunk_tokens=2), (x,))
-
-
-def test_logits_helpers_bad_input():
-    with pytest.raises(ValueError, match=r"\[0, 4\)"):
-        log_probs_from_logits(torch.zeros(1, 2, 4), torch.tensor([[0, 4]]))
-    with pytest.raises(ValueError, match="integer"):
-        log_probs_from_logits(torch.zeros(1, 2, 4), torch.zeros(1, 2))
-    with pytest.raises(ValueError, match=r"\[B, T, V\]"):
-        entropy_from_logits(torch.zeros(2, 4))
-
-
-def test_log_probs_do_not_save_full_fp32_logits_for_backward():
-    # Bytes saved for backward in tensors other than views of the logits themselves: the checkpointed
-    # slices keep only such views (no new memory); the naive path keeps a float32 [B, T, V] copy.
-    logits = torch.randn(4, 64, 512).bfloat16().requires_grad_()
-    labels = torch.randint(0, 512, (4, 64))
-    full_fp32_bytes = logits.numel() * 4
-    logits_storage = logits.untyped_storage().data_ptr()
-
-    def saved_bytes(fn):
-        total = 0
-
-        def pack(x):
-            nonlocal total
-            if x.untyped_storage().data_ptr() != logits_storage:
-                total += x.numel() * x.element_size()
-            return x
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            out = fn()
-        out.sum().backward()
-        return total
-
-    assert saved_bytes(lambda: _naive_lp(logits, labels)) >= full_fp32_bytes
-    assert saved_bytes(lambda: log_probs_from_logits(logits, labels, chunk_tokens=64)) < full_fp32_bytes / 8
-    assert saved_bytes(lambda: entropy_from_logits(logits, chunk_tokens=64)) < full_fp32_bytes / 8
-
-
-def test_check_algorithm_config_refuses_bad_choices():
-    from src.models.core_algos import check_algorithm_config
-
-    check_algorithm_config({"loss_agg_mode": "token-mean", "mask_modes": ["off_policy"], "memory_rollout_prob": 0.25})
-    check_algorithm_config({"skip_zero_advantage": True, "kl_coef": 0.0})
+    AlgorithmConfig.from_dict({"loss_agg_mode": "token-mean", "mask_modes": ["off_policy"], "memory_rollout_prob": 0.25})
+    AlgorithmConfig.from_dict({"skip_zero_advantage": True, "kl_coef": 0.0})
     for bad, match in [({"loss_agg_mode": "foo"}, "loss_agg_mode='foo'"),
                        ({"offpolicy_old_logprob": "nope"}, "offpolicy_old_logprob='nope'"),
                        ({"mask_level": "word"}, "mask_level='word'"),
@@ -406,22 +314,18 @@ def test_check_algorithm_config_refuses_bad_choices():
                        ({"mask_modes": ["sometimes"]}, "sometimes"),
                        ({"memory_rollout_prob": 1.5}, "memory_rollout_prob=1.5"),
                        ({"no_signal_patience": 0}, "no_signal_patience=0"),
+                       ({"clip_ratio_c": 1.0}, "clip_ratio_low/high/c=0.2/0.3/1.0"),
+                       # a typo would silently fall back to the default
+                       ({"clip_ratio_hgh": 0.28}, "unknown algorithm keys \\['clip_ratio_hgh'\\]"),
                        # a skipped zero-advantage step would silently lose its KL term
                        ({"skip_zero_advantage": True, "kl_coef": 0.01}, "skip_zero_advantage=true with .*kl_coef=0.01")]:
         with pytest.raises(ValueError, match=match):
-            check_algorithm_config(bad)
+            AlgorithmConfig.from_dict(bad)
 
 
-def test_temperature_is_applied_after_the_fp32_upcast():
-    """bf16 logits (autocast) are upcast before dividing by T: no extra bf16 rounding of logits / T."""
-    torch.manual_seed(0)
-    logits = (torch.randn(2, 3, 50) * 5).to(torch.bfloat16)
-    labels = torch.randint(0, 50, (2, 3))
-    z = logits.float() / 0.7
-    expected = torch.log_softmax(z, -1).gather(-1, labels[..., None]).squeeze(-1)
-    torch.testing.assert_close(log_probs_from_logits(logits, labels, temperature=0.7), expected)
-    p = torch.softmax(z, -1)
-    torch.testing.assert_close(entropy_from_logits(logits, temperature=0.7), -(p * p.log()).sum(-1), atol=1e-4,
-                               rtol=1e-4)
-    with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
-        log_probs_from_logits(logits, labels, temperature=0)
+def test_algorithm_config_one_default_per_field():
+    """Missing keys take the dataclass defaults (plain GRPO); YAML integers become the field's float."""
+    from src.models.algorithm_config import AlgorithmConfig
+
+    a = AlgorithmConfig.from_dict({"kl_coef": 0, "mask_modes": None})
+    assert (a.kl_coef, type(a.kl_coef), a.mask_modes, a.clip_ratio_high, a.memory_rollout_prob) == (0.0, float, [], 0.3, 0.0)

@@ -1,4 +1,4 @@
-"""src/eval.py on real ScienceWorld with a tiny random policy: the standard protocol with memory off, on from the
+"""src/eval.py (src/evaluation/) on real ScienceWorld with a tiny random policy: the standard protocol with memory off, on from the
 checkpoint and on built during the evaluation; reproducibility with the same seeds; the adaptation protocol on a
 transfer pair with an unchanged weight hash; statistics and config errors with known answers."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from src.eval import best_relative_gain, check_eval_config, mean_stderr, run_eval, weights_sha256
+from src.evaluation.runner import run_eval
+from src.evaluation.stats import best_relative_gain, mean_stderr, weights_sha256
 from src.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ def checkpoint(tmp_path_factory) -> dict:
     n_tips = sum(len(p["entries"]) for p in ckpt["callbacks"]["MemoryCallback"]["tips"]["partitions"].values())
     assert n_tips > 0
     # the hash of the trained weights, computed independently of run_eval: a tiny policy with the checkpoint loaded
-    from src.models.empo2_module import build_policy
+    from src.models.policy import build_policy
 
     policy = build_policy(**{**dict(cfg.model.policy), "gradient_checkpointing": False})
     policy.load_state_dict({k[len("policy."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")})

@@ -16,7 +16,8 @@ import torch
 from src.memory import embedder as embedder_mod
 from src.memory.embedder import EMBEDDED_NAME, Embedder
 from src.memory.novelty import NoveltyMemory
-from src.memory.tip_memory import TipEntry, TipMemory, format_entry
+from src.memory.tip_entry import TipEntry, format_entry
+from src.memory.tip_memory import TipMemory
 from scripts.bench_memory import ListScanMemory, clustered_keys
 
 DIM = 8
@@ -220,30 +221,14 @@ def _all_results(m: TipMemory) -> list[list[TipEntry]]:
     return m.retrieve(["v1", "v1", "v2", "v3"], q)
 
 
-def test_save_load_round_trip(tmp_path):
-    m = _filled()
-    d = tmp_path / "mem"
-    m.save(d)
-    m2 = TipMemory.load(d, "emb", DIM)
-    assert m2.sizes() == m.sizes() and m2.entries("v1") == m.entries("v1") and m2.entries("v2") == m.entries("v2")
-    assert (m2.capacity, m2.threshold, m2.top_k, m2.rank_by) == (4, 0.5, 3, "score")
-    assert _all_results(m2) == _all_results(m) and contents(_all_results(m)[0]) == ["b", "a"]
-    assert m2.stats() == m.stats()
-    # overwriting an existing save replaces it whole and leaves no temp/old directories behind
-    m.add("v3", rows(e(4)), ["z"], [1], [0])
-    m.save(d)
-    assert TipMemory.load(d, "emb", DIM).sizes() == {"v1": 3, "v2": 1, "v3": 1}
-    assert sorted(os.listdir(tmp_path)) == ["mem"]
-
-
-def test_load_refuses_other_embedder(tmp_path):
-    _filled().save(tmp_path / "mem")
+def test_state_dict_refuses_another_embedder():
+    state = _filled().state_dict()
     with pytest.raises(ValueError, match=r"'emb'.*'other'"):
-        TipMemory.load(tmp_path / "mem", "other", DIM)
+        TipMemory(DIM, "other").load_state_dict(state)
     with pytest.raises(ValueError, match=rf"dim {DIM}.*dim 384"):
-        TipMemory.load(tmp_path / "mem", "emb", 384)
-    with pytest.raises(FileNotFoundError):
-        TipMemory.load(tmp_path / "nothing", "emb", DIM)
+        TipMemory(384, "emb").load_state_dict(state)
+    with pytest.raises(ValueError, match="not a tip-memory state"):
+        TipMemory(DIM, "emb").load_state_dict({"format": "other"})
 
 
 def test_state_dict_round_trip_through_torch_weights_only():
@@ -254,9 +239,9 @@ def test_state_dict_round_trip_through_torch_weights_only():
     state = torch.load(buf, weights_only=True)["memory"]  # what Lightning does on resume
     m2 = TipMemory(DIM, "emb", capacity=4, top_k=3)
     m2.load_state_dict(state)
-    assert m2.entries("v1") == m.entries("v1") and _all_results(m2) == _all_results(m)
-    with pytest.raises(ValueError, match=r"'emb'.*'other'"):
-        TipMemory(DIM, "other").load_state_dict(m.state_dict())
+    assert m2.sizes() == m.sizes() and m2.entries("v1") == m.entries("v1") and m2.entries("v2") == m.entries("v2")
+    assert _all_results(m2) == _all_results(m) and contents(_all_results(m)[0]) == ["b", "a"]
+    assert m2.stats() == m.stats()
 
 
 def test_load_state_dict_with_smaller_capacity_keeps_newest():
@@ -336,7 +321,7 @@ def test_novelty_same_new_state_in_one_step_gives_equal_bonuses_and_zero_advanta
                                                             intrinsic=float(b))]) for b in bonus]
     dm = RolloutDataModule(env={"_target_": "x"}, algorithm={"norm_adv_by_std": True})
     samples, _ = dm.make_samples(episodes, "on_policy")
-    assert [s["advantage"] for s in samples] == [0.0] * 8
+    assert [s.advantage for s in samples] == [0.0] * 8
 
 
 @pytest.mark.parametrize("count", ["visits", "distinct"])
@@ -549,3 +534,16 @@ def test_paper_experiments_use_the_paper_tip_budget(experiment):
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[f"experiment={experiment}"])
     assert cfg.memory.tip_max_tokens == 512 and cfg.model.policy.max_prompt_tokens >= 4096
+
+
+def test_partition_key_one_derivation_for_both_environments():
+    from src.callbacks.memory import partition_key
+
+    sw, shop = {"task_name": "boil", "variation": 3}, {"task_name": "webshop", "goal_idx": 7, "split": "train"}
+    assert [partition_key(sw, p) for p in ("variation", "task", "global")] == ["boil/3", "boil", "global"]
+    assert partition_key(shop, "variation") == "webshop/7"
+    # neither key: every variation would silently share the partition "<task>/0"
+    with pytest.raises(ValueError, match="no 'variation' or 'goal_idx'"):
+        partition_key({"task_name": "boil", "split": "train"}, "variation")
+    with pytest.raises(ValueError, match="'episode'"):
+        partition_key(sw, "episode")

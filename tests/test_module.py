@@ -11,7 +11,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from src.models.empo2_module import EMPO2Module, build_policy
+from src.data.rollout_datamodule import RolloutDataModule
+from src.data.samples import MicroBatch, StepSample
+from src.models.empo2_module import EMPO2Module
+from src.models.policy import build_policy
 
 ALGORITHM = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_c": 10.0, "loss_agg_mode": "token-mean",
              "mask_modes": ["off_policy"], "kl_coef": 0.0, "temperature": 1.0}
@@ -23,30 +26,26 @@ def _module(tiny_model_dir, model_cache_dir, optimizer, **algorithm) -> EMPO2Mod
                        algorithm={**ALGORITHM, **algorithm}, optimizer=optimizer, gradient_clip_val=None)
 
 
-def _samples(module: EMPO2Module) -> list[dict]:
+def _samples(module: EMPO2Module) -> list[StepSample]:
     """Four steps with advantages ±1 whose old log-probs are the policy's own (ratio 1 at the first update)."""
     policy = module.policy
     prompts = [policy.encode([{"role": "user", "content": f"step {k} of the task"}]) for k in range(4)]
     responses = [[100, 200, 300], [400, 500], [600, 700, 800, 900], [1000]]
     with torch.no_grad():
         old = policy.log_probs(prompts, responses)["log_probs"]
-    return [{"prompt_ids": p, "old_prompt_ids": p, "rollout_prompt_ids": p, "response_ids": r,
-             "old_log_probs": old[i, : len(r)].clone(), "advantage": [1.0, -1.0, 0.5, -0.5][i]}
+    return [StepSample(rollout_prompt_ids=p, update_prompt_ids=p, old_prompt_ids=p, response_ids=r,
+                       rollout_log_probs=old[i, : len(r)].tolist(), advantage=[1.0, -1.0, 0.5, -0.5][i],
+                       old_log_probs=old[i, : len(r)].clone())
             for i, (p, r) in enumerate(zip(prompts, responses))]
 
 
-def _micro_batches(samples: list[dict], sizes: list[int], mode: str = "on_policy") -> list[dict]:
-    tokens = float(sum(len(s["response_ids"]) for s in samples))
-    out, start = [], 0
-    for k, n in enumerate(sizes):
-        out.append({"samples": samples[start:start + n], "loss_scale": 1.0, "global_token_count": tokens,
-                    "global_seq_count": float(len(samples)), "last_micro": k == len(sizes) - 1, "mode": mode,
-                    "metrics": {}, "iteration": 0, "rollout_global_step": 0})
-        start += n
-    return out
+def _micro_batches(samples: list[StepSample], micro_batch_size: int, mode: str = "on_policy") -> list[MicroBatch]:
+    """One mini-batch of ``samples`` cut into micro-batches by the datamodule's own ``micro_batches``."""
+    dm = RolloutDataModule(env={"_target_": "unused"}, algorithm={}, micro_batch_size=micro_batch_size)
+    return list(dm.micro_batches(samples, {"iteration": 0, "mode": mode, "rollout_global_step": 0}, {}, 0))
 
 
-def _fit(module: EMPO2Module, batches: list[dict]) -> None:
+def _fit(module: EMPO2Module, batches: list[MicroBatch]) -> None:
     trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
@@ -55,7 +54,7 @@ def _fit(module: EMPO2Module, batches: list[dict]) -> None:
 def test_every_trained_parameter_moves(tiny_model_dir, model_cache_dir):
     module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.AdamW, lr=1e-3))
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
-    _fit(module, _micro_batches(_samples(module), [4]))
+    _fit(module, _micro_batches(_samples(module), 4))
     after = dict(module.policy.named_parameters())
     unchanged = [n for n, p in before.items() if torch.equal(p, after[n].detach())]
     assert not unchanged, f"parameters that did not move: {unchanged}"
@@ -63,15 +62,17 @@ def test_every_trained_parameter_moves(tiny_model_dir, model_cache_dir):
 
 @pytest.mark.parametrize("mode", ["on_policy", "off_policy"])
 def test_update_is_invariant_to_micro_batching(tiny_model_dir, model_cache_dir, mode):
-    """One micro-batch of 4 or micro-batches of 1+3 / 2+2 give the same SGD step (loss uses the global count)."""
+    """One micro-batch of 4 or micro-batches of 2+2 / 1+1+1+1 give the same SGD step (loss uses the global count)."""
     sgd = partial(torch.optim.SGD, lr=1.0)
     reference = _module(tiny_model_dir, model_cache_dir, sgd, lowprob_log_threshold=-11.0)
     samples = _samples(reference)
     deltas = []
-    for sizes in ([4], [1, 3], [2, 2]):
+    for size in (4, 2, 1):
         module = copy.deepcopy(reference)
         start = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
-        _fit(module, _micro_batches(copy.deepcopy(samples), sizes, mode))
+        batches = _micro_batches(copy.deepcopy(samples), size, mode)
+        assert len(batches) == 4 // size
+        _fit(module, batches)
         deltas.append({n: p.detach() - start[n] for n, p in module.policy.named_parameters()})
     assert any(d.abs().max() > 0 for d in deltas[0].values())
     for other in deltas[1:]:
@@ -90,7 +91,7 @@ def _paper_module(tiny_model_dir, experiment: str = "webshop_paper", *overrides:
         cfg = compose(config_name="train", overrides=[f"experiment={experiment}",
                                                       f"model.policy.name_or_path={tiny_model_dir}", *overrides])
     assert cfg.model.policy.dtype == "bfloat16" and cfg.model.optimizer.lr == 1e-6
-    from src.sft import warm_start_model_config
+    from src.warm_start import warm_start_model_config
 
     model_cfg, warm_start = warm_start_model_config(cfg)  # as src/train.py; the paper runs have no warm start
     assert warm_start is None
@@ -105,9 +106,9 @@ def test_paper_path_trains_fp32_master_weights_under_bf16_mixed(tiny_model_dir):
     assert module.ref_policy is not None  # webshop_paper has a KL term
     samples = _samples(module)
     for s in samples:
-        s["ref_log_probs"] = s["old_log_probs"].clone()
+        s.ref_log_probs = s.old_log_probs.clone()
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
-    batches = [b for _ in range(3) for b in _micro_batches(copy.deepcopy(samples), [4])]
+    batches = [b for _ in range(3) for b in _micro_batches(copy.deepcopy(samples), 4)]
     trainer = L.Trainer(accelerator="cpu", precision=cfg.trainer.precision, max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     assert trainer.precision == "bf16-mixed"
@@ -146,7 +147,7 @@ def test_low_precision_master_weights_warn_and_bf16_true_is_refused(tiny_model_d
     trainer = L.Trainer(accelerator="cpu", precision="bf16-true", max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(RuntimeError, match="master weights.*bf16-true"):
-        trainer.fit(module, train_dataloaders=DataLoader(_micro_batches(_samples(module), [4]), batch_size=None))
+        trainer.fit(module, train_dataloaders=DataLoader(_micro_batches(_samples(module), 4), batch_size=None))
 
 
 @pytest.mark.parametrize("mode", ["on_policy", "off_policy"])
@@ -157,6 +158,6 @@ def test_low_prob_masking_runs_only_in_mask_modes(tiny_model_dir, model_cache_di
     module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.SGD, lr=1.0), mask_modes=mask_modes,
                      lowprob_log_threshold=0.0)
     start = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
-    _fit(module, _micro_batches(_samples(module), [4], mode))
+    _fit(module, _micro_batches(_samples(module), 4, mode))
     moved = any(not torch.equal(p.detach(), start[n]) for n, p in module.policy.named_parameters())
     assert moved == (mode not in mask_modes)

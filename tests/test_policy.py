@@ -112,7 +112,7 @@ def test_log_probs_gradients_flow_and_entropy_shape(tiny_policy: Policy):
 
 def test_hub_loading_path_on_local_files(tiny_model_dir, model_cache_dir):
     """The hub-id code path (from_pretrained on a name_or_path) works on a local directory."""
-    from src.models.empo2_module import build_policy
+    from src.models.policy import build_policy
 
     policy = build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir), dtype="float32")
     assert policy.tokenizer.padding_side == "left"
@@ -128,7 +128,7 @@ def test_unknown_embedded_model_is_a_clear_error(model_cache_dir):
 
 def test_lora_reference_is_the_base_model(tiny_model_dir, model_cache_dir):
     """With LoRA, disabling adapters gives the base model's log-probs (the KL reference, SPEC §2.3)."""
-    from src.models.empo2_module import build_policy
+    from src.models.policy import build_policy
 
     policy = build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir), dtype="float32",
                           lora={"enabled": True, "r": 4, "alpha": 8, "target_modules": "all-linear"})

@@ -2,6 +2,8 @@
 generated; the off-policy update prompt has no tips while the rollout prompt had them (SPEC §2.1, §2.4)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch
 from src.data.prompts import TIPS_HEADER
 from src.data.rollout import Episode, RolloutConfig, StepRecord, episode_metrics, run_episodes
 from src.data.rollout_datamodule import RolloutDataModule, draw_mode
+from src.data.samples import StepSample
 from src.envs.pool import EnvPool
 from src.models.policy import Generation, Policy, pack_batch
 
@@ -32,23 +35,14 @@ class RecordingPolicy:
         return gen
 
 
-class _Module:
-    """The two things the datamodule needs from the LightningModule, backed by the real EMPO2Module code."""
+@pytest.fixture(scope="module")
+def module(tiny_model_dir, model_cache_dir):
+    """The real LightningModule around the tiny policy (the datamodule scores samples with it)."""
+    from src.models.empo2_module import EMPO2Module
 
-    def __init__(self, policy):
-        from src.models.empo2_module import EMPO2Module
-
-        self.policy = policy
-        self.algorithm = {"temperature": 1.0}
-        self.score_samples = EMPO2Module.score_samples.__get__(self)
-        self._trainer = None
-
-    import contextlib
-
-    @contextlib.contextmanager
-    def rollout_context(self):
-        with torch.no_grad():
-            yield
+    return EMPO2Module(policy={"name_or_path": tiny_model_dir, "cache_dir": str(model_cache_dir), "dtype": "float32",
+                               "max_response_tokens": 8, "max_prompt_tokens": 1024},
+                       algorithm={"temperature": 1.0}, optimizer=None)
 
 
 @pytest.fixture(scope="module")
@@ -72,60 +66,75 @@ def _datamodule(mode_algorithm: dict) -> RolloutDataModule:
                              micro_batch_size=3)
 
 
-def test_batch_ids_masks_and_old_log_probs_line_up(pool, tiny_policy):
+@pytest.fixture(scope="module")
+def recorded(pool, module):
+    """Two episodes of 3 steps with the real policy, and every generation the policy returned."""
     torch.manual_seed(0)
-    recorder = RecordingPolicy(tiny_policy)
+    recorder = RecordingPolicy(module.policy)
     cfg = RolloutConfig(max_response_tokens=6, history_length=2)
     episodes, metrics = run_episodes(pool, recorder, [TASK, TASK], [0, 0], cfg)
     assert all(not e.failed and len(e.steps) == 3 for e in episodes)  # max_steps=3 cap (truncation)
+    return recorder.generations, episodes, metrics
+
+
+def test_steps_hold_exactly_what_was_generated(recorded):
+    generations, episodes, metrics = recorded
     assert metrics["generated_tokens"] == sum(len(s.response_ids) for e in episodes for s in e.steps)
-    # every step's response ids/log-probs are exactly those of the generate call that produced them
     for t in range(3):
-        prompts, gen = recorder.generations[t]
+        prompts, gen = generations[t]
         for i, episode in enumerate(episodes):
             step = episode.steps[t]
             assert step.rollout_prompt_ids is prompts[i] or step.rollout_prompt_ids == prompts[i]
             assert step.response_ids == gen.response_ids[i]
-            assert step.sample_log_probs == gen.log_probs[i]
+            assert step.rollout_log_probs == gen.log_probs[i]
             assert step.response_text == gen.texts[i]
-    dm = _datamodule({"norm_adv_by_std": True})
-    samples, _ = dm.make_samples(episodes, "on_policy")
+
+
+def test_recomputed_old_log_probs_are_the_rollout_log_probs(recorded, module):
+    samples, _ = _datamodule({"norm_adv_by_std": True}).make_samples(recorded[1], "on_policy")
     assert len(samples) == 6
-    _Module(tiny_policy).score_samples(samples, "on_policy", micro_batch_size=4)
+    module.score_samples(RolloutDataModule.scoring_chunks(samples, module.policy, chunk_size=4))
     for s in samples:
-        assert s["old_prompt_ids"] == s["prompt_ids"]  # on-policy: one prompt
-        assert s["old_log_probs"].shape == (len(s["response_ids"]),)
-        # recomputed old log-probs = the log-probs the tokens were sampled with (same weights)
-        torch.testing.assert_close(s["old_log_probs"], torch.tensor(s["sample_log_probs"]), atol=1e-4, rtol=1e-4)
-    # without recomputation the behaviour log-probs are the sampling log-probs themselves
-    reused, _ = dm.make_samples(episodes, "on_policy")
-    module = _Module(tiny_policy)
-    module.algorithm["recompute_old_log_probs"] = False
-    module.score_samples(reused, "on_policy")
-    assert all(s["old_log_probs"].tolist() == pytest.approx(s["sample_log_probs"]) for s in reused)
-    # micro-batches: the response mask marks exactly each sample's response tokens
+        assert s.old_prompt_ids == s.update_prompt_ids  # on-policy: one prompt
+        assert s.old_log_probs.shape == (len(s.response_ids),)
+        # recomputed with the same weights: the log-probs the tokens were sampled with
+        torch.testing.assert_close(s.old_log_probs, torch.tensor(s.rollout_log_probs), atol=1e-4, rtol=1e-4)
+
+
+def test_without_recomputation_old_log_probs_are_the_rollout_log_probs(recorded, module, monkeypatch):
+    samples, _ = _datamodule({"norm_adv_by_std": True}).make_samples(recorded[1], "on_policy")
+    monkeypatch.setattr(module, "algorithm", dataclasses.replace(module.algorithm, recompute_old_log_probs=False))
+    module.score_samples(RolloutDataModule.scoring_chunks(samples, module.policy))
+    assert all(s.old_log_probs.tolist() == pytest.approx(s.rollout_log_probs) for s in samples)
+
+
+def test_micro_batch_response_masks_mark_each_response(recorded):
+    dm = _datamodule({"norm_adv_by_std": True})
+    samples, _ = dm.make_samples(recorded[1], "on_policy")
     micro = list(dm.micro_batches(samples, {"iteration": 0, "mode": "on_policy", "rollout_global_step": 0}, {}, 0))
-    assert [len(m["samples"]) for m in micro] == [3, 3]
-    assert [m["last_micro"] for m in micro] == [False, True]
-    total = sum(len(s["response_ids"]) for s in samples)
-    assert all(m["global_token_count"] == total and m["global_seq_count"] == 6 for m in micro)
+    assert [len(m.samples) for m in micro] == [3, 3]
+    assert [m.last_micro for m in micro] == [False, True]
+    total = sum(len(s.response_ids) for s in samples)
+    assert all(m.batch_num_tokens == total and m.global_batch_size == 6 for m in micro)
     for m in micro:
-        b = pack_batch([s["prompt_ids"] for s in m["samples"]], [s["response_ids"] for s in m["samples"]], 0)
-        assert b["response_mask"].sum(1).tolist() == [len(s["response_ids"]) for s in m["samples"]]
+        b = pack_batch([s.update_prompt_ids for s in m.samples], [s.response_ids for s in m.samples], 0)
+        assert b["response_mask"].sum(1).tolist() == [len(s.response_ids) for s in m.samples]
 
 
 def test_micro_batches_group_similar_lengths():
     """Each mini-batch is cut into micro-batches of similar lengths (less padding), keeping its samples and counts."""
     lengths = [10, 100, 12, 98, 50, 11, 99, 52]
-    samples = [{"prompt_ids": [1] * n, "response_ids": [2, 3], "k": k} for k, n in enumerate(lengths)]
+    samples = [StepSample(rollout_prompt_ids=[1] * n, update_prompt_ids=[1] * n, old_prompt_ids=[1] * n,
+                          response_ids=[2, 3], rollout_log_probs=[-1.0, -1.0], advantage=float(k))
+               for k, n in enumerate(lengths)]
     dm = RolloutDataModule(env=ENV_CFG, algorithm={}, micro_batch_size=3, num_mini_batches=2)
     micro = list(dm.micro_batches(samples, {"iteration": 0, "mode": "on_policy", "rollout_global_step": 0}, {}, 0))
     for mb in (0, 1):
-        parts = [[len(s["prompt_ids"]) for s in m["samples"]] for m in micro if m["mini_batch"] == mb]
+        parts = [[len(s.update_prompt_ids) for s in m.samples] for m in micro if m.mini_batch == mb]
         flat = [n for part in parts for n in part]
         assert flat == sorted(flat) and len(flat) == 4, parts
-        assert all(m["global_seq_count"] == 4 for m in micro if m["mini_batch"] == mb)
-    assert sorted(s["k"] for m in micro for s in m["samples"]) == list(range(8))
+        assert all(m.global_batch_size == 4 for m in micro if m.mini_batch == mb)
+    assert sorted(s.advantage for m in micro for s in m.samples) == list(range(8))
 
 
 def test_off_policy_update_prompt_has_no_tips(pool, tiny_policy, memory):
@@ -145,14 +154,14 @@ def test_off_policy_update_prompt_has_no_tips(pool, tiny_policy, memory):
         assert "TIP-MARKER" not in update_text and TIPS_HEADER not in update_text and "<memory>" not in update_text
     dm = _datamodule({"offpolicy_old_logprob": "with_tips"})
     samples, _ = dm.make_samples(episodes, "off_policy")
-    assert samples[0]["old_prompt_ids"] == first.rollout_prompt_ids  # π_old(a|s, tips): true importance ratio
-    assert samples[0]["prompt_ids"] == first.update_prompt_ids
+    assert samples[0].old_prompt_ids == first.rollout_prompt_ids  # π_old(a|s, tips): true importance ratio
+    assert samples[0].update_prompt_ids == first.update_prompt_ids
     dm = _datamodule({"offpolicy_old_logprob": "without_tips"})
     samples, _ = dm.make_samples(episodes, "off_policy")
-    assert samples[0]["old_prompt_ids"] == first.update_prompt_ids
+    assert samples[0].old_prompt_ids == first.update_prompt_ids
 
 
-def test_failed_episode_is_excluded_from_its_group(pool, tiny_policy):
+def test_failed_episode_is_excluded_from_its_group():
     def ep(score, failed=False):
         step = StepRecord("o", [1], [1], [2], [-1.0], "a", "a", reward=score)
         return Episode(task=TASK, group=0, steps=[step], score=score, failed=failed)
@@ -164,8 +173,8 @@ def test_failed_episode_is_excluded_from_its_group(pool, tiny_policy):
     assert episode_metrics(episodes)["failed_episodes"] == 1  # the one count of failed episodes
     assert not any("failed" in k for k in metrics)
     # returns 1, 3 -> mean 2, Bessel std sqrt(2): advantages -+1/sqrt(2)
-    assert samples[0]["advantage"] == pytest.approx(-1 / np.sqrt(2), abs=1e-5)
-    assert samples[1]["advantage"] == pytest.approx(1 / np.sqrt(2), abs=1e-5)
+    assert samples[0].advantage == pytest.approx(-1 / np.sqrt(2), abs=1e-5)
+    assert samples[1].advantage == pytest.approx(1 / np.sqrt(2), abs=1e-5)
 
 
 def test_mode_draw_is_seeded_and_matches_p_q():
@@ -193,7 +202,7 @@ def test_fitted_prompt_keeps_head_and_observation_of_the_kitchen(admissible_pool
     """The real kitchen state with its ~1,000 admissible actions (~6,700 tokens) against a 1,024-token budget:
     the action list is shortened, while system prompt, task, current observation, history and tips stay."""
     from src.data.prompts import HistoryItem, build_step_messages
-    from src.data.rollout import fit_prompt
+    from src.data.step_prompt import fit_prompt
 
     first, info = admissible_pool.reset([(0, TASK)])[0]
     admissible_pool.step([(0, "go to kitchen")])
@@ -207,20 +216,21 @@ def test_fitted_prompt_keeps_head_and_observation_of_the_kitchen(admissible_pool
     full = tiny_policy.encode(build_step_messages(tips=tips, **common), truncate=False)
     assert len(full) > 4 * tiny_policy.max_prompt_tokens
     truncated_before, cuts = tiny_policy.num_prompts_truncated, {}
-    shown_tips = fit_prompt(tiny_policy, common, tips, cuts)
-    ids = tiny_policy.encode(build_step_messages(tips=shown_tips, **common))
+    shown_tips, fitted = fit_prompt(tiny_policy, common, tips, cuts)
+    assert fitted["history_length"] == 1  # the one past step stays shown
+    ids = tiny_policy.encode(build_step_messages(tips=shown_tips, **{**common, **fitted}))
     assert len(ids) <= tiny_policy.max_prompt_tokens and tiny_policy.num_prompts_truncated == truncated_before
     text = tiny_policy.tokenizer.decode(ids)
     for piece in (admissible_pool.system_prompt, info["instruction"], kitchen, *tips, "[Step 1] Action: go to kitchen"):
         assert piece in text, piece[:60]
-    kept = common["admissible_shown"]
+    kept = fitted["admissible_shown"]
     assert 0 < kept < len(actions) and f"({kept} of {len(actions)} shown)" in text
     assert cuts == {"prompts_fitted": 1.0, "admissible_actions_cut": len(actions) - kept, "history_steps_cut": 0.0,
                     "tips_cut": 0.0}
     # Without the list, an observation too long for the budget is cut at its end; the head still survives.
-    common = dict(common, admissible_actions=None, observation=kitchen * 20, admissible_shown=None)
-    fit_prompt(tiny_policy, common, None, cuts)
-    text = tiny_policy.tokenizer.decode(tiny_policy.encode(build_step_messages(tips=None, **common)))
+    common = dict(common, admissible_actions=None, observation=kitchen * 20)
+    _, fitted = fit_prompt(tiny_policy, common, None, cuts)
+    text = tiny_policy.tokenizer.decode(tiny_policy.encode(build_step_messages(tips=None, **{**common, **fitted})))
     assert admissible_pool.system_prompt in text and info["instruction"] in text and kitchen in text
     assert cuts["observation_chars_cut"] > 0 and cuts["history_steps_cut"] == 1.0
     assert tiny_policy.num_prompts_truncated == truncated_before
@@ -251,7 +261,7 @@ def test_intrinsic_reward_enters_the_discounted_return():
     # 1.5 + 0.5 · 0.25 + 0.25 · 2 = 2.125;  1 + 0 + 0.25 · 2 = 1.5
     assert with_bonus.discounted_return(0.5) == 2.125 and without.discounted_return(0.5) == 1.5
     samples, _ = _datamodule({"norm_adv_by_std": False, "gamma": 0.5}).make_samples([with_bonus, without], "on_policy")
-    assert [s["advantage"] for s in samples] == [0.3125] * 3 + [-0.3125] * 3  # R - mean(R), mean 1.8125
+    assert [s.advantage for s in samples] == [0.3125] * 3 + [-0.3125] * 3  # R - mean(R), mean 1.8125
     m = episode_metrics([with_bonus, without])
     assert (m["intrinsic_return"], m["extrinsic_return"], m["return"]) == (0.375, 3.0, 3.375)
 
@@ -314,7 +324,7 @@ class _Trainer:
 
 
 @pytest.mark.parametrize("old_logprob", ["with_tips", "without_tips"])
-def test_off_policy_iteration_old_log_probs_end_to_end(pool, tiny_policy, memory, old_logprob, monkeypatch):
+def test_off_policy_iteration_old_log_probs_end_to_end(pool, module, memory, old_logprob, monkeypatch):
     """One off_policy iteration through the datamodule (real env, memory and policy, recomputed old log-probs):
     π_old is evaluated under the rollout prompt with its tips, or under the tip-free update prompt."""
     monkeypatch.setattr(memory, "tip_max_tokens", 4)  # the reflections are not under test
@@ -324,21 +334,22 @@ def test_off_policy_iteration_old_log_probs_end_to_end(pool, tiny_policy, memory
     algorithm = {"memory_rollout_prob": 1.0, "offpolicy_prob": 1.0, "offpolicy_old_logprob": old_logprob}
     dm = RolloutDataModule(env=ENV_CFG, algorithm=algorithm, tasks_per_iteration=1, group_size=2,
                            micro_batch_size=4, max_response_tokens=6, history_length=2)
-    dm.pool, dm.train_tasks, dm.memory, dm.trainer = pool, [TASK], memory, _Trainer(_Module(tiny_policy))
+    memory.attach(dm)
+    dm.pool, dm.train_tasks, dm.trainer = pool, [TASK], _Trainer(module)
     batches = list(dm._iterate())
-    assert {b["mode"] for b in batches} == {"off_policy"}
-    samples = [s for b in batches for s in b["samples"]]
-    assert len(samples) == sum(len(s["response_ids"]) > 0 for s in samples) > 0
+    assert {b.mode for b in batches} == {"off_policy"}
+    samples = [s for b in batches for s in b.samples]
+    assert len(samples) == sum(len(s.response_ids) > 0 for s in samples) > 0
     gaps = []
     for s in samples:
         with torch.no_grad():
-            under = {name: tiny_policy.log_probs([s[name]], [s["response_ids"]])["log_probs"][0]
-                     for name in ("rollout_prompt_ids", "prompt_ids")}
-        expected = under["rollout_prompt_ids" if old_logprob == "with_tips" else "prompt_ids"]
-        torch.testing.assert_close(s["old_log_probs"], expected, atol=1e-5, rtol=1e-5)
-        if s["rollout_prompt_ids"] != s["prompt_ids"]:  # this step was shown tips
-            gaps.append(float((under["rollout_prompt_ids"] - under["prompt_ids"]).abs().max()))
-            torch.testing.assert_close(under["rollout_prompt_ids"], torch.tensor(s["sample_log_probs"]),
+            under = {name: module.policy.log_probs([getattr(s, name)], [s.response_ids])["log_probs"][0]
+                     for name in ("rollout_prompt_ids", "update_prompt_ids")}
+        expected = under["rollout_prompt_ids" if old_logprob == "with_tips" else "update_prompt_ids"]
+        torch.testing.assert_close(s.old_log_probs, expected, atol=1e-5, rtol=1e-5)
+        if s.rollout_prompt_ids != s.update_prompt_ids:  # this step was shown tips
+            gaps.append(float((under["rollout_prompt_ids"] - under["update_prompt_ids"]).abs().max()))
+            torch.testing.assert_close(under["rollout_prompt_ids"], torch.tensor(s.rollout_log_probs),
                                        atol=1e-4, rtol=1e-4)
     # tips were shown, and they move the log-probs far beyond the tolerance: the wrong prompt could not pass
     assert gaps and max(gaps) > 1e-3
@@ -392,7 +403,7 @@ def test_write_tips_stores_each_step_under_its_state_key(pool, tiny_policy, memo
     """After a rollout, every step of every episode is one memory entry in its episode's partition: key = the
     embedding of the state the step acted on, content = `<tip>; At that step the action taken was <a_k>; the
     episode's final score was <R>/<max>.` with one tip per episode, step = k (SPEC §2.7)."""
-    from src.memory.tip_memory import format_entry
+    from src.memory.tip_entry import format_entry
 
     monkeypatch.setattr(memory, "tip_max_tokens", 6)
     tasks = [{"task_name": TASK["task_name"], "variation": v} for v in (2, 3)]  # partitions no other test uses

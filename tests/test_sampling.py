@@ -34,7 +34,7 @@ def smollm2_dir(model_cache_dir) -> Path:
 
 def _smollm2_with_generation_config(smollm2_dir: Path, out_dir: Path, model_cache_dir, **settings) -> Policy:
     """The real SmolLM2 (weights linked, not copied) with ``settings`` added to its generation_config.json."""
-    from src.models.empo2_module import build_policy
+    from src.models.policy import build_policy
 
     out_dir.mkdir()
     for f in smollm2_dir.iterdir():
@@ -141,7 +141,7 @@ def test_generation_builds_no_logits_processor_beyond_temperature(tiny_policy: P
     assert model.generation_config.top_k == 20  # restored after the call
 
 
-def test_generation_memory_does_not_grow_with_response_length(tiny_model_dir, tmp_path):
+def test_generation_memory_does_not_grow_with_response_length(tiny_model_dir):
     """Peak resident memory of one generate call stays far below one [B, T, V] float32 logits tensor (which the
     previous implementation held two to three times over); measured in a fresh process."""
     batch, tokens = 8, 96

@@ -11,10 +11,10 @@ from src.envs.scienceworld import (
     ScienceWorldEnv,
     TASK_NAMES,
     default_max_steps,
-    load_gold,
     parse_action,
     resolve_task,
 )
+from src.envs.scienceworld_gold import load_gold
 
 REPO = Path(__file__).resolve().parents[1]
 # Variation 0 of 17 tasks, cut from `python scripts/cache_gold_trajectories.py --task <all 30> --split train

@@ -1,4 +1,4 @@
-"""Imitation warm start (src/sft.py, src/data/demonstrations.py) with the tiny random policy: real ScienceWorld
+"""Imitation warm start (src/warm_start.py, src/models/sft_module.py, src/data/demonstrations.py) with the tiny random policy: real ScienceWorld
 gold paths, the real WebShop expert, the real rollout runner and environment pool, the real Lightning Trainer."""
 from __future__ import annotations
 
@@ -26,11 +26,12 @@ from src.data.demonstrations import (  # noqa: E402
 )
 from src.data.rollout import RolloutConfig, run_episodes  # noqa: E402
 from src.envs.pool import EnvPool  # noqa: E402
-from src.envs.scienceworld import gold_file  # noqa: E402
-from src.models.empo2_module import build_policy  # noqa: E402
+from src.envs.scienceworld_gold import gold_file  # noqa: E402
+from src.models.policy import build_policy  # noqa: E402
 from src.models.hub import EMBEDDED_TINY, resolve_name_or_path  # noqa: E402
 from src.models.policy import Generation, Policy, pack_batch  # noqa: E402
-from src.sft import SFTModule, make_dataloader, mean_token_loss, save_policy, sft_loss  # noqa: E402
+from src.data.demonstrations import make_dataloader  # noqa: E402
+from src.models.sft_module import SFTModule, mean_token_loss, save_policy, sft_loss  # noqa: E402
 
 FIND = "find-non-living-thing"
 ENV_CFG = {"_target_": "src.envs.scienceworld.ScienceWorldEnv", "task": FIND, "num_train_variations": 1,
@@ -277,14 +278,14 @@ def compose_train(tmp_path: Path, *overrides: str):
 
 @pytest.fixture(scope="module")
 def warm_start(tmp_path_factory):
-    from src.sft import ensure_warm_start
+    from src.warm_start import ensure_warm_start
 
     tmp = tmp_path_factory.mktemp("warm")
     return tmp, ensure_warm_start(compose_train(tmp))
 
 
 def test_warm_start_is_built_once_then_reused(warm_start, monkeypatch):
-    import src.sft as sft
+    import src.warm_start as sft
 
     tmp, first = warm_start
     path = Path(first["path"])
@@ -312,7 +313,7 @@ def test_warm_start_is_built_once_then_reused(warm_start, monkeypatch):
 
 @pytest.mark.parametrize("override", ["model.warm_start.lr=1e-3", "data.history_obs_chars=100"])
 def test_a_changed_setting_builds_a_new_entry(warm_start, override):
-    from src.sft import ensure_warm_start
+    from src.warm_start import ensure_warm_start
 
     tmp, first = warm_start
     other = ensure_warm_start(compose_train(tmp, override, "model.warm_start.eval=false"))
@@ -338,7 +339,7 @@ def test_rl_starts_from_the_warm_start_or_the_base_model(warm_start):
 
 
 def test_batches_group_similar_lengths(webshop_env, tiny_dir):
-    from src.sft import LengthGroupedBatches
+    from src.data.demonstrations import LengthGroupedBatches
 
     policy = make_policy(tiny_dir)
     records = webshop_expert_records(webshop_env, webshop_env.tasks("train")[:40])

@@ -4,7 +4,7 @@ The callback owns the tip memory (FAISS, per partition), the novelty state memor
 rollout runner calls it to embed states, retrieve tips and score novelty; after each training rollout the
 datamodule calls ``write_tips`` so the *current policy* reflects on every finished episode (one batched
 generation) and one entry per step is stored. Lightning saves its ``state_dict`` inside every checkpoint and
-restores it on resume; ``TipMemory.save``/``load`` give a standalone copy for evaluation.
+restores it on resume; evaluation reads it from the checkpoint too (the memory's one persistence path).
 """
 from __future__ import annotations
 
@@ -18,12 +18,42 @@ import numpy as np
 from src.data.prompts import HistoryItem, build_reflection_turn, build_tip_messages, fit_tip_history
 from src.memory.embedder import Embedder
 from src.memory.novelty import NoveltyMemory
-from src.memory.tip_memory import TipMemory, format_entry
+from src.memory.tip_entry import format_entry
+from src.memory.tip_memory import TipMemory
 from src.utils.distributed import gather_lists
+from src.utils.timing import timed
 
 log = logging.getLogger(__name__)
 
 PARTITIONS = ("variation", "task", "global")
+
+
+def task_name(task: dict[str, Any]) -> str:
+    """The task a task dict belongs to (``task_name``; every variation / goal of it shares the name): the novelty
+    store's key, and the ``task`` partition."""
+    return str(task.get("task_name", task.get("task_id", "task")))
+
+
+def partition_key(task: dict[str, Any], partition: str) -> str:
+    """The tip-memory partition of a task dict, the one derivation used for reads and writes (SPEC §2.7).
+
+    ``global``: one partition; ``task``: the task name; ``variation``: ``<task name>/<variation>`` with the
+    ScienceWorld ``variation`` or the WebShop ``goal_idx``.
+
+    Raises:
+        ValueError: an unknown ``partition``, or ``variation`` for a task dict with neither key (all its
+            variations would silently share one partition).
+    """
+    if partition == "global":
+        return "global"
+    if partition == "task":
+        return task_name(task)
+    if partition != "variation":
+        raise ValueError(f"memory partition must be one of {PARTITIONS}, got {partition!r}")
+    variation = task.get("variation", task.get("goal_idx"))
+    if variation is None:
+        raise ValueError(f"task {task!r} has no 'variation' or 'goal_idx' for memory.partition=variation")
+    return f"{task_name(task)}/{variation}"
 
 
 class MemoryCallback(L.Callback):
@@ -71,6 +101,16 @@ class MemoryCallback(L.Callback):
                                      coef=float(novelty.get("coef", 1.0)), count=novelty.get("count", "visits"))
         self._reset_counters()
 
+    # ------------------------------------------------------------------ Lightning
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Attach to the Trainer's datamodule, which runs the rollouts that read and write this memory."""
+        if trainer.datamodule is not None:
+            self.attach(trainer.datamodule)
+
+    def attach(self, datamodule) -> None:
+        """Make ``datamodule`` (a ``RolloutDataModule``) roll out with this memory: tips, novelty, tip writing."""
+        datamodule.memory = self
+
     # ------------------------------------------------------------------ used by the rollout runner
     @staticmethod
     def state_text(instruction: str, observation: str) -> str:
@@ -78,29 +118,17 @@ class MemoryCallback(L.Callback):
         return f"{instruction}\n{observation}"
 
     def embed(self, texts: list[str]) -> np.ndarray:
-        tic = time.perf_counter()
-        out = self.embedder.encode(texts)
-        self.counters["embed_s"] += time.perf_counter() - tic
-        return out
-
-    @staticmethod
-    def task_name(task: dict[str, Any]) -> str:
-        """The task a task dict belongs to (``task_name``; every variation / goal of it shares the name)."""
-        return str(task.get("task_name", task.get("task_id", "task")))
+        with timed(self.counters, "embed_s"):
+            return self.embedder.encode(texts)
 
     def partition_key(self, task: dict[str, Any]) -> str:
-        """Partition name of a task dict: ``global``, the task name, or ``<task name>/<variation or goal_idx>``."""
-        if self.partition == "global":
-            return "global"
-        if self.partition == "task":
-            return self.task_name(task)
-        return f"{self.task_name(task)}/{task.get('variation', task.get('goal_idx', 0))}"
+        """This memory's partition of a task dict (``partition_key`` with ``self.partition``)."""
+        return partition_key(task, self.partition)
 
     def retrieve(self, tasks: list[dict], keys: np.ndarray) -> list[list[str]]:
         """Tip contents for each (task, key [dim]) pair: cosine > threshold, then top-k by score (SPEC §2.7)."""
-        tic = time.perf_counter()
-        hits = self.tips.retrieve([self.partition_key(t) for t in tasks], keys)
-        self.counters["retrieve_s"] += time.perf_counter() - tic
+        with timed(self.counters, "retrieve_s"):
+            hits = self.tips.retrieve([self.partition_key(t) for t in tasks], keys)
         self.counters["queries"] += len(hits)
         self.counters["hits"] += sum(1 for h in hits if h)
         self.counters["tips_shown"] += sum(len(h) for h in hits)
@@ -108,7 +136,7 @@ class MemoryCallback(L.Callback):
 
     def novelty_rewards(self, tasks: list[dict], keys: np.ndarray) -> np.ndarray:
         """Count-based bonus coef/(N+1) for the states reached in one environment step (per task; SPEC §2.6)."""
-        return self.novelty.rewards([self.task_name(t) for t in tasks], keys)
+        return self.novelty.rewards([task_name(t) for t in tasks], keys)
 
     # ------------------------------------------------------------------ tip writing
     def write_tips(self, episodes, policy, system_prompt: str) -> dict[str, float]:
@@ -129,10 +157,10 @@ class MemoryCallback(L.Callback):
             shortened += n
         for e in episodes:
             e.reflection_prefix = None
-        tic_generate = time.perf_counter()
-        cached = {"prefix_kv": prefixes} if any(p is not None for p in prefixes) else {}
-        gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens, **cached)
-        generate_s = time.perf_counter() - tic_generate
+        timers: dict[str, float] = {}
+        with timed(timers, "tip_generate_s"):
+            cached = {"prefix_kv": prefixes} if any(p is not None for p in prefixes) else {}
+            gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens, **cached)
         batches = []
         for episode, tip in zip(done, gen.texts):
             tip = " ".join(tip.split()) or "No reflection."
@@ -145,7 +173,7 @@ class MemoryCallback(L.Callback):
         for partition, keys, contents, scores, steps in gather_lists(batches):
             written += self.tips.add(partition, keys, contents, scores, steps)
         self.counters["tips_written"] += written
-        return {"tips_written": float(written), "tip_generate_s": generate_s,
+        return {"tips_written": float(written), **timers,
                 "tip_write_s": time.perf_counter() - tic, "tip_tokens": float(sum(len(r) for r in gen.response_ids)),
                 "tip_prompt_tokens": float(sum(len(p) for p in prompts)),
                 "tip_prompt_cached_tokens": float(sum(p.length for p in prefixes if p is not None)),

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from typing import Any, Iterator
 
 import lightning as L
@@ -27,12 +26,15 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, IterableDataset
 
-from src.data.rollout import Episode, RolloutConfig, episode_metrics, padding_sample, run_episodes
+from src.data.rollout import Episode, RolloutConfig, episode_metrics, run_episodes
+from src.data.samples import MicroBatch, StepSample
 from src.envs.pool import EnvPool
-from src.models.core_algos import check_algorithm_config, compute_grpo_advantages
+from src.models.algorithm_config import AlgorithmConfig
+from src.models.core_algos import compute_grpo_advantages, loss_denominators
 from src.utils.distributed import all_reduce, gather_lists, rank_and_world
 from src.utils.rng import (MODE, PERMUTATION, SAMPLING, TASKS, VALIDATION, global_rng_state, seed_torch,
                            set_global_rng_state)
+from src.utils.timing import timed
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +74,12 @@ class _Stream(IterableDataset):
         return self.fn()
 
 
-def _sample_length(sample: dict) -> int:
-    return len(sample["prompt_ids"]) + len(sample["response_ids"])
+def _denominators(samples: list[StepSample]) -> tuple[int, int]:
+    """This rank's share of a mini-batch's ``batch_num_tokens`` / ``global_batch_size``, counted as the loss
+    counts them (``loss_denominators``: response tokens, and rows with at least one)."""
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
+    width = int(lengths.max()) if len(samples) else 0
+    return loss_denominators(torch.arange(width) < lengths[:, None])
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -118,8 +124,7 @@ class RolloutDataModule(L.LightningDataModule):
                 raise ValueError(f"data.{name} must be >= 1, got {value}")
         to_dict = lambda c: OmegaConf.to_container(c, resolve=True) if isinstance(c, DictConfig) else dict(c or {})
         self.env_cfg = to_dict(env)
-        self.algorithm = to_dict(algorithm)
-        check_algorithm_config(self.algorithm)
+        self.algorithm = AlgorithmConfig.from_dict(to_dict(algorithm))
         self.val_cfg = to_dict(val) if val else None
         self.tasks_per_iteration = tasks_per_iteration
         self.group_size = group_size
@@ -137,7 +142,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.num_env_workers = num_env_workers
         self.seed = seed
         self.pool_timeout_s = pool_timeout_s
-        self.memory = None  # set by train.py to the MemoryCallback when memory is on
+        self.memory = None  # the MemoryCallback attaches itself here in its setup() when memory is on
         self.pool: EnvPool | None = None
         self.train_tasks: list[dict] = []
         self.val_tasks: list[dict] = []
@@ -204,8 +209,7 @@ class RolloutDataModule(L.LightningDataModule):
         # Derived from the optimizer step count (restored exactly on resume); Lightning's epoch counter can lag by
         # one when resuming from a checkpoint written at the end of an epoch.
         iteration = rollout_step // self.steps_per_iteration
-        algo = self.algorithm
-        mode = draw_mode(self.seed, iteration, algo.get("memory_rollout_prob", 0.0), algo.get("offpolicy_prob", 0.0))
+        mode = draw_mode(self.seed, iteration, self.algorithm.memory_rollout_prob, self.algorithm.offpolicy_prob)
         if mode != "on_policy" and self.memory is None:
             raise ValueError(f"iteration {iteration} drew mode {mode!r} but memory is off; set "
                              "algorithm.memory_rollout_prob=0 or enable memory")
@@ -226,9 +230,8 @@ class RolloutDataModule(L.LightningDataModule):
             if self.memory is not None:
                 metrics.update(self.memory.write_tips(episodes, policy, self.pool.system_prompt))
             samples, adv_metrics = self.make_samples(episodes, mode)
-            tic = time.perf_counter()
-            module.score_samples(samples, mode)
-            metrics["old_log_prob_s"] = time.perf_counter() - tic
+            with timed(metrics, "old_log_prob_s"):
+                module.score_samples(self.scoring_chunks(samples, policy))
         metrics.update(adv_metrics)
         metrics.update(episode_metrics(episodes))
         if self.memory is not None:
@@ -239,17 +242,16 @@ class RolloutDataModule(L.LightningDataModule):
         info = {"iteration": iteration, "mode": mode, "rollout_global_step": rollout_step}
         yield from self.micro_batches(samples, info, metrics, iteration)
 
-    def make_samples(self, episodes: list[Episode], mode: str) -> tuple[list[dict], dict[str, float]]:
+    def make_samples(self, episodes: list[Episode], mode: str) -> tuple[list[StepSample], dict[str, float]]:
         """One sample per step of every valid episode, carrying its episode's GRPO advantage (SPEC §2.2)."""
-        gamma = float(self.algorithm.get("gamma", 1.0))
-        returns = torch.tensor([e.discounted_return(gamma) for e in episodes], dtype=torch.float64)
+        algo = self.algorithm
+        returns = torch.tensor([e.discounted_return(algo.gamma) for e in episodes], dtype=torch.float64)
         group_index = torch.tensor([e.group for e in episodes])
-        advantages, metrics = compute_grpo_advantages(returns, group_index,
-                                                      bool(self.algorithm.get("norm_adv_by_std", True)))
-        old_with_tips = self.algorithm.get("offpolicy_old_logprob", "with_tips") == "with_tips"
+        advantages, metrics = compute_grpo_advantages(returns, group_index, algo.norm_adv_by_std)
+        old_with_tips = algo.offpolicy_old_logprob == "with_tips"
         # Optional (off by default): zero-advantage steps add no policy gradient, only cost (and token-mean
         # denominator). Dropping them is DAPO-style filtering; it rescales the loss, so it is opt-in.
-        skip_zero = bool(self.algorithm.get("skip_zero_advantage", False))
+        skip_zero = algo.skip_zero_advantage
         metrics.pop("num_failed_episodes")  # counted once, as rollout/failed_episodes (episode_metrics)
         samples, skipped, steps, signal_samples, signal_tokens = [], 0, 0, 0, 0
         for episode, advantage in zip(episodes, advantages.tolist()):
@@ -263,19 +265,26 @@ class RolloutDataModule(L.LightningDataModule):
                 skipped += len(episode.steps)
                 continue
             for step in episode.steps:
-                samples.append({
-                    "rollout_prompt_ids": step.rollout_prompt_ids,
-                    "prompt_ids": step.update_prompt_ids,
+                samples.append(StepSample(
+                    rollout_prompt_ids=step.rollout_prompt_ids, update_prompt_ids=step.update_prompt_ids,
                     # the prompt the behaviour log-prob is taken under (SPEC §2.4)
-                    "old_prompt_ids": step.rollout_prompt_ids if (mode != "off_policy" or old_with_tips)
+                    old_prompt_ids=step.rollout_prompt_ids if (mode != "off_policy" or old_with_tips)
                     else step.update_prompt_ids,
-                    "response_ids": step.response_ids,
-                    "sample_log_probs": step.sample_log_probs,
-                    "advantage": advantage,
-                })
+                    response_ids=step.response_ids, rollout_log_probs=step.rollout_log_probs, advantage=advantage))
         metrics.update(skipped_zero_adv_samples=float(skipped), samples=float(len(samples)), steps=float(steps),
                        signal_samples=float(signal_samples), signal_tokens=float(signal_tokens))
         return samples, {f"adv/{k}": v for k, v in metrics.items()}
+
+    @staticmethod
+    def scoring_chunks(samples: list[StepSample], policy, chunk_size: int = 8) -> list[list[StepSample]]:
+        """The chunks ``EMPO2Module.score_samples`` runs one forward pass each on. Under FSDP (``policy.synced``)
+        every rank gets the same number of chunks: a rank with fewer samples scores a throw-away padding sample
+        to join the other ranks' forward passes."""
+        n_chunks = math.ceil(len(samples) / chunk_size)
+        if policy.synced:  # sharded weights: every rank runs the same number of forward passes
+            n_chunks = int(all_reduce([float(n_chunks)], op="max")[0])
+        return [samples[k * chunk_size:(k + 1) * chunk_size] or [StepSample.padding(policy.tokenizer.eos_token_id)]
+                for k in range(n_chunks)]
 
     def check_signal(self, metrics: dict[str, float], iteration: int) -> None:
         """The no-signal guard: warn (or raise, with ``algorithm.fail_on_no_signal``) after
@@ -292,7 +301,7 @@ class RolloutDataModule(L.LightningDataModule):
                                             metrics["rollout/adv/signal_tokens"]])
         cause = no_signal_cause(steps, signal, tokens)
         self.no_signal_iterations = self.no_signal_iterations + 1 if cause else 0
-        patience = int(self.algorithm.get("no_signal_patience", 3))
+        patience = self.algorithm.no_signal_patience
         if cause is None or self.no_signal_iterations < patience:
             return
         shown = {k: metrics[k] for k in NO_SIGNAL_METRICS if k in metrics}
@@ -300,7 +309,7 @@ class RolloutDataModule(L.LightningDataModule):
                    f"{iteration - self.no_signal_iterations + 1}..{iteration}; this one over all ranks: {steps:g} "
                    f"steps, {signal:g} with a non-zero advantage, {tokens:g} of their tokens): {cause}. "
                    f"Metrics of this rank: {shown}")
-        if self.algorithm.get("fail_on_no_signal", False):
+        if self.algorithm.fail_on_no_signal:
             raise RuntimeError(message + " (algorithm.fail_on_no_signal=true)")
         rank_zero_warn(message + " Set algorithm.fail_on_no_signal=true to stop such runs.")
 
@@ -312,13 +321,17 @@ class RolloutDataModule(L.LightningDataModule):
         set_global_rng_state(state_dict["rng"])
         self.no_signal_iterations = int(state_dict["no_signal_iterations"])
 
-    def micro_batches(self, samples: list[dict], info: dict, metrics: dict, iteration: int) -> Iterator[dict]:
+    def micro_batches(self, samples: list[StepSample], info: dict, metrics: dict,
+                      iteration: int) -> Iterator[MicroBatch]:
         """Yield ``ppo_epochs`` × ``num_mini_batches`` mini-batches, each as micro-batches.
 
-        Every rank yields the same number of micro-batches (a rank with fewer samples gets zero-weight
-        padding micro-batches), because DDP/FSDP need the same number of backward passes everywhere. Each
-        micro-batch carries the mini-batch's global token and sequence counts, so summing micro-batch losses
-        reproduces the full mini-batch's token-mean (SPEC §2.3).
+        Padding and rank alignment happen here and only here: every rank yields the same number of micro-batches
+        (a rank with fewer samples gets zero-weight padding micro-batches), because DDP/FSDP need the same number
+        of backward passes everywhere. Each micro-batch carries the mini-batch's global token and sequence
+        counts, so summing micro-batch losses reproduces the full mini-batch's token-mean (SPEC §2.3).
+
+        Args:
+            info: ``mode``, ``iteration`` and ``rollout_global_step`` of the iteration.
         """
         rng = np.random.default_rng([self.seed, iteration, PERMUTATION])
         first = True
@@ -327,26 +340,19 @@ class RolloutDataModule(L.LightningDataModule):
             for mb, idx in enumerate(np.array_split(order, self.num_mini_batches)):
                 # Similar lengths share a micro-batch: ~25% less padding computed, and the same gradient (the
                 # mini-batch's loss is a sum over its micro-batches).
-                minibatch = sorted((samples[i] for i in idx), key=_sample_length)
-                tokens = float(sum(len(s["response_ids"]) for s in minibatch))
-                g_tokens, g_seqs = all_reduce([tokens, float(len(minibatch))])
+                minibatch = sorted((samples[i] for i in idx), key=lambda s: s.num_tokens)
+                g_tokens, g_seqs = all_reduce([float(n) for n in _denominators(minibatch)])
                 n_micro = max(1, math.ceil(len(minibatch) / self.micro_batch_size))
                 n_micro = int(all_reduce([float(n_micro)], op="max")[0])
                 chunks = np.array_split(np.arange(len(minibatch)), n_micro)
                 for k, chunk in enumerate(chunks):
                     micro = [minibatch[i] for i in chunk]
-                    yield {
-                        **info,
-                        "samples": micro or [samples[0] if samples else padding_sample(self._eos_token_id())],
-                        "loss_scale": 1.0 if micro else 0.0,
-                        "global_token_count": max(g_tokens, 1.0),
-                        "global_seq_count": max(g_seqs, 1.0),
-                        "ppo_epoch": epoch,
-                        "mini_batch": mb,
-                        "last_micro": k == len(chunks) - 1,
-                        "metrics": metrics if first else {},
-                        "num_samples": len(samples),
-                    }
+                    yield MicroBatch(
+                        **info, samples=micro or [samples[0] if samples else StepSample.padding(self._eos_token_id())],
+                        loss_scale=1.0 if micro else 0.0, batch_num_tokens=max(g_tokens, 1.0),
+                        global_batch_size=max(g_seqs, 1.0), ppo_epoch=epoch, mini_batch=mb,
+                        last_micro=k == len(chunks) - 1, metrics=metrics if first else {},
+                        num_samples=len(samples))
                     first = False
 
     def _eos_token_id(self) -> int:
@@ -371,7 +377,7 @@ def evaluate(pool: EnvPool, module, tasks: list[dict], episodes_per_task: int, c
     Without ``memory`` and ``cfg.use_tips``: the paper's protocol (SPEC §5). Returns episode metrics
     (``score``, ``success_rate``, ...) and the rollout time; with ``return_episodes`` the pair
     ``(metrics, episodes)``, episodes task-major (all episodes of task 0 first), for per-episode statistics
-    (``src/eval.py``).
+    (``src/evaluation/``).
     """
     rank, world = rank_and_world()
     tasks = tasks[rank::world]

@@ -24,7 +24,6 @@ Both environments read the action with one rule, ``extract_action``: the first `
 from __future__ import annotations
 
 import re
-from typing import Any, Protocol
 
 _OPEN_TAG = re.compile(r"<action>", re.IGNORECASE)
 _CLOSE_TAG = re.compile(r"</action>", re.IGNORECASE)
@@ -46,15 +45,3 @@ def extract_action(response: str) -> tuple[str | None, bool]:
     text = response[start:close.start() if close else len(response)]
     action = next((line.strip() for line in text.splitlines() if line.strip()), "")
     return action, len(opens) == 1 and close is not None
-
-
-class TextEnv(Protocol):
-    system_prompt: str
-
-    def reset(self, task: dict[str, Any]) -> tuple[str, dict[str, Any]]: ...
-
-    def step(self, response: str) -> tuple[str, float, bool, bool, dict[str, Any]]: ...
-
-    def tasks(self, split: str) -> list[dict[str, Any]]: ...
-
-    def close(self) -> None: ...

@@ -5,25 +5,20 @@ task description and the ~1000-entry valid-action list), so this wrapper talks t
 directly: ``step``/``getScore``/``getCompleted`` per action, and the valid-action list only when action
 correction or ``include_admissible_actions`` needs it.
 
-Gold trajectories are produced by ``generate_gold`` (run it in a separate process: asking the simulator for
-a gold path slows every later ``reset`` of that JVM) and cached as JSON by ``save_gold``; ``load_gold`` reads
-them back (see ``scripts/cache_gold_trajectories.py``).
+Gold trajectories (generated, verified and cached) live in ``src/envs/scienceworld_gold.py``.
 """
 from __future__ import annotations
 
-import json
 import logging
 import numbers
-import os
 import re
 import shutil
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from scienceworld.constants import ID2TASK
 
 from src.envs.base import extract_action
+from src.utils.environ import temporary_environ
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +115,7 @@ def _parse(response: str) -> tuple[str, bool]:
     return action, well_formed
 
 
-def _start_jvm(jvm_heap: str):
+def start_jvm(jvm_heap: str):
     """Start one simulator JVM (package wrapper object; only its py4j ``server`` is used for stepping)."""
     if shutil.which("java") is None:
         raise RuntimeError(
@@ -132,15 +127,8 @@ def _start_jvm(jvm_heap: str):
 
     # Without a heap cap one JVM grows to ~3.5 GB (SPEC §3.1); the serial GC avoids one GC thread per core.
     # Set only while the JVM is launched, so this process's environment is left as it was.
-    previous = os.environ.get("JAVA_TOOL_OPTIONS")
-    os.environ["JAVA_TOOL_OPTIONS"] = f"-Xmx{jvm_heap} -XX:+UseSerialGC"
-    try:
+    with temporary_environ("JAVA_TOOL_OPTIONS", f"-Xmx{jvm_heap} -XX:+UseSerialGC"):
         return _PackageEnv("")
-    finally:
-        if previous is None:
-            del os.environ["JAVA_TOOL_OPTIONS"]
-        else:
-            os.environ["JAVA_TOOL_OPTIONS"] = previous
 
 
 class ScienceWorldEnv:
@@ -218,7 +206,7 @@ class ScienceWorldEnv:
         self.include_admissible_actions = include_admissible_actions
         self.seed = seed
 
-        self._sw = _start_jvm(jvm_heap)
+        self._sw = start_jvm(jvm_heap)
         self._server = self._sw.server
         self._closed = False
         try:
@@ -416,123 +404,5 @@ class ScienceWorldEnv:
             self.close()
 
 
-# --------------------------------------------------------------------------- gold trajectories
-def gold_file(out_dir: str | os.PathLike, task: str | int) -> Path:
-    """Path of a task's gold cache: ``<out_dir>/<task_name>.json``."""
-    return Path(out_dir) / f"{resolve_task(task)}.json"
-
-
-def generate_gold(tasks: list[dict[str, Any]], simplification: str = "easy",
-                  jvm_heap: str = "768m") -> list[dict[str, Any]]:
-    """Generate and verify the simulator's gold action path for each ``{"task_name", "variation"}`` in ``tasks``.
-
-    Starts two JVMs in this process: one asks the simulator for the gold paths (which slows that JVM's later
-    resets, so run this offline, e.g. via scripts/cache_gold_trajectories.py), the other replays each path
-    through ``ScienceWorldEnv`` (no action cap) to record what an agent would see. The simulator picks among
-    equivalent paths at random (e.g. which non-living thing to fetch), so repeated runs may differ.
-
-    Returns one record per task, in order: {task_name, variation, simplification, instruction,
-    initial_observation, initial_score, actions: [str], observations: [str], rewards: [points],
-    scores: [points], final_score, success, num_steps}. Paths that do not replay to success are kept with
-    ``success`` False (and logged).
-    """
-    names = [resolve_task(t["task_name"]) for t in tasks]
-    generator = _start_jvm(jvm_heap)
-    replay = None
-    records: list[dict[str, Any]] = []
-    try:
-        if tasks:
-            replay = ScienceWorldEnv(names, simplification=simplification, num_train_variations=0,
-                                     num_test_variations=0, max_steps=10**9, jvm_heap=jvm_heap)
-        for name, task in zip(names, tasks):
-            variation = int(task["variation"])
-            generator.load(name, variation, simplification, generateGoldPath=True)
-            actions = [str(a) for a in generator.server.getGoldActionSequence()]
-            observation, info = replay.reset({"task_name": name, "variation": variation})
-            record: dict[str, Any] = {
-                "task_name": name, "variation": variation, "simplification": simplification,
-                "instruction": info["instruction"], "initial_observation": observation,
-                "initial_score": info["score"], "actions": actions, "observations": [], "rewards": [],
-                "scores": [], "final_score": info["score"], "success": False, "num_steps": len(actions)}
-            for action in actions:
-                observation, reward, terminated, _, info = replay.step(action)
-                record["observations"].append(observation)
-                record["rewards"].append(reward)
-                record["scores"].append(info["score"])
-                record["final_score"], record["success"] = info["score"], info["success"]
-                if terminated:
-                    break
-            if not record["success"]:
-                logger.warning("gold path of %s variation %s replays to score %s without success",
-                               name, variation, record["final_score"])
-            records.append(record)
-    finally:
-        if replay is not None:
-            replay.close()
-        try:
-            generator.close()
-        except Exception as exc:  # already gone: nothing to release
-            logger.debug("gold JVM shutdown: %s", exc)
-        generator.close = lambda: None  # keep the package's __del__ off the dead gateway
-    return records
-
-
-def save_gold(out_dir: str | os.PathLike, records: list[dict[str, Any]]) -> list[Path]:
-    """Merge gold records (from ``generate_gold``) into ``<out_dir>/<task_name>.json``, one file per task.
-
-    File format: {"task_name", "simplification", "variations": {"<variation>": record}}; each file is written
-    atomically. Returns the paths written. Raises ValueError if a file holds another simplification.
-    """
-    by_task: dict[str, list[dict[str, Any]]] = {}
-    for record in records:
-        by_task.setdefault(record["task_name"], []).append(record)
-    paths = []
-    for name, task_records in by_task.items():
-        simplification = task_records[0]["simplification"]
-        if any(r["simplification"] != simplification for r in task_records):
-            raise ValueError(f"gold records of {name!r} mix simplifications; save them to separate directories")
-        path = gold_file(out_dir, name)
-        data: dict[str, Any] = {"task_name": name, "simplification": simplification, "variations": {}}
-        if path.exists():
-            existing = json.loads(path.read_text())
-            if existing.get("simplification") != simplification:
-                raise ValueError(f"{path} holds simplification {existing.get('simplification')!r}, not "
-                                 f"{simplification!r}; use another output directory")
-            data["variations"].update(existing.get("variations", {}))
-        data["variations"].update({str(r["variation"]): r for r in task_records})
-        data["variations"] = dict(sorted(data["variations"].items(), key=lambda kv: int(kv[0])))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        paths.append(path)
-    return paths
-
-
-def load_gold(task: str | int, out_dir: str | os.PathLike = "data/scienceworld_gold",
-              simplification: str = "easy") -> dict[int, dict[str, Any]]:
-    """Read a task's cached gold trajectories: ``{variation: record}`` (record as in ``generate_gold``).
-
-    Raises FileNotFoundError (saying how to create the cache) or ValueError on a simplification mismatch.
-    """
-    path = gold_file(out_dir, task)
-    if not path.exists():
-        raise FileNotFoundError(f"No gold trajectories at {path}; create them with "
-                                f"`python scripts/cache_gold_trajectories.py --task {resolve_task(task)} "
-                                f"--out-dir {out_dir}`")
-    data = json.loads(path.read_text())
-    if data.get("simplification") != simplification:
-        raise ValueError(f"{path} holds simplification {data.get('simplification')!r}, expected "
-                         f"{simplification!r}")
-    return {int(v): rec for v, rec in data["variations"].items()}
-
-
 __all__ = ["ScienceWorldEnv", "PAPER_IDS", "TASK_NAMES", "DEFAULT_MAX_STEPS", "MAX_STEPS_OVERRIDES",
-           "resolve_task", "default_max_steps", "parse_action", "generate_gold", "save_gold", "load_gold",
-           "gold_file"]
+           "resolve_task", "default_max_steps", "parse_action", "start_jvm"]

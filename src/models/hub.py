@@ -11,14 +11,13 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from src.models.precision import torch_dtype
+from src.utils.io import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +66,9 @@ def convert_embedded_smollm2(out_dir: str | Path) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.load_state_dict(gguf_model.state_dict(), strict=True)
     model.generation_config = gguf_model.generation_config
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    try:
+    with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -134,15 +127,9 @@ def build_tiny_model(tokenizer_dir: str | Path, out_dir: str | Path, seed: int =
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    try:
+    with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         # Keep the saved file self-describing for people who open it.
         (tmp / "TINY_RANDOM_MODEL.json").write_text(json.dumps({"seed": seed, "base": str(tokenizer_dir)}))
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

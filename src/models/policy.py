@@ -24,7 +24,9 @@ import torch
 from torch import Tensor, nn
 from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
-from src.models.core_algos import entropy_from_logits, log_probs_from_logits
+from src.models.hub import load_causal_lm, load_tokenizer, resolve_name_or_path
+from src.models.logprobs import entropy_from_logits, log_probs_from_logits
+from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
 from src.models.prompt_cache import PromptKV, batch_with_prefixes, row_prompt_kv
 from src.models.sampling import (SampledTokenLogProbs, checkpoint_generation_defaults_off, dropped_generation_defaults,
                                  sampling_config)
@@ -261,3 +263,42 @@ class Policy(nn.Module):
         if with_entropy:
             out["entropy"] = entropy_from_logits(logits, temperature=temperature) * mask
         return out
+
+
+def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", master_dtype: str = "float32",
+                 trainable: bool = True, max_response_tokens: int = 32, max_prompt_tokens: int = 4096,
+                 temperature: float = 1.0, gradient_checkpointing: bool = False, lora: dict | None = None,
+                 attn_implementation: str | None = None) -> Policy:
+    """Load tokenizer + causal LM (optionally wrapped with PEFT LoRA) into a ``Policy`` (SPEC §4).
+
+    Precision (see ``src/models/precision.py``): the trainable parameters (all of them, or the LoRA adapters) are
+    ``master_dtype`` (float32 unless insisted otherwise, with a warning); frozen weights (the LoRA base model, or
+    the whole model with ``trainable=False``, e.g. the KL reference) stay in the loading ``dtype``.
+
+    Raises:
+        ValueError: ``dtype`` or ``master_dtype`` is not a floating-point torch dtype name.
+    """
+    path = resolve_name_or_path(name_or_path, cache_dir)
+    tokenizer = load_tokenizer(path)
+    lora_on = bool(lora and lora.get("enabled"))
+    master = master_dtype_of(master_dtype) if trainable else None
+    model = load_causal_lm(path, dtype=master_dtype if trainable and not lora_on else dtype,
+                           attn_implementation=attn_implementation)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora_on:
+        from peft import LoraConfig, get_peft_model
+
+        if gradient_checkpointing:
+            model.enable_input_require_grads()
+        model = get_peft_model(model, LoraConfig(
+            r=int(lora.get("r", 16)), lora_alpha=int(lora.get("alpha", 32)), lora_dropout=float(lora.get("dropout", 0.0)),
+            target_modules=lora.get("target_modules", "all-linear"), task_type="CAUSAL_LM"))
+    if trainable:
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != master:
+                p.data = p.data.to(master)
+    else:
+        model.requires_grad_(False)
+    return Policy(model, tokenizer, max_response_tokens=max_response_tokens, max_prompt_tokens=max_prompt_tokens,
+                  temperature=temperature)

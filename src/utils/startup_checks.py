@@ -84,7 +84,7 @@ def warn_gold_paths_over_cap(cfg: DictConfig) -> list[str]:
 
 def clean_checkpoint_dirs(cfg: DictConfig) -> list[Path]:
     """Remove stale checkpoint temp files in the resumed checkpoint's directory and every ModelCheckpoint dirpath."""
-    from src.utils.checkpoint_io import remove_stale_temp_files
+    from src.utils.io import remove_stale_temp_files
 
     dirs = [Path(cfg.ckpt_path).parent] if cfg.get("ckpt_path") else []
     dirs += [Path(c.dirpath) for c in (cfg.get("callbacks") or {}).values() if c and c.get("dirpath")]

@@ -13,14 +13,13 @@ different options), so partial rewards carry signal. Same seed -> byte-identical
 """
 from __future__ import annotations
 
-import json
 import os
 import random
-import tempfile
 from pathlib import Path
 
 from src.envs.webshop.reward import option_matches
 from src.envs.webshop.vocab import CATEGORIES, OPENERS, OPTION_PHRASES
+from src.utils.io import write_json_atomic
 
 CATALOG_VERSION = 2  # bump whenever the generator or vocab changes, so stale cached catalogs are not reused
 FILE_NAMES = ("items_shuffle.json", "items_ins_v2.json", "items_human_ins.json")
@@ -272,18 +271,6 @@ def generate_catalog(num_products: int = 1000, seed: int = 0) -> tuple[list[dict
     return raw, ins, human
 
 
-def _write_json_atomic(path: Path, obj) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, ensure_ascii=False)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def generated_catalog_dir(root: str | os.PathLike, num_products: int, seed: int) -> Path:
     return Path(root) / f"generated-v{CATALOG_VERSION}-seed{seed}-n{num_products}"
 
@@ -300,5 +287,5 @@ def ensure_generated_catalog(root: str | os.PathLike, num_products: int = 1000, 
     d.mkdir(parents=True, exist_ok=True)
     raw, ins, human = generate_catalog(num_products, seed)
     for name, obj in zip(FILE_NAMES, (raw, ins, human)):
-        _write_json_atomic(d / name, obj)
+        write_json_atomic(d / name, obj, ensure_ascii=False)
     return d

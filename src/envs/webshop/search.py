@@ -19,12 +19,12 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import bm25s
 import numpy as np
+
+from src.utils.io import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +92,14 @@ class SearchEngine:
         cache_root.mkdir(parents=True, exist_ok=True)
         retriever = bm25s.BM25(k1=K1, b=B, method="lucene")
         retriever.index(self.tokenize(docs), show_progress=False)
-        tmp = Path(tempfile.mkdtemp(dir=cache_root, prefix=self.index_dir.name + ".tmp"))
         try:
-            retriever.save(str(tmp), show_progress=False)
-            with open(tmp / "asins.json", "w", encoding="utf-8") as f:
-                json.dump(self.asins, f)
-            os.rename(tmp, self.index_dir)  # atomic; fails if another worker finished first
+            with atomic_dir(self.index_dir) as tmp:  # the rename fails if another worker finished first
+                retriever.save(str(tmp), show_progress=False)
+                with open(tmp / "asins.json", "w", encoding="utf-8") as f:
+                    json.dump(self.asins, f)
         except OSError:
             if not (self.index_dir / "asins.json").is_file():
                 raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
     def search(self, query: str, k: int = 50) -> list[str]:
         """Asins of the top-``k`` products for ``query`` (positive BM25 score only), best first."""

@@ -1,0 +1,68 @@
+"""Report source files over a line budget and functions over a length budget (the developers' guide's limits).
+
+    python scripts/check_code_size.py                 # files > 400 lines in src/, functions > 60 lines in the
+                                                      # learning code (models, data, memory, callbacks)
+    python scripts/check_code_size.py --max-function 40 --function-dirs src
+
+Data tables (files listed in ``DATA_TABLES``) are exempt from the file limit; a function's docstring does not count
+towards its length. Exits 1 when anything is over.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA_TABLES = {"src/envs/webshop/vocab.py", "src/envs/scienceworld_gold_lengths.py"}
+
+
+def long_functions(path: Path, limit: int) -> list[tuple[str, int]]:
+    """(qualified name, lines) of every function or method in ``path`` longer than ``limit`` lines, its docstring
+    not counted."""
+    out = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    body = child.body
+                    if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                        body = body[1:]  # the docstring documents; it is not logic to read
+                    start = min([d.lineno for d in child.decorator_list] + [child.lineno])
+                    n = (child.end_lineno - start + 1) - (body[0].lineno - child.body[0].lineno)
+                    if n > limit:
+                        out.append((name, n))
+                visit(child, name + ".")
+
+    visit(ast.parse(path.read_text()), "")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-file", type=int, default=400)
+    parser.add_argument("--max-function", type=int, default=60)
+    parser.add_argument("--function-dirs", nargs="+",
+                        default=["src/models", "src/data", "src/memory", "src/callbacks"])
+    args = parser.parse_args()
+    over = 0
+    for path in sorted((ROOT / "src").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        n = len(path.read_text().splitlines())
+        if n > args.max_file and rel not in DATA_TABLES:
+            print(f"file {rel}: {n} lines (> {args.max_file})")
+            over += 1
+    for d in args.function_dirs:
+        for path in sorted((ROOT / d).rglob("*.py")):
+            for name, n in long_functions(path, args.max_function):
+                print(f"function {path.relative_to(ROOT).as_posix()}::{name}: {n} lines (> {args.max_function})")
+                over += 1
+    print(f"{over} over the limits" if over else "all within the limits")
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The two shapes the training data takes between the rollout and the update.
+
+``StepSample``: one agent step as a training sample (made by ``RolloutDataModule.make_samples``, scored by
+``EMPO2Module.score_samples``). ``MicroBatch``: what one ``training_step`` receives (made by
+``RolloutDataModule.micro_batches``; the counts and flags the loss needs ride along with the samples). In verl
+both are one ``DataProto``; here token ids stay unpadded lists until the policy packs them for a forward pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class StepSample:
+    """One step of a valid episode, with its episode's GRPO advantage.
+
+    Attributes:
+        rollout_prompt_ids: the prompt the policy sampled from (with tips in memory rollouts).
+        update_prompt_ids: the prompt the update trains under: tips stripped in ``off_policy`` iterations,
+            otherwise the rollout prompt (the same list).
+        old_prompt_ids: the prompt π_old is taken under: the rollout prompt, or the update prompt under
+            ``algorithm.offpolicy_old_logprob: without_tips`` in ``off_policy`` iterations.
+        response_ids: the sampled response tokens, ``[T_i]``.
+        rollout_log_probs: log-probs of ``response_ids`` as sampled (nats, ``[T_i]``).
+        advantage: the episode's advantage (dimensionless).
+        old_log_probs, ref_log_probs: float32 ``[T_i]`` set by ``EMPO2Module.score_samples`` (ref only with KL).
+    """
+
+    rollout_prompt_ids: list[int]
+    update_prompt_ids: list[int]
+    old_prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_log_probs: list[float]
+    advantage: float
+    old_log_probs: Tensor | None = None
+    ref_log_probs: Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Update prompt + response tokens (what one forward pass of the update costs)."""
+        return len(self.update_prompt_ids) + len(self.response_ids)
+
+    @classmethod
+    def padding(cls, eos_token_id: int) -> StepSample:
+        """A one-token throw-away sample: lets a rank with no data of its own join the other ranks' forward and
+        backward passes under DDP/FSDP (its loss is scaled by 0 or its outputs discarded)."""
+        ids = [eos_token_id]
+        return cls(rollout_prompt_ids=ids, update_prompt_ids=ids, old_prompt_ids=ids, response_ids=ids,
+                   rollout_log_probs=[0.0], advantage=0.0, old_log_probs=torch.zeros(1), ref_log_probs=torch.zeros(1))
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward of the update.
+
+    Attributes:
+        samples: the micro-batch's samples (a padding sample when the rank has none of its own).
+        loss_scale: 1.0, or 0.0 for a padding micro-batch (DDP/FSDP alignment, not data).
+        batch_num_tokens, global_batch_size: the mini-batch's response tokens and sequences over all ranks, the
+            denominators of the loss aggregation (``loss_denominators``), at least 1.
+        mode: the iteration's update mode; iteration, rollout_global_step: where the rollout happened.
+        ppo_epoch, mini_batch: which pass and which mini-batch; last_micro: the mini-batch's last micro-batch
+            (the optimizer steps after it).
+        metrics: the iteration's rollout metrics on its first micro-batch, else empty.
+        num_samples: this rank's samples in the iteration.
+    """
+
+    samples: list[StepSample]
+    loss_scale: float
+    batch_num_tokens: float
+    global_batch_size: float
+    mode: str
+    iteration: int
+    rollout_global_step: int
+    ppo_epoch: int
+    mini_batch: int
+    last_micro: bool
+    metrics: dict[str, Any] = field(default_factory=dict)
+    num_samples: int = 0

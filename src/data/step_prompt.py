@@ -1,0 +1,143 @@
+"""The prompt of one agent step: rendered, fitted to the token budget, and tip-stripped for the off-policy update.
+
+The one place a step's prompt is made (``step_prompt``): training rollouts, validation, evaluation and the
+imitation warm start's demonstrations all call it, so a prompt is rendered one way only (SPEC §2.1, §2.4).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from src.data.prompts import HistoryItem, build_step_messages
+from src.models.policy import Policy
+
+if TYPE_CHECKING:
+    from src.data.rollout import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+# What ``fit_prompt`` counts (summed over a rollout's prompts, logged as ``rollout/prompt_fit/<key>``).
+PROMPT_CUT_KEYS = ("prompts_fitted", "admissible_actions_cut", "history_steps_cut", "tips_cut",
+                   "observation_chars_cut")
+
+
+@dataclass
+class StepPrompt:
+    """The prompts of one agent step (``step_prompt``): what the policy samples from and what the update trains
+    under (the same list unless the tips are stripped), the tips shown and the past steps shown."""
+
+    rollout_ids: list[int]
+    update_ids: list[int]
+    tips: list[str]
+    history_shown: int
+
+
+def step_prompt(policy: Policy, cfg: RolloutConfig, system_prompt: str, instruction: str,
+                history: list[HistoryItem], observation: str, admissible_actions: list[str] | None, step: int,
+                max_steps: int | None, tips: list[str] | None = None,
+                cuts: dict[str, float] | None = None) -> StepPrompt:
+    """The prompt ids of one agent step, fitted to ``policy.max_prompt_tokens`` (SPEC §2.1).
+
+    The one place a step's prompt is rendered: rollouts, validation and the imitation warm start
+    (``src/warm_start.py``) all call it, so a demonstration's prompt is token for token the prompt RL samples from.
+
+    Args:
+        cfg: history length, past-observation cap, tips scope, ``use_tips`` / ``strip_tips_for_update``.
+        history: past steps of the episode, oldest first; ``step``: how many there were (0-based index).
+        tips: retrieved tips, shown only when ``cfg.use_tips``.
+        cuts: accumulates what ``fit_prompt`` cut (see there).
+
+    Returns:
+        a ``StepPrompt``: rollout prompt ids, update prompt ids (tip-free when ``cfg.strip_tips_for_update``, else
+        the same list, see ``strip_tips``), the tips that fit, the number of past steps the prompt shows.
+    """
+    common = dict(system_prompt=system_prompt, instruction=instruction, history=history, observation=observation,
+                  admissible_actions=admissible_actions, history_length=cfg.history_length,
+                  history_obs_chars=cfg.history_obs_chars, tips_scope=cfg.tips_scope, step=step,
+                  max_steps=max_steps)
+    step_tips, fitted = fit_prompt(policy, common, tips if cfg.use_tips else None, cuts)
+    common.update(fitted)  # both prompts show the same fitted history, actions and observation
+    ids = policy.encode(build_step_messages(tips=step_tips, **common))
+    update_ids = strip_tips(policy, common) if cfg.use_tips and cfg.strip_tips_for_update else ids
+    shown = min(common["history_length"], len(history)) if common["history_length"] > 0 else 0
+    return StepPrompt(ids, update_ids, step_tips or [], shown)
+
+
+def strip_tips(policy: Policy, common: dict) -> list[int]:
+    """Tip stripping for the off-policy update (SPEC §2.4): the update prompt of a step whose rollout prompt
+    showed tips is the same step rendered with ``tips=None``, from the same structured pieces
+    (``common``: the ``build_step_messages`` arguments as fitted for the rollout prompt), never by editing token
+    ids. Everything but the tips block is identical; the policy learns to act as it did with the tips, without
+    them."""
+    return policy.encode(build_step_messages(tips=None, **common))
+
+
+def fit_prompt(policy: Policy, common: dict, tips: list[str] | None,
+               cuts: dict[str, float] | None = None) -> tuple[list[str] | None, dict[str, int]]:
+    """Fit a step prompt to ``policy.max_prompt_tokens`` before it is encoded, keeping what the agent needs most.
+
+    The head (system prompt, task) and the current observation always stay. Over budget, the prompt is
+    shortened in this order, each only as far as needed: the admissible-action list (to the evenly spaced
+    subset that fits), the oldest history steps, the lowest-ranked tips; only if the head and the whole
+    observation alone are too long is the observation's end cut (a warning, and a count). Only a head longer
+    than the budget is left to ``Policy.encode``'s left cut (counted in ``policy.num_prompts_truncated``).
+
+    Args:
+        common: the keyword arguments of ``build_step_messages`` except ``tips`` (not changed).
+        tips: the retrieved tips, best first.
+        cuts: when given, accumulates ``prompts_fitted``, ``admissible_actions_cut``, ``history_steps_cut``,
+            ``tips_cut`` and ``observation_chars_cut``.
+
+    Returns:
+        (the tips that fit, the changed ``build_step_messages`` arguments: ``history_length`` — the past steps
+        shown —, and when cut ``admissible_shown`` and ``observation_chars``). Render with
+        ``{**common, **fitted}``.
+    """
+    fitted: dict[str, int] = {}
+
+    def fits(shown_tips: list[str] | None, **changes) -> bool:
+        messages = build_step_messages(tips=shown_tips, **{**common, **fitted, **changes})
+        return len(policy.encode(messages, truncate=False)) <= policy.max_prompt_tokens
+
+    if fits(tips):
+        return tips, fitted
+    counts = {"prompts_fitted": 1}
+    actions = common.get("admissible_actions") or []
+    if actions:
+        fitted["admissible_shown"] = _largest_fitting(lambda n: fits(tips, admissible_shown=n), len(actions) - 1)
+        counts["admissible_actions_cut"] = len(actions) - fitted["admissible_shown"]
+    shown = min(common["history_length"], len(common["history"])) if common["history_length"] > 0 else 0
+    history_before = shown
+    while shown > 0 and not fits(tips, history_length=shown):
+        shown -= 1
+    fitted["history_length"] = shown
+    counts["history_steps_cut"] = history_before - shown
+    tips_before = len(tips or [])
+    while tips and not fits(tips):
+        tips = tips[:-1]
+    counts["tips_cut"] = tips_before - len(tips or [])
+    if not fits(tips):
+        observation = common["observation"]
+        fitted["observation_chars"] = _largest_fitting(lambda c: fits(tips, observation_chars=c),
+                                                       len(observation) - 1)
+        counts["observation_chars_cut"] = len(observation) - fitted["observation_chars"]
+        log.warning("prompt over %d tokens even without admissible actions, history and tips: the current "
+                    "observation was cut by %d characters", policy.max_prompt_tokens,
+                    counts["observation_chars_cut"])
+    if cuts is not None:
+        for key, value in counts.items():
+            cuts[key] = cuts.get(key, 0.0) + float(value)
+    return tips, fitted
+
+
+def _largest_fitting(fits, high: int) -> int:
+    """The largest n in 0..high with ``fits(n)`` (binary search; lengths grow with n); 0 when none fits."""
+    low = 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low

@@ -1,0 +1,218 @@
+"""One evaluation run: build the policy (checkpoint weights) and memory, run the protocol, write and log the summary."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from src.evaluation.protocols import check_eval_config, run_adaptation, run_standard
+from src.evaluation.stats import weights_sha256
+
+log = logging.getLogger(__name__)
+
+
+def load_checkpoint(module, ckpt_path: str) -> dict[str, Any] | None:
+    """Load the policy weights (``policy.*`` keys) of a Lightning checkpoint into ``module.policy``.
+
+    Returns the checkpoint's ``MemoryCallback`` state, or None when it has none (GRPO, ``memory=none``).
+
+    Raises:
+        FileNotFoundError: no file at ``ckpt_path``.
+        ValueError: no policy weights, or weights that do not fit the configured model (a different ``model=``).
+    """
+    import torch
+
+    path = Path(hydra.utils.to_absolute_path(str(ckpt_path)))  # relative to the launch dir (hydra.job.chdir)
+    if not path.is_file():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    prefix = "policy."
+    state = {k[len(prefix):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith(prefix)}
+    if not state:
+        raise ValueError(f"checkpoint {ckpt_path!r} holds no 'policy.*' weights: not a src/train.py checkpoint?")
+    try:
+        module.policy.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ValueError(f"checkpoint {ckpt_path!r} does not fit the configured model "
+                         f"({module.hparams.get('policy', {}).get('name_or_path')!r}); evaluate with the "
+                         f"model=... (and LoRA settings) it was trained with. {exc}") from exc
+    log.info("Loaded policy weights from %s (global step %s)", ckpt_path, ckpt.get("global_step"))
+    return (ckpt.get("callbacks") or {}).get("MemoryCallback")
+
+
+def _build(cfg: DictConfig) -> dict[str, Any]:
+    """Module (checkpoint weights, no reference model), datamodule (rollout settings), Fabric, env config."""
+    import lightning as L
+
+    L.seed_everything(cfg.seed, verbose=False)
+    algorithm = OmegaConf.to_container(cfg.algorithm, resolve=True)
+    # No update happens here, so no frozen reference copy is needed even when the run used a KL term.
+    from src.warm_start import warm_start_model_config
+
+    # Checkpoint weights replace the warm start's, so it is only built/loaded when there is no checkpoint.
+    model_cfg, _ = warm_start_model_config(cfg, build=not cfg.get("ckpt_path"))
+    module = hydra.utils.instantiate(model_cfg, algorithm={**algorithm, "kl_coef": 0.0})
+    module.policy.requires_grad_(False)
+    memory_state = load_checkpoint(module, cfg.ckpt_path) if cfg.get("ckpt_path") else None
+    # One device, the trainer group's accelerator and precision (autocast under bf16-mixed); no strategy.
+    fabric = L.Fabric(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision)
+    module.to(fabric.device)
+    datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
+    env_cfg = OmegaConf.to_container(cfg.env, resolve=True)
+    task = OmegaConf.to_container(cfg.eval, resolve=True).get("task")
+    if task is not None:
+        env_cfg["task"] = task
+    return {"module": module, "memory_state": memory_state, "fabric": fabric, "datamodule": datamodule,
+            "env_cfg": env_cfg}
+
+
+def _build_memory(cfg: DictConfig):
+    if not cfg.get("memory") or "_target_" not in cfg.memory:
+        raise ValueError("memory-on evaluation (eval.memory=true or eval.protocol=adaptation) needs the memory "
+                         "group (memory=empo2); it is memory=none")
+    return hydra.utils.instantiate(cfg.memory)
+
+
+def run_eval(cfg: DictConfig) -> dict[str, Any]:
+    """Run the configured protocol; print, save and log the summary; return it.
+
+    Raises:
+        ValueError: a bad ``eval`` setting (see ``check_eval_config``), a checkpoint that does not fit the
+            model, memory-on evaluation with ``memory=none``, an empty split.
+        RuntimeError: the policy weights changed during the evaluation.
+    """
+    from src.envs.pool import EnvPool
+
+    ev = cfg.eval
+    check_eval_config(ev)
+    b = _build(cfg)
+    module, fabric = b["module"], b["fabric"]
+    adaptation = ev.protocol == "adaptation"
+    memory, memory_source, write_tips = _eval_memory(cfg, b)
+
+    hash_before = weights_sha256(module.policy)
+    pool = None
+    try:
+        # one worker to list the split's tasks, then as many as one batch of concurrent episodes needs
+        pool = EnvPool(b["env_cfg"], num_workers=1, timeout_s=float(cfg.data.pool_timeout_s))
+        all_tasks = pool.tasks(ev.split)
+        tasks = all_tasks[: ev.num_tasks] if ev.num_tasks is not None else all_tasks
+        if not tasks:
+            raise ValueError(f"eval.split={ev.split!r} has no tasks for env.task={b['env_cfg'].get('task')!r}")
+        per_round = 1 if (memory is not None and not adaptation) else int(ev.episodes_per_task)
+        pool.resize(len(tasks) * per_round)
+        if memory is not None:
+            memory.pop_metrics()  # start the hit-rate counters at zero
+        with fabric.autocast():
+            result = run_adaptation(cfg, b, pool, tasks, memory) if adaptation else \
+                run_standard(cfg, b, pool, tasks, memory, write_tips)
+        memory_metrics = memory.pop_metrics() if memory is not None else {}
+    finally:
+        if pool is not None:
+            pool.close()
+    hash_after = weights_sha256(module.policy)
+    if hash_after != hash_before:
+        raise RuntimeError(f"policy weights changed during evaluation (sha256 {hash_before} -> {hash_after})")
+
+    summary = {
+        "protocol": ev.protocol,
+        "ckpt_path": cfg.get("ckpt_path"),
+        "model": cfg.model.policy.name_or_path,
+        "env": b["env_cfg"].get("_target_"),
+        "task": b["env_cfg"].get("task"),
+        "split": ev.split,
+        "num_tasks": len(tasks),
+        "episodes_per_task": int(ev.episodes_per_task),
+        "seeds": list(ev.seeds),
+        "temperature": float(ev.temperature),
+        "memory": memory is not None,
+        "memory_source": memory_source,
+        "memory_hit_rate": memory_metrics.get("memory/hit_rate"),
+        "memory_size": memory_metrics.get("memory/size"),
+        **({"trials_k": int(ev.trials)} if adaptation else {}),
+        **result,
+        "weights_sha256": hash_after,
+        "weights_unchanged": True,
+    }
+    if memory_source == "checkpoint" and not summary["memory_hit_rate"]:
+        log.warning("the checkpoint's memory gave no tips on these tasks (partition=%s: the training "
+                    "partitions do not cover the evaluation tasks)", memory.partition)
+    _write_and_log(cfg, summary)
+    return summary
+
+
+def _eval_memory(cfg: DictConfig, b: dict[str, Any]):
+    """(memory or None, where it comes from: ``none`` / ``checkpoint`` / ``built``, whether reflections are written
+    during the evaluation), attached to the datamodule."""
+    ev = cfg.eval
+    memory, memory_source, write_tips = None, "none", False
+    if ev.protocol == "adaptation":
+        memory, memory_source, write_tips = _build_memory(cfg), "built", True
+    elif ev.memory:
+        memory = _build_memory(cfg)
+        if b["memory_state"] is not None:
+            memory.load_state_dict(b["memory_state"])
+            memory_source = "checkpoint"
+        else:
+            memory_source, write_tips = "built", True
+    if memory is not None:  # no Trainer here to call the callback's setup: rollout_config reads its tips_scope
+        memory.attach(b["datamodule"])
+    return memory, memory_source, write_tips
+
+
+def _write_and_log(cfg: DictConfig, summary: dict[str, Any]) -> None:
+    """Print the summary, write it atomically to ``eval.summary_file`` and log it with the ``logger`` group."""
+    from src.utils.instantiate import instantiate_loggers
+    from src.utils.io import write_text_atomic
+    from src.utils.logging import log_config
+
+    ev = cfg.eval
+    text = json.dumps(summary, indent=2, default=str)
+    print(text)
+    path = Path(ev.summary_file)
+    write_text_atomic(path, text + "\n")
+    log.info("Summary written to %s", path)
+
+    logger_cfg = OmegaConf.create(OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {})
+    if logger_cfg.get("mlflow"):
+        # the logger group names runs like training runs; prefix it so evaluations are told apart in MLflow
+        logger_cfg.mlflow.run_name = f"{cfg.task_name}-{ev.protocol}-{logger_cfg.mlflow.run_name}"
+    loggers = instantiate_loggers(logger_cfg)
+    if loggers:
+        log_config(cfg, loggers)
+        _log_summary(summary, loggers, path)
+
+
+def _log_summary(summary: dict[str, Any], loggers, path: Path) -> None:
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    def finite(d: dict[str, Any]) -> dict[str, float]:
+        return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+
+    if summary["protocol"] == "adaptation":
+        per_step = [(row["trial"], finite({f"adaptation/{k}": v for k, v in row.items() if k not in ("trial", "memory")}))
+                    for row in summary["trials"]]
+        final = finite({f"adaptation/{k}": summary[k] for k in ("trial0_score", "best_score", "best_trial",
+                                                                  "best_absolute_gain", "best_relative_gain")})
+    else:
+        per_step = []
+        final = finite({"eval/score": summary["score"]["mean"], "eval/score_stderr": summary["score"]["stderr"],
+                        "eval/success_rate": summary["success_rate"]["mean"],
+                        "eval/success_rate_stderr": summary["success_rate"]["stderr"],
+                        "eval/episode_length": summary["episode_length"],
+                        "eval/invalid_action_rate": summary["invalid_action_rate"],
+                        "eval/episodes": summary["episodes"], "eval/failed_episodes": summary["failed_episodes"],
+                        "eval/memory_hit_rate": summary["memory_hit_rate"]})
+    for logger in loggers:
+        for step, metrics in per_step:
+            logger.log_metrics(metrics, step=step)
+        logger.log_metrics(final, step=len(per_step))
+        if isinstance(logger, MLFlowLogger):
+            logger.experiment.log_artifact(logger.run_id, str(path))
+        logger.save()
+        logger.finalize("success")

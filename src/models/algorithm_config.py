@@ -1,0 +1,116 @@
+"""The ``algorithm`` config group as one typed, self-checking dataclass (read by the module and the datamodule).
+
+Every field has one default, here. The defaults are plain GRPO without memory (every iteration on-policy, no
+masking, no KL); ``configs/algorithm/empo2.yaml`` sets the EMPO² values and ``configs/algorithm/grpo.yaml`` the
+baseline's. A bad value or an unknown key is refused at start-up, before any rollout runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from src.models.core_algos import KL_KINDS, LOSS_AGG_MODES, MASK_LEVELS, UPDATE_MODES
+
+OFFPOLICY_OLD_LOGPROB = ("with_tips", "without_tips")  # the prompt π_old of an off-policy step is taken under
+
+
+@dataclass
+class AlgorithmConfig:
+    """EMPO² / GRPO settings (``algorithm.*``).
+
+    Raises (on construction):
+        ValueError: naming the key, the bad value and what was expected.
+    """
+
+    name: str = "grpo"
+    """Label of the algorithm (``empo2`` or ``grpo``), logged with the run."""
+    use_memory: bool = False
+    """Build the memory callback (tips and novelty bonus)."""
+    memory_rollout_prob: float = 0.0
+    """p: probability that an iteration's rollout retrieves tips (0.25 in EMPO²)."""
+    offpolicy_prob: float = 0.0
+    """q: probability that a memory rollout is updated off-policy, i.e. with the tips stripped (2/3 in EMPO²)."""
+    offpolicy_old_logprob: str = "with_tips"
+    """Prompt of the behaviour log-probs of an off-policy step: ``with_tips`` (the rollout prompt) or
+    ``without_tips`` (the tip-free update prompt)."""
+    mask_modes: list[str] = field(default_factory=list)
+    """Update modes that use low-probability token masking (EMPO²: ``[off_policy]``)."""
+    lowprob_log_threshold: float = -5.0
+    """log δ: tokens with a current log-prob below it lose their policy-gradient term (nats)."""
+    mask_level: str = "token"
+    """``token`` (mask single tokens) or ``sequence`` (drop a whole response with any such token)."""
+    clip_ratio_low: float = 0.2
+    """ε_low of the PPO clip, in [0, 1)."""
+    clip_ratio_high: float = 0.3
+    """ε_high of the PPO clip (asymmetric clip), >= 0."""
+    clip_ratio_c: float = 10.0
+    """Dual-clip constant c > 1 for negative advantages."""
+    loss_agg_mode: str = "token-mean"
+    """``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum`` (over the mini-batch's global counts)."""
+    norm_adv_by_std: bool = True
+    """Divide group-centred returns by the group's std (GRPO); false gives Dr. GRPO advantages."""
+    gamma: float = 1.0
+    """Discount of the episode return, in [0, 1]."""
+    kl_coef: float = 0.0
+    """β of the KL penalty to the frozen reference (0: no reference is built)."""
+    kl_type: str = "low_var_kl"
+    """KL estimator: ``kl``, ``abs``, ``mse`` or ``low_var_kl``."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    recompute_old_log_probs: bool = True
+    """Recompute π_old by a forward pass; false reuses the rollout log-probs where the prompt is the rollout's."""
+    skip_zero_advantage: bool = False
+    """Drop zero-advantage steps from the update (saves compute; rescales token-mean; refused with KL on)."""
+    no_signal_patience: int = 3
+    """Warn after this many consecutive iterations without a policy-gradient signal (>= 1)."""
+    fail_on_no_signal: bool = False
+    """Raise instead of warning when the patience is used up."""
+    temperature: float = 1.0
+    """Temperature the log-probs are taken at: the rollout temperature (> 0)."""
+
+    @classmethod
+    def from_dict(cls, algorithm: Mapping[str, Any] | AlgorithmConfig | None) -> AlgorithmConfig:
+        """From the config group (a dict or DictConfig; missing keys take their defaults).
+
+        Raises:
+            ValueError: an unknown key (a typo would silently fall back to the default), or a bad value.
+        """
+        if isinstance(algorithm, AlgorithmConfig):
+            return algorithm
+        values = dict(algorithm or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown algorithm keys {unknown}; expected keys among {sorted(known)}")
+        if "mask_modes" in values:
+            values["mask_modes"] = list(values["mask_modes"] or [])
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # YAML writes 0 for 0.0: one type per field downstream
+            if f.type in ("float", "int"):
+                setattr(self, f.name, (float if f.type == "float" else int)(getattr(self, f.name)))
+        choices = {"loss_agg_mode": LOSS_AGG_MODES, "mask_level": MASK_LEVELS, "kl_type": KL_KINDS,
+                   "offpolicy_old_logprob": OFFPOLICY_OLD_LOGPROB}
+        for key, valid in choices.items():
+            if getattr(self, key) not in valid:
+                raise ValueError(f"algorithm.{key}={getattr(self, key)!r}: expected one of {valid}")
+        bad = [m for m in self.mask_modes if m not in UPDATE_MODES]
+        if bad:
+            raise ValueError(f"algorithm.mask_modes has {bad}: expected modes from {UPDATE_MODES}")
+        for key in ("memory_rollout_prob", "offpolicy_prob", "gamma"):
+            if not 0.0 <= float(getattr(self, key)) <= 1.0:
+                raise ValueError(f"algorithm.{key}={getattr(self, key)!r}: expected a value in [0, 1]")
+        if not 0.0 <= self.clip_ratio_low < 1.0 or self.clip_ratio_high < 0.0 or self.clip_ratio_c <= 1.0:
+            raise ValueError(f"algorithm.clip_ratio_low/high/c={self.clip_ratio_low}/{self.clip_ratio_high}/"
+                             f"{self.clip_ratio_c}: expected 0 <= low < 1, high >= 0, c > 1")
+        if int(self.no_signal_patience) < 1:
+            raise ValueError(f"algorithm.no_signal_patience={self.no_signal_patience!r}: expected an int >= 1")
+        if not float(self.temperature) > 0:
+            raise ValueError(f"algorithm.temperature={self.temperature!r}: expected > 0")
+        # Skipping a zero-advantage step drops its KL term too (the step never reaches the loss), so the KL
+        # penalty would silently cover only part of the batch; and keeping those steps for the KL alone saves nothing.
+        if self.skip_zero_advantage and float(self.kl_coef) > 0:
+            raise ValueError(f"algorithm.skip_zero_advantage=true with algorithm.kl_coef={self.kl_coef}: "
+                             "skipped steps would lose their KL term; set one of them to false/0")

@@ -1,0 +1,135 @@
+"""Supervised fine-tuning of the policy on demonstrations (the imitation warm start's update).
+
+The loss is the mean token cross-entropy over the reply tokens only: prompt and padding tokens carry none.
+``SFTModule`` trains a ``Policy`` on batches of ``SFTExample`` (``src/data/demonstrations.py``);
+``save_policy`` writes the result as a Hugging Face directory that ``build_policy`` loads.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lightning as L
+import torch
+
+from src.models.policy import Policy
+from src.utils.io import atomic_dir
+
+if TYPE_CHECKING:  # batches of demonstrations (src/data/demonstrations.py); no runtime import of the data layer
+    from src.data.demonstrations import SFTExample
+
+log = logging.getLogger(__name__)
+
+
+def response_nll(policy: Policy, examples: list[SFTExample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed negative log-likelihood of all target tokens, number of target tokens) of a batch; scalars."""
+    out = policy.log_probs([e.prompt_ids for e in examples], [e.response_ids for e in examples])
+    # log_probs is already 0 outside the response mask, so prompt and padding tokens contribute nothing.
+    return -out["log_probs"].sum(), out["response_mask"].sum()
+
+
+def sft_loss(policy: Policy, examples: list[SFTExample]) -> torch.Tensor:
+    """Mean token cross-entropy (nats) over the target tokens of a batch (prompt tokens carry no loss)."""
+    nll, tokens = response_nll(policy, examples)
+    return nll / tokens.clamp(min=1)
+
+
+@torch.no_grad()
+def mean_token_loss(policy: Policy, examples: list[SFTExample], batch_size: int = 8) -> float:
+    """Mean token cross-entropy (nats) over all target tokens of ``examples``, in eval mode."""
+    if not examples:
+        raise ValueError("mean_token_loss: no examples given")
+    was_training = policy.training
+    policy.eval()
+    try:
+        nll, tokens = 0.0, 0.0
+        for start in range(0, len(examples), batch_size):
+            n, k = response_nll(policy, examples[start:start + batch_size])
+            nll, tokens = nll + float(n), tokens + float(k)
+    finally:
+        policy.train(was_training)
+    return nll / tokens
+
+
+class SFTModule(L.LightningModule):
+    """Cross-entropy fine-tuning of a ``Policy`` on ``SFTExample`` batches (lists), AdamW.
+
+    Logs ``train/loss`` (per step and epoch mean, nats per target token), ``train/target_tokens`` and
+    ``train/epoch_time_s``; ``epoch_times`` keeps the wall time (s) of each finished epoch.
+    """
+
+    def __init__(self, policy: Policy, lr: float = 1e-4, weight_decay: float = 0.0):
+        super().__init__()
+        if lr <= 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        self.policy = policy
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.epoch_times: list[float] = []
+        self._epoch_start = 0.0
+
+    def training_step(self, batch: list[SFTExample], batch_idx: int) -> torch.Tensor:
+        nll, tokens = response_nll(self.policy, batch)
+        loss = nll / tokens.clamp(min=1)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(batch))
+        self.log("train/target_tokens", tokens, on_step=True, on_epoch=False, batch_size=len(batch))
+        return loss
+
+    def on_train_epoch_start(self) -> None:
+        self._epoch_start = time.perf_counter()
+
+    def on_train_epoch_end(self) -> None:
+        self.epoch_times.append(time.perf_counter() - self._epoch_start)
+        self.log("train/epoch_time_s", self.epoch_times[-1])
+
+    def configure_optimizers(self):
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+
+
+class ProgressLog(L.Callback):
+    """A log line every ``every_s`` seconds of training: batch, loss, elapsed time and an estimate of the rest
+    (elapsed / batches done × batches left)."""
+
+    def __init__(self, every_s: float = 30.0):
+        self.every_s = every_s
+        self._start = self._last = 0.0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._start = self._last = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        total = trainer.num_training_batches * trainer.max_epochs
+        done = trainer.current_epoch * trainer.num_training_batches + batch_idx + 1
+        if now - self._last < self.every_s and done != total:
+            return
+        self._last = now
+        elapsed = now - self._start
+        log.info("warm start: batch %d/%d (epoch %d/%d), loss %.3f, %.1f min elapsed, about %.1f min left", done,
+                 total, trainer.current_epoch + 1, trainer.max_epochs, float(outputs["loss"]), elapsed / 60,
+                 elapsed / done * (total - done) / 60)
+
+
+def save_policy(policy: Policy, out_dir: str | os.PathLike, info: dict[str, Any] | None = None) -> Path:
+    """Write the policy's model and tokenizer to ``out_dir`` as a Hugging Face directory, atomically.
+
+    Written into a temporary directory next to ``out_dir`` and renamed into place; an existing ``out_dir`` is
+    moved aside first and deleted after the rename. A PEFT (LoRA) model is merged into its base weights first,
+    so the directory loads with plain ``from_pretrained``. ``info`` is stored as ``sft_info.json``.
+    """
+    out_dir = Path(out_dir)
+    model = policy.model
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+        policy.model = model
+    with atomic_dir(out_dir, replace=True) as tmp:
+        model.save_pretrained(tmp)
+        policy.tokenizer.save_pretrained(tmp)
+        if info is not None:
+            (tmp / "sft_info.json").write_text(json.dumps(info, indent=1))
+    return out_dir

@@ -1,0 +1,120 @@
+"""Atomic writes: a crash or a kill mid-write never leaves a half-written file or directory in place.
+
+- A file is written to ``.<name>.tmp<pid>`` next to it, flushed and fsynced, then renamed onto its name
+  (``atomic_file``, ``write_text_atomic``, ``write_json_atomic``). A killed writer leaves only that temporary file,
+  which ``remove_stale_temp_files`` deletes at the next start-up.
+- A directory is built in a temporary sibling and renamed into place (``atomic_dir``).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+log = logging.getLogger(__name__)
+
+# ``.<name>.tmp<pid>``: the temporary file ``atomic_file`` writes before renaming it onto ``<name>``.
+_TEMP_FILE = re.compile(r"^\..+\.tmp(?P<pid>\d+)$")
+
+
+def temp_path(path: str | os.PathLike) -> Path:
+    """The temporary file this process writes ``path`` through: ``.<name>.tmp<pid>`` in the same directory."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "w", encoding: str | None = None) -> Iterator[IO]:
+    """Open ``temp_path(path)`` for writing; on a clean exit flush, fsync and rename it onto ``path``.
+
+    The parent directory is created. On an error the temporary file is removed and ``path`` is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, mode, encoding=encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (``atomic_file``)."""
+    with atomic_file(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any, **dump_kwargs: Any) -> None:
+    """``json.dump(obj, **dump_kwargs)`` to ``path`` atomically (``atomic_file``)."""
+    with atomic_file(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, **dump_kwargs)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
+    """Yield a new temporary directory next to ``path``; on a clean exit rename it to ``path``.
+
+    ``replace=False``: the rename fails with ``OSError`` when another writer created a non-empty ``path`` first (the
+    caller decides whether that is fine). ``replace=True``: an existing ``path`` is moved aside, replaced, then
+    deleted (restored if the rename fails). On an error the temporary directory is removed and ``path`` is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp"))
+    try:
+        yield tmp
+        if replace and path.exists():
+            old = path.with_name(f".{path.name}.old{os.getpid()}")
+            os.replace(path, old)
+            try:
+                os.rename(tmp, path)
+            except BaseException:
+                os.replace(old, path)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temp_files(directory: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files of atomic writes that never finished (the writer was killed, e.g. SIGKILL during
+    a checkpoint save: a file as large as a checkpoint stays behind, while the previous checkpoint is intact).
+
+    A file counts as stale when its name is ``.<name>.tmp<pid>`` and no process ``<pid>`` runs on this machine, so
+    the write in progress of a live run in the same directory is left alone. A missing directory is fine.
+    Returns the deleted paths.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed = []
+    for path in directory.iterdir():
+        match = _TEMP_FILE.match(path.name)
+        if match and path.is_file() and not _alive(int(match["pid"])):
+            size = path.stat().st_size
+            path.unlink(missing_ok=True)
+            removed.append(path)
+            log.warning("Removed %s (%.1f MB), left by a write that did not finish", path, size / 1e6)
+    return removed

@@ -1,0 +1,263 @@
+"""The imitation warm start: fine-tune the policy on demonstrations before RL, built once and cached.
+
+A 135M policy rarely reaches a reward from scratch (the WebShop paper also imitated first, then ran RL), so the
+CPU experiments start RL from a policy fine-tuned on demonstrations of the *training* tasks
+(``src/data/demonstrations.py``: ScienceWorld gold paths, the WebShop scripted expert), in exactly the prompt
+format of the RL run. The update is ``src/models/sft_module.py``; this module decides what to train, caches the
+result and measures it.
+
+Settings live in ``model.warm_start`` (``configs/warm_start/imitation.yaml``; ``model.warm_start=null`` starts
+RL from the base model). The fine-tuned model is cached under ``<data dir>/models/warm_start/<key>/`` — a Hugging
+Face directory written atomically, with ``sft_info.json`` holding what it was trained on and with, its training
+loss and its held-out score. The key hashes the base model, the training settings and every example's token ids,
+so any change of prompt format, demonstrations or settings builds a new entry. Concurrent runs (a study run side
+by side) wait on a file lock and reuse the entry the first one built.
+
+Held-out score: the RL run's validation protocol (``data.val``: test goals / test variations, no memory,
+T = 0.4), stored per protocol in ``sft_info.json``, logged, and printed. Used by ``src/train.py``,
+``src/eval.py`` and ``src/sft.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import random
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from src.data.demonstrations import build_examples, demonstration_records, make_dataloader
+from src.models.sft_module import ProgressLog, SFTModule, save_policy
+from src.utils.io import write_json_atomic
+from src.utils.logging import flatten
+
+log = logging.getLogger(__name__)
+
+# Bump when the training procedure changes in a way the cache key does not see.
+WARM_START_FORMAT = 1
+
+
+def _digest(obj: Any, n: int = 12) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
+
+
+def _prepare(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
+    """Base policy, the RL run's rollout settings, the examples and the cache entry they map to."""
+    from src.models.policy import build_policy
+
+    policy_cfg = OmegaConf.to_container(cfg.model.policy, resolve=True)
+    env_cfg = OmegaConf.to_container(cfg.env, resolve=True)
+    # The RL run's own datamodule (nothing started) gives its rollout and validation settings.
+    datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
+    records, system_prompt = demonstration_records(env_cfg, ws.get("num_tasks"), ws["gold_dir"])
+    L.seed_everything(int(ws["seed"]), verbose=False)
+    policy = build_policy(**policy_cfg)
+    truncated = policy.num_prompts_truncated
+    examples = build_examples(policy, records, system_prompt, datamodule.rollout_config(use_tips=False),
+                              datamodule.max_steps)
+    if policy.num_prompts_truncated > truncated:
+        log.warning("%d demonstration prompts were cut to max_prompt_tokens=%d by Policy.encode",
+                    policy.num_prompts_truncated - truncated, policy.max_prompt_tokens)
+    too_long = sum(len(e.response_ids) > policy.max_response_tokens for e in examples)
+    if too_long:
+        log.warning("%d of %d demonstrated replies are longer than max_response_tokens=%d (EOS included); RL "
+                    "cuts them", too_long, len(examples), policy.max_response_tokens)
+    train = {k: ws[k] for k in ("epochs", "lr", "batch_size", "weight_decay", "gradient_clip_val", "seed")}
+    key = {"format": WARM_START_FORMAT, "base_model": policy_cfg["name_or_path"], "dtype": policy_cfg["dtype"],
+           "lora": policy_cfg.get("lora"), "precision": str(cfg.trainer.precision), "train": train,
+           "examples": _digest([[e.prompt_ids, e.response_ids] for e in examples], 64)}
+    env_name = env_cfg["_target_"].rsplit(".", 1)[-1].removesuffix("Env").lower()
+    base_name = Path(str(policy_cfg["name_or_path"]).split(":")[-1]).name
+    out_dir = Path(ws["cache_dir"]) / f"{env_name}-{base_name}-{_digest(key)}"
+    val = dict(datamodule.val_cfg or {})
+    protocol = {**val, "seed": int(ws["seed"]), "max_steps": datamodule.max_steps, "env": env_cfg,
+                "rollout": asdict(datamodule.rollout_config(use_tips=False, temperature=val.get("temperature")))}
+    return {"policy": policy, "policy_cfg": policy_cfg, "env_cfg": env_cfg, "datamodule": datamodule,
+            "records": records, "examples": examples, "key": key, "out_dir": out_dir, "protocol": protocol}
+
+
+def _loggers(cfg: DictConfig, name: str) -> list:
+    """The run's loggers, renamed for the warm-start run (MLflow run name, CSV sub-directory)."""
+    from src.utils.instantiate import instantiate_loggers
+
+    group = OmegaConf.create(OmegaConf.to_container(cfg.get("logger") or {}, resolve=True))
+    for conf in group.values():
+        if conf is None:
+            continue
+        if "run_name" in conf:
+            conf.run_name = name
+        elif "name" in conf:
+            conf.name = name
+    return instantiate_loggers(group)
+
+
+def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: list) -> dict[str, Any]:
+    """Fine-tune the base policy on the examples and save it into the cache entry; returns ``sft_info``."""
+    examples, policy = prep["examples"], prep["policy"]
+    prompt_tokens = sum(len(e.prompt_ids) for e in examples)
+    log.info("Building the warm start (once) into %s: %d examples from %d demonstrations (%.0f prompt tokens on "
+             "average), %d epoch(s); the time left is logged as it trains", prep["out_dir"], len(examples),
+             len(prep["records"]), prompt_tokens / len(examples), ws["epochs"])
+    module = SFTModule(policy, lr=float(ws["lr"]), weight_decay=float(ws["weight_decay"]))
+    # from_pretrained returns eval mode and Lightning keeps it; train mode turns gradient checkpointing on.
+    policy.train()
+    tic = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="warm_start_") as root:
+        trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
+                            max_epochs=int(ws["epochs"]), gradient_clip_val=ws["gradient_clip_val"],
+                            logger=loggers or False, callbacks=[ProgressLog()], enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                            default_root_dir=root)
+        loader = make_dataloader(examples, int(ws["batch_size"]), int(ws["seed"]))
+        trainer.fit(module, train_dataloaders=loader)
+    if trainer.global_step != len(loader) * int(ws["epochs"]):  # e.g. stopped by SIGTERM: never cache that
+        raise RuntimeError(f"warm start training stopped after {trainer.global_step} of "
+                           f"{len(loader) * int(ws['epochs'])} steps; nothing was saved")
+    info = {"trained_with": prep["key"], "settings": ws, "env": prep["env_cfg"]["_target_"],
+            "tasks": [r["task"] for r in prep["records"]], "num_examples": len(examples),
+            "prompt_tokens_mean": prompt_tokens / len(examples),
+            "final_train_loss": float(trainer.callback_metrics.get("train/loss_epoch", float("nan"))),
+            "epoch_times_s": module.epoch_times, "train_time_s": time.perf_counter() - tic, "heldout": {}}
+    save_policy(policy, prep["out_dir"], info)
+    return info
+
+
+def _heldout(cfg: DictConfig, prep: dict[str, Any]) -> dict[str, Any]:
+    """The warm start's score and success on the held-out tasks, by the RL run's validation protocol."""
+    from src.data.rollout import run_episodes
+    from src.envs.pool import EnvPool
+    from src.evaluation.stats import mean_stderr
+    from src.models.policy import build_policy
+
+    dm, protocol = prep["datamodule"], prep["protocol"]
+    policy = build_policy(**{**prep["policy_cfg"], "name_or_path": str(prep["out_dir"])})
+    n = int(protocol["num_tasks"]) * int(protocol["episodes_per_task"])
+    L.seed_everything(protocol["seed"], verbose=False)
+    fabric = L.Fabric(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision)
+    pool = EnvPool(prep["env_cfg"], num_workers=n, timeout_s=dm.pool_timeout_s)
+    policy.eval()
+    tic = time.perf_counter()
+    try:
+        tasks = [t for t in pool.tasks(protocol["split"])[: int(protocol["num_tasks"])]
+                 for _ in range(int(protocol["episodes_per_task"]))]
+        with torch.no_grad(), fabric.autocast():
+            episodes, _ = run_episodes(pool, policy, tasks, list(range(len(tasks))),
+                                       dm.rollout_config(use_tips=False, temperature=protocol["temperature"]),
+                                       None, dm.max_steps)
+    finally:
+        pool.close()
+    for ep in episodes:
+        log.info("held-out %s: score %g, success %s, actions %s", ep.task, ep.score, ep.success,
+                 [s.action for s in ep.steps])
+    done = [e for e in episodes if not e.failed]
+    return {"score": mean_stderr([e.score for e in done]), "success_rate": mean_stderr([float(e.success) for e in done]),
+            "failed_episodes": len(episodes) - len(done), "eval_time_s": time.perf_counter() - tic,
+            "protocol": protocol}
+
+
+def ensure_warm_start(cfg: DictConfig) -> dict[str, Any] | None:
+    """Build (once) or reuse the warm start ``cfg.model.warm_start`` describes; None when it is null.
+
+    Returns ``{"path": the cached Hugging Face directory, "info": its sft_info.json, "heldout": the held-out
+    result for the current validation protocol (None when ``data.val`` is null or ``warm_start.eval`` false)}``.
+    Missing held-out results of a reused entry are computed and added to its ``sft_info.json``.
+    """
+    ws = cfg.model.get("warm_start")
+    if not ws:
+        return None
+    ws = OmegaConf.to_container(ws, resolve=True)
+    with _rng_preserved():  # the warm start seeds its own draws; the RL run's random streams stay untouched
+        result = _ensure(cfg, ws)
+    _print_summary(result)
+    return result
+
+
+def _ensure(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
+    from filelock import FileLock
+
+    prep = _prepare(cfg, ws)
+    out_dir, loggers = prep["out_dir"], []
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out_dir) + ".lock"):
+        if (out_dir / "sft_info.json").exists():
+            log.info("Reusing the warm start %s (built before; sft_info.json holds what it was trained on)", out_dir)
+            info = json.loads((out_dir / "sft_info.json").read_text())
+        else:
+            loggers = _loggers(cfg, f"warm-start-{out_dir.name}")
+            info = _train(cfg, ws, prep, loggers)
+        heldout, pkey = None, _digest(prep["protocol"])
+        if ws.get("eval", True) and prep["protocol"].get("split"):
+            if pkey not in info["heldout"]:
+                info["heldout"][pkey] = _heldout(cfg, prep)
+                write_json_atomic(out_dir / "sft_info.json", info, indent=1, default=str)
+            heldout = info["heldout"][pkey]
+    result = {"path": str(out_dir), "info": info, "heldout": heldout}
+    for logger in loggers:  # the warm-start run's own MLflow/CSV record
+        logger.log_hyperparams(flatten(prep["key"], "warm_start/"))
+        logger.log_metrics(warm_start_metrics(result), step=0)
+        logger.finalize("success")
+    return result
+
+
+@contextlib.contextmanager
+def _rng_preserved():
+    """Restore the Python, NumPy and torch generators on exit (``seed_everything`` inside reseeds them all)."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+
+
+def warm_start_metrics(result: dict[str, Any] | None) -> dict[str, float]:
+    """``warm_start/*`` metrics of an ``ensure_warm_start`` result: held-out score and success (mean, s.e.),
+    final training loss and training time."""
+    if not result:
+        return {}
+    out = {"warm_start/train_loss": result["info"]["final_train_loss"],
+           "warm_start/train_time_s": result["info"]["train_time_s"]}
+    for name in ("score", "success_rate"):
+        stats = (result["heldout"] or {}).get(name) or {}
+        if stats.get("mean") is not None:
+            out[f"warm_start/{name}"] = stats["mean"]
+        if stats.get("stderr") is not None:
+            out[f"warm_start/{name}_stderr"] = stats["stderr"]
+    return out
+
+
+def warm_start_model_config(cfg: DictConfig, build: bool = True) -> tuple[DictConfig, dict[str, Any] | None]:
+    """The model config to instantiate: ``model.warm_start`` removed and, with ``build``, the policy's
+    ``name_or_path`` pointing at the warm start (built or reused by ``ensure_warm_start``).
+
+    ``build=False`` (e.g. weights coming from a checkpoint) leaves the base model. Returns (config, result).
+    """
+    model_cfg = OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True))
+    model_cfg.pop("warm_start", None)
+    result = ensure_warm_start(cfg) if build else None
+    if result is not None:
+        model_cfg.policy.name_or_path = result["path"]
+    return model_cfg, result
+
+
+def _print_summary(result: dict[str, Any]) -> None:
+    held = result["heldout"]
+    if held is None:
+        score = "held-out score not measured"
+    else:
+        s, w = held["score"], held["success_rate"]
+        score = (f"held-out score {s['mean']:.3f} ± {s['stderr'] or 0:.3f}, success {w['mean']:.3f} ± "
+                 f"{w['stderr'] or 0:.3f} (n={s['n']}, {held['protocol']['split']} split, "
+                 f"T={held['protocol']['temperature']}, no memory)")
+    print(f"Warm start {result['path']}: {score}", flush=True)
