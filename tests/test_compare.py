@@ -298,4 +298,4 @@ def test_two_real_training_runs(tmp_path):
     for name in ("learning_curves_iteration.png", "learning_curves_wallclock.png"):
         assert _read_png(out / name).shape[:2] == CURVE_PX
     artifacts = {a.path for a in client.list_artifacts(result["comparison_run_id"])}
-    assert artifacts == {"learning_curves_iteration.png", "learning_curves_wallclock.png", "curves.json"}
+    assert artifacts == {"learning_curves_iteration.png", "learning_curves_wallclock.png", "curves.json", "results.md"}
