@@ -514,7 +514,8 @@ def results_table(client: mlflow.MlflowClient, runs: Sequence[Run], kind: str) -
              f"warm start: held-out score ({unit}) / success | final held-out score | final success |",
              "|---|---|---|---|---|---|---|---|"]
     for algo in sorted({r.data.params["algorithm/name"] for r in runs}, key=_algo_rank):
-        mine = [r for r in runs if r.data.params["algorithm/name"] == algo]
+        mine = sorted((r for r in runs if r.data.params["algorithm/name"] == algo),
+                      key=lambda r: (len(str(r.data.params.get("seed"))), str(r.data.params.get("seed"))))
         info = [run_info(client, r) for r in mine]
         last = {k: [client.get_metric_history(r.info.run_id, k) for r in mine] for k in VAL_KEYS.values()}
         finals = {k: [max(h, key=lambda m: m.timestamp).value for h in hs if h] for k, hs in last.items()}
