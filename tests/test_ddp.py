@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_ddp_two_cpu_processes_share_memory(tmp_path):
     seed, iterations, tasks_per_iteration = 8, 2, 2
-    cmd = [sys.executable, "src/train.py", "experiment=scienceworld", "debug=default", "trainer.strategy=ddp",
+    cmd = [sys.executable, "src/train.py", "experiment=scienceworld", "debug=default", "data.num_mini_batches=1",
+           "trainer.strategy=ddp",
            "trainer.devices=2", f"trainer.max_epochs={iterations}", f"data.tasks_per_iteration={tasks_per_iteration}",
            "algorithm.memory_rollout_prob=1.0", f"seed={seed}", "~callbacks.rich_progress_bar",
            "trainer.enable_progress_bar=false", f"paths.log_dir={tmp_path}/logs", f"hydra.run.dir={tmp_path}/run"]
@@ -43,7 +44,7 @@ def test_fsdp2_two_cpu_processes_train_checkpoint_and_resume(tmp_path):
     """trainer=fsdp (FSDP2 via ModelParallelStrategy) on CPU: sharded weights need every rank in every forward
     pass; with one validation task, rank 1 has nothing to run and must still join the generation steps. Weights
     loaded in bf16 and bf16-mixed as at paper scale: the sharded trainable parameters are fp32 master weights."""
-    common = ["experiment=scienceworld", "debug=default", "trainer=fsdp", "trainer.accelerator=cpu",
+    common = ["experiment=scienceworld", "debug=default", "data.num_mini_batches=1", "trainer=fsdp", "trainer.accelerator=cpu",
               "trainer.devices=2", "trainer.precision=bf16-mixed", "model.policy.dtype=bfloat16",
               "data.tasks_per_iteration=2",
               "algorithm.memory_rollout_prob=1.0", "data.val.num_tasks=1", "~callbacks.rich_progress_bar",

@@ -21,6 +21,7 @@ def _cfg(tmp_path: Path, *overrides: str):
     base = [
         "experiment=scienceworld", "model=tiny", "model.warm_start=null", f"paths.output_dir={tmp_path}/run", f"paths.log_dir={tmp_path}/logs",
         "data.tasks_per_iteration=1", "data.group_size=2", "env.max_steps=3", "data.micro_batch_size=2",
+        "data.num_mini_batches=1",  # one optimizer step per iteration (the experiment takes two)
         "data.val.num_tasks=1", "data.max_response_tokens=6", "algorithm.skip_zero_advantage=false",
         "~callbacks.rich_progress_bar", "trainer.enable_progress_bar=false",
     ]
