@@ -163,6 +163,17 @@ def rollout_curve(client: mlflow.MlflowClient, run: Run, key: str) -> Curve:
     return _curve(points)
 
 
+def _iterations(client: mlflow.MlflowClient, run: Run) -> list[tuple[int, float]]:
+    """(timestamp, iteration) of every rollout of ``run``, in time order."""
+    return sorted((m.timestamp, m.value) for m in client.get_metric_history(run.info.run_id, "iteration"))
+
+
+def _iteration_at(iterations: list[tuple[int, float]], timestamp: int) -> float | None:
+    """The latest iteration logged at or before ``timestamp``; None if none was."""
+    before = [it for ts, it in iterations if ts <= timestamp]
+    return before[-1] if before else None
+
+
 def val_curve(client: mlflow.MlflowClient, run: Run, key: str) -> Curve:
     """A validation metric (``val/*``) against the iterations completed before it: 1 + the iteration of the
     latest rollout logged before it (validation runs at the end of a training iteration), 0 if none.
@@ -170,12 +181,12 @@ def val_curve(client: mlflow.MlflowClient, run: Run, key: str) -> Curve:
     A run that started from an imitation warm start has its held-out result (``warm_start/<name>``, the same
     protocol as ``val/<name>``, logged at the run's start) as the point at iteration 0, minute 0.
     """
-    rollouts = sorted((m.timestamp, m.value) for m in client.get_metric_history(run.info.run_id, "iteration"))
+    rollouts = _iterations(client, run)
     points = [(0.0, 0.0, m.value) for m in
               client.get_metric_history(run.info.run_id, "warm_start/" + key.removeprefix("val/"))]
     for m in client.get_metric_history(run.info.run_id, key):
-        before = [it for ts, it in rollouts if ts <= m.timestamp]
-        points.append((before[-1] + 1 if before else 0.0, (m.timestamp - run.info.start_time) / 60_000.0, m.value))
+        it = _iteration_at(rollouts, m.timestamp)
+        points.append((it + 1 if it is not None else 0.0, (m.timestamp - run.info.start_time) / 60_000.0, m.value))
     return _curve(points)
 
 
@@ -481,27 +492,27 @@ def run_info(client: mlflow.MlflowClient, run: Run) -> dict[str, Any]:
 def _per_iteration_sum(client: mlflow.MlflowClient, run: Run, key: str) -> float | None:
     """Mean over iterations of a timing metric summed within each iteration (e.g. ``train/update_s`` is logged once
     per optimizer step); None when the run never logged it."""
-    iters = sorted((m.timestamp, m.value) for m in client.get_metric_history(run.info.run_id, "iteration"))
+    iters = _iterations(client, run)
     hist = client.get_metric_history(run.info.run_id, key)
     if not iters or not hist:
         return None
     sums: dict[float, float] = {}
     for m in hist:
-        before = [it for ts, it in iters if ts <= m.timestamp + 1]
-        sums[before[-1] if before else iters[0][1]] = sums.get(before[-1] if before else iters[0][1], 0.0) + m.value
+        it = _iteration_at(iters, m.timestamp)
+        it = iters[0][1] if it is None else it  # logged before the first rollout: counted with it
+        sums[it] = sums.get(it, 0.0) + m.value
     return float(np.mean([sums.get(it, 0.0) for _, it in iters]))
 
 
 TIMING_KEYS = {"rollout": "rollout/rollout_s", "tips": "rollout/tip_write_s", "update": "train/update_s"}
 
 
-def _mean_sem(values: Sequence[float]) -> tuple[float, float]:
-    v = np.asarray(values, dtype=float)
-    return float(v.mean()), float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
+def _fmt(values: Sequence[float], digits: int) -> str:
+    """``mean ± s.e.`` of ``values`` (``src.evaluation.stats.mean_stderr``); the mean alone for one value."""
+    from src.evaluation.stats import mean_stderr
 
-
-def _fmt(mean: float, sem: float, digits: int) -> str:
-    return f"{mean:.{digits}f}" + ("" if np.isnan(sem) else f" ± {sem:.{digits}f}")
+    stats = mean_stderr(values)
+    return f"{stats['mean']:.{digits}f}" + ("" if stats["stderr"] is None else f" ± {stats['stderr']:.{digits}f}")
 
 
 def results_table(client: mlflow.MlflowClient, runs: Sequence[Run], kind: str) -> str:
@@ -519,17 +530,16 @@ def results_table(client: mlflow.MlflowClient, runs: Sequence[Run], kind: str) -
         info = [run_info(client, r) for r in mine]
         last = {k: [client.get_metric_history(r.info.run_id, k) for r in mine] for k in VAL_KEYS.values()}
         finals = {k: [max(h, key=lambda m: m.timestamp).value for h in hs if h] for k, hs in last.items()}
-        ws = [(r.data.metrics.get("warm_start/score"), r.data.metrics.get("warm_start/score_stderr"),
-               r.data.metrics.get("warm_start/success_rate")) for r in mine]
-        ws_txt = ("none" if ws[0][0] is None else
-                  f"{ws[0][0]:.{digits}f} ± {ws[0][1]:.{digits}f} / {ws[0][2]:.2f}")
+        ws = mine[0].data.metrics  # one warm start for every run of the study
+        ws_txt = ("none" if "warm_start/score" not in ws else f"{ws['warm_start/score']:.{digits}f} ± "
+                  f"{ws['warm_start/score_stderr']:.{digits}f} / {ws['warm_start/success_rate']:.2f}")
         timing = []
         for key in TIMING_KEYS.values():
             vals = [v for r in mine if (v := _per_iteration_sum(client, r, key)) is not None]
             timing.append(f"{np.mean(vals):.0f}" if vals else "–")
         minutes = [i["minutes"] for i in info if i["minutes"] is not None]
-        score = _fmt(*_mean_sem(finals["val/score"]), digits) if finals["val/score"] else "–"
-        success = _fmt(*_mean_sem(finals["val/success_rate"]), 2) if finals["val/success_rate"] else "–"
+        score = _fmt(finals["val/score"], digits) if finals["val/score"] else "–"
+        success = _fmt(finals["val/success_rate"], 2) if finals["val/success_rate"] else "–"
         lines.append(f"| {ALGORITHM_LABELS.get(algo, algo)} | {', '.join(str(i['seed']) for i in info)} | "
                      f"{np.mean([i['iterations'] for i in info]):.0f} | "
                      f"{np.mean(minutes):.0f} | {' / '.join(timing)} | {ws_txt} | {score} | {success} |")

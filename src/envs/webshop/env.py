@@ -294,7 +294,8 @@ class WebShopEnv:
         truncated = not done and self.steps >= self.max_steps
         if done or truncated:
             self._active = False
-        return self._shown(obs), float(reward), done, truncated, self._info(action=action, valid=valid, format_ok=format_ok)
+        info = self._info(action=action, valid=valid, format_ok=format_ok)
+        return self._shown(obs), float(reward), done, truncated, info
 
     def close(self) -> None:
         self._active = False
@@ -305,7 +306,8 @@ class WebShopEnv:
         # the copy would crowd out the page (and fill the capped history observations).
         if self.observation_instruction:
             return obs
-        return obs.replace(f"Instruction:{pages.SEP}{self.text_env.instruction}{pages.SEP}", "", 1)
+        # the nodes as the page renderer joins them (stripped), so the match cannot silently miss
+        return obs.replace(pages.join_nodes(["Instruction:", self.text_env.instruction]) + pages.SEP, "", 1)
 
     def _info(self, action: str, valid: bool, format_ok: bool) -> dict[str, Any]:
         te = self.text_env
