@@ -5,9 +5,11 @@ has cosine exactly c (up to float32 rounding) with e0 = [1, 0, ...].
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -510,6 +512,33 @@ def test_reflection_sees_the_whole_trajectory_oldest_observations_shortened_firs
                                                       "was 25/100.") for t in entries)
     keys = memory.tips._keys(memory.tips._parts["t/0"])
     np.testing.assert_array_equal(keys, np.stack([s.key for s in episode.steps]))
+
+
+def test_action_replies_to_the_reflection_prompt_are_measured_and_warned_once(embedder, tiny_policy):
+    """A policy that answers the reflection prompt with an action (the imitation warm start does) writes tips that
+    carry no advice: `tip_action_frac` counts them and more than half of them is warned about, once per run."""
+    from src.callbacks.memory import MemoryCallback
+
+    class Replies(_Recorder):  # the real policy's generation, its texts replaced by the replies under test
+        replies: list[str] = []
+
+        def generate(self, prompts, **kwargs):
+            gen = super().generate(prompts, **kwargs)
+            return dataclasses.replace(gen, texts=self.replies[: len(prompts)])
+
+    memory = MemoryCallback(embedder, TipMemory(embedder.dim, embedder.name), tip_max_tokens=2)
+    policy = Replies(tiny_policy)
+    episodes = [_long_episode(2, embedder.dim) for _ in range(4)]
+    policy.replies = ["Search the colour first.", "<action>click[buy now]</action>", "Compare prices.",
+                      "<action>search[red shirt]"]
+    assert memory.write_tips(episodes, policy, "sys")["tip_action_frac"] == 0.5  # half: measured, not warned
+    policy.replies = ["<action>click[buy now]</action>"] * 3 + ["Open the door first."]
+    with pytest.warns(UserWarning, match=r"75% of the 4 reflections .* <action> replies.*click\[buy now\]"):
+        assert memory.write_tips(episodes, policy, "sys")["tip_action_frac"] == 0.75
+    policy.replies = ["<action>look around</action>"] * 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once already: no second warning
+        assert memory.write_tips(episodes, policy, "sys")["tip_action_frac"] == 1.0
 
 
 def test_short_trajectory_reflection_is_not_shortened(embedder, tiny_policy):

@@ -14,8 +14,10 @@ from typing import Any
 
 import lightning as L
 import numpy as np
+from lightning.pytorch.utilities import rank_zero_warn
 
 from src.data.prompts import HistoryItem, build_reflection_turn, build_tip_messages, fit_tip_history
+from src.envs.base import extract_action
 from src.memory.embedder import Embedder
 from src.memory.novelty import NoveltyMemory
 from src.memory.tip_entry import format_entry
@@ -99,6 +101,7 @@ class MemoryCallback(L.Callback):
         self.novelty_enabled = bool(novelty.get("enabled", False))
         self.novelty = NoveltyMemory(dim=embedder.dim, threshold=float(novelty.get("threshold", 0.9)),
                                      coef=float(novelty.get("coef", 1.0)), count=novelty.get("count", "visits"))
+        self._warned_action_tips = False
         self._reset_counters()
 
     # ------------------------------------------------------------------ Lightning
@@ -144,8 +147,11 @@ class MemoryCallback(L.Callback):
 
         Entry content: ``<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>.``,
         key = the embedding of step k's state made during the rollout (``StepRecord.key``, not recomputed),
-        score = the episode's final score (SPEC §2.7). Returns timings (s) and token counts; the kept rollout
-        keys/values (``Episode.reflection_prefix``) are released.
+        score = the episode's final score (SPEC §2.7). Returns timings (s), token counts and
+        ``tip_action_frac``, the fraction of reflections that hold an ``<action>`` tag: a policy fine-tuned on actions
+        only (e.g. the imitation warm start) answers the reflection prompt with an action, and such tips carry no
+        advice; above one half it is warned about once. The kept rollout keys/values (``Episode.reflection_prefix``)
+        are released.
         """
         tic = time.perf_counter()
         done = [e for e in episodes if not e.failed and e.steps and e.steps[0].key is not None]
@@ -161,6 +167,7 @@ class MemoryCallback(L.Callback):
         with timed(timers, "tip_generate_s"):
             cached = {"prefix_kv": prefixes} if any(p is not None for p in prefixes) else {}
             gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens, **cached)
+        action_frac = self._check_reflections(gen.texts)
         batches = []
         for episode, tip in zip(done, gen.texts):
             tip = " ".join(tip.split()) or "No reflection."
@@ -178,7 +185,21 @@ class MemoryCallback(L.Callback):
                 "tip_prompt_tokens": float(sum(len(p) for p in prompts)),
                 "tip_prompt_cached_tokens": float(sum(p.length for p in prefixes if p is not None)),
                 "tip_prompts_continued": float(sum(p is not None for p in prefixes)),
-                "tip_observations_shortened": float(shortened)}
+                "tip_observations_shortened": float(shortened), **action_frac}
+
+    def _check_reflections(self, texts: list[str]) -> dict[str, float]:
+        """``{"tip_action_frac": share of replies with an <action> tag}`` ({} for none); warns once above 1/2."""
+        if not texts:
+            return {}
+        actions = [t for t in texts if extract_action(t)[0] is not None]
+        frac = len(actions) / len(texts)
+        if frac > 0.5 and not self._warned_action_tips:
+            self._warned_action_tips = True
+            rank_zero_warn(f"{frac:.0%} of the {len(texts)} reflections just written are <action> replies, not advice "
+                           "(e.g. '" + " ".join(actions[0].split())[:80] + "'): the tips will carry no information. "
+                           "The policy answers the reflection prompt as an action step, as after an imitation warm "
+                           "start trained on actions only; rollout/tip_action_frac tracks it.")
+        return {"tip_action_frac": frac}
 
     @staticmethod
     def reflection_prompt(policy, system_prompt: str, episode) -> tuple[list[int], Any, int]:
