@@ -162,7 +162,7 @@ def test_webshop_checkpoint_eval(tmp_path):
     run = _compose("train", tmp_path / "train", "experiment=webshop", "data.tasks_per_iteration=1",
                    "algorithm.kl_coef=0.01", "algorithm.skip_zero_advantage=false",
                    "data.group_size=2", "data.micro_batch_size=2", "trainer.max_epochs=1",
-                   "trainer.check_val_every_n_epoch=5", "data.val.num_tasks=2", "logger=none")  # 2: no 50-worker pool
+                   "trainer.check_val_every_n_epoch=5", "data.val.num_tasks=2", "logger=none")  # never validates
     ckpt = train(run)["last_checkpoint"]
     cfg = _compose("eval", tmp_path / "eval", "experiment=webshop", f"ckpt_path={ckpt}", "logger=none",
                    "eval.num_tasks=2", "eval.episodes_per_task=1")
