@@ -167,10 +167,11 @@ class MemoryCallback(L.Callback):
         with timed(timers, "tip_generate_s"):
             cached = {"prefix_kv": prefixes} if any(p is not None for p in prefixes) else {}
             gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens, **cached)
-        action_frac = self._check_reflections(gen.texts)
+        reflections = [" ".join(t.split()) for t in gen.texts]  # one line each: an entry is one line
+        action_frac = self._check_reflections(reflections)
         batches = []
-        for episode, tip in zip(done, gen.texts):
-            tip = " ".join(tip.split()) or "No reflection."
+        for episode, tip in zip(done, reflections):
+            tip = tip or "No reflection."
             contents = [format_entry(tip, s.action, episode.score, episode.max_score) for s in episode.steps]
             keys = np.stack([s.key for s in episode.steps]).astype(np.float32)
             batches.append((self.partition_key(episode.task), keys, contents, [episode.score] * len(contents),
@@ -196,7 +197,7 @@ class MemoryCallback(L.Callback):
         if frac > 0.5 and not self._warned_action_tips:
             self._warned_action_tips = True
             rank_zero_warn(f"{frac:.0%} of the {len(texts)} reflections just written are <action> replies, not advice "
-                           "(e.g. '" + " ".join(actions[0].split())[:80] + "'): the tips will carry no information. "
+                           f"(e.g. '{actions[0][:80]}'): the tips will carry no information. "
                            "The policy answers the reflection prompt as an action step, as after an imitation warm "
                            "start trained on actions only; rollout/tip_action_frac tracks it.")
         return {"tip_action_frac": frac}
