@@ -4,25 +4,21 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+from cli_report import failure_report, run_cli
 
 
 def test_ddp_two_cpu_processes_share_memory(tmp_path):
     seed, iterations, tasks_per_iteration = 8, 2, 2
-    cmd = [sys.executable, "src/train.py", "experiment=scienceworld", "debug=default", "data.num_mini_batches=1",
+    cmd = ["src/train.py", "experiment=scienceworld", "debug=default", "data.num_mini_batches=1",
            "trainer.strategy=ddp",
            "trainer.devices=2", f"trainer.max_epochs={iterations}", f"data.tasks_per_iteration={tasks_per_iteration}",
            "algorithm.memory_rollout_prob=1.0", f"seed={seed}", "~callbacks.rich_progress_bar",
            "trainer.enable_progress_bar=false", f"paths.log_dir={tmp_path}/logs", f"hydra.run.dir={tmp_path}/run"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli(cmd)
+    assert proc.returncode == 0, failure_report(proc)
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == iterations
     partitions = set(ckpt["callbacks"]["MemoryCallback"]["tips"]["partitions"])
@@ -49,9 +45,9 @@ def test_fsdp2_two_cpu_processes_train_checkpoint_and_resume(tmp_path):
               "data.tasks_per_iteration=2",
               "algorithm.memory_rollout_prob=1.0", "data.val.num_tasks=1", "~callbacks.rich_progress_bar",
               "trainer.enable_progress_bar=false", f"paths.log_dir={tmp_path}/logs"]
-    first = [sys.executable, "src/train.py", *common, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path}/a"]
-    proc = subprocess.run(first, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = ["src/train.py", *common, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path}/a"]
+    proc = run_cli(first)
+    assert proc.returncode == 0, failure_report(proc)
     log = (tmp_path / "a" / "train.log").read_text()
     assert re.search(r"Precision: parameters: [\d.,]+M trainable float32; trainer.precision=bf16-mixed; FSDP2 "
                      r"compute torch.bfloat16, gradient reduction torch.float32", log)
@@ -61,10 +57,10 @@ def test_fsdp2_two_cpu_processes_train_checkpoint_and_resume(tmp_path):
     meta = torch.load(ckpt_dir / "meta.pt", map_location="cpu", weights_only=False)
     n_tips = sum(len(p["entries"]) for p in meta["callbacks"]["MemoryCallback"]["tips"]["partitions"].values())
     assert n_tips > 0 and meta["global_step"] == 1
-    resumed = [sys.executable, "src/train.py", *common, "trainer.max_epochs=2", f"ckpt_path={ckpt_dir}",
+    resumed = ["src/train.py", *common, "trainer.max_epochs=2", f"ckpt_path={ckpt_dir}",
                f"hydra.run.dir={tmp_path}/b"]
-    proc = subprocess.run(resumed, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli(resumed)
+    assert proc.returncode == 0, failure_report(proc)
     meta = torch.load(tmp_path / "b" / "checkpoints" / "last.ckpt" / "meta.pt", map_location="cpu",
                       weights_only=False)
     assert meta["global_step"] == 2
