@@ -161,3 +161,24 @@ def test_low_prob_masking_runs_only_in_mask_modes(tiny_model_dir, model_cache_di
     _fit(module, _micro_batches(_samples(module), 4, mode))
     moved = any(not torch.equal(p.detach(), start[n]) for n, p in module.policy.named_parameters())
     assert moved == (mode not in mask_modes)
+
+
+def test_a_mini_batch_without_samples_leaves_the_policy_alone(tiny_model_dir, model_cache_dir):
+    """A mini-batch with no sample on any rank (all advantages 0 under skip_zero_advantage) is padding only; the
+    optimizer step it ends must not move the weights (AdamW's momentum and weight decay would) but still counts."""
+    adamw = partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    reference = _module(tiny_model_dir, model_cache_dir, adamw)
+    samples = _samples(reference)
+    dm = RolloutDataModule(env={"_target_": "unused"}, algorithm={}, micro_batch_size=4)
+    dm._eos_token_id = lambda: reference.policy.tokenizer.eos_token_id  # no Trainer attached to this datamodule
+    empty = list(dm.micro_batches([], {"iteration": 1, "mode": "on_policy", "rollout_global_step": 1}, {}, 1))
+    assert [(b.loss_scale, b.has_data) for b in empty] == [(0.0, False)]
+    trained = {}
+    for name, extra in (("one step", []), ("then an empty mini-batch", empty)):
+        module = copy.deepcopy(reference)
+        _fit(module, _micro_batches(copy.deepcopy(samples), 4) + extra)
+        trained[name] = (module.trainer.global_step, {n: p.detach().clone() for n, p in module.policy.named_parameters()})
+    (steps_a, params_a), (steps_b, params_b) = trained.values()
+    assert (steps_a, steps_b) == (1, 2)
+    moved = [n for n in params_a if not torch.equal(params_a[n], params_b[n])]
+    assert not moved, f"parameters moved by an update without data: {moved[:5]}"

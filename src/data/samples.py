@@ -67,6 +67,8 @@ class MicroBatch:
             (the optimizer steps after it).
         metrics: the iteration's rollout metrics on its first micro-batch, else empty.
         num_samples: this rank's samples in the iteration.
+        has_data: the mini-batch holds a sample on some rank; when False (e.g. every step's advantage was 0 under
+            ``skip_zero_advantage``) the optimizer leaves the policy as it is.
     """
 
     samples: list[StepSample]
@@ -81,3 +83,4 @@ class MicroBatch:
     last_micro: bool
     metrics: dict[str, Any] = field(default_factory=dict)
     num_samples: int = 0
+    has_data: bool = True

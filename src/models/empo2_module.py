@@ -220,6 +220,11 @@ class EMPO2Module(L.LightningModule):
 
     def _optimizer_step(self, batch: MicroBatch) -> None:
         opt = self.optimizers()
+        if not batch.has_data:
+            # No sample on any rank: AdamW would still move every weight (momentum and weight decay act on zero
+            # gradients). With every gradient None it skips each parameter and its state; the step still counts
+            # (iterations are derived from global_step).
+            opt.zero_grad(set_to_none=True)
         # total norm before clipping (what the loss asked for); works for plain and FSDP2 (DTensor) grads
         params = [p for p in self.policy.parameters() if p.grad is not None]
         clip = self.hparams.gradient_clip_val
@@ -263,6 +268,7 @@ class EMPO2Module(L.LightningModule):
         for k, v in s.items():
             out[f"train/{k}"] = v if k in PARTIAL_SUMS or k == "ratio_max" else v / w
         out["train/grad_norm"] = grad_norm
+        out["train/update_skipped"] = float(not batch.has_data)
         out["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
         out["train/tokens_per_s"] = self._train_tokens / max(self._train_time, 1e-9)
         out["train/update_s"] = self._train_time
