@@ -134,7 +134,7 @@ def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: l
 
 def _heldout(cfg: DictConfig, prep: dict[str, Any]) -> dict[str, Any]:
     """The warm start's score and success on the held-out tasks, by the RL run's validation protocol."""
-    from src.data.rollout import run_episodes
+    from src.data.rollout import log_episodes, run_episodes
     from src.envs.pool import EnvPool
     from src.evaluation.stats import mean_stderr
     from src.models.policy import build_policy
@@ -156,9 +156,7 @@ def _heldout(cfg: DictConfig, prep: dict[str, Any]) -> dict[str, Any]:
                                        None, dm.max_steps)
     finally:
         pool.close()
-    for ep in episodes:
-        log.info("held-out %s: score %g, success %s, actions %s", ep.task, ep.score, ep.success,
-                 [s.action for s in ep.steps])
+    log_episodes(episodes, "held-out")
     done = [e for e in episodes if not e.failed]
     return {"score": mean_stderr([e.score for e in done]), "success_rate": mean_stderr([float(e.success) for e in done]),
             "failed_episodes": len(episodes) - len(done), "eval_time_s": time.perf_counter() - tic,

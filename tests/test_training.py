@@ -200,13 +200,19 @@ def test_memory_mode_without_memory_is_refused(tmp_path):
         train(cfg)
 
 
-def test_fast_dev_run_runs_one_real_iteration(tmp_path):
+def test_fast_dev_run_runs_one_real_iteration(tmp_path, caplog):
     """Lightning's fast_dev_run would stop after one micro-batch, before the iteration's optimizer step."""
     cfg = _cfg(tmp_path, "algorithm=grpo", "+trainer.fast_dev_run=true")
-    objs = train(cfg)
+    with caplog.at_level("INFO", logger="src.data.rollout"):
+        objs = train(cfg)
     trainer = objs["trainer"]
     assert trainer.global_step == 1 and trainer.current_epoch == 1  # the whole iteration and its optimizer step
     assert "rollout/return" in objs["metrics"] and "val/score" in objs["metrics"]
+    # the validation episode (one held-out variation) is logged with its actions; its score is val/score
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("validation after 1 optimizer steps")]
+    held_out = objs["datamodule"].val_tasks[0]
+    assert len(lines) == 1 and lines[0].startswith(f"validation after 1 optimizer steps {held_out}: score "), lines
+    assert float(lines[0].split(": score ")[1].split(",")[0]) == pytest.approx(float(objs["metrics"]["val/score"]))
     assert objs["loggers"] == [] and objs["last_checkpoint"] is None  # as Lightning's: no loggers, no checkpoints
     assert not (tmp_path / "logs").exists() and not (tmp_path / "run" / "checkpoints").exists()
 

@@ -285,6 +285,13 @@ def _any_active(policy: Policy, active: list[int]) -> bool:
     return bool(active)
 
 
+def log_episodes(episodes: list[Episode], what: str) -> None:
+    """One INFO line per episode: ``<what> <task>: score, success, executed actions`` (held-out evaluations)."""
+    for ep in episodes:
+        log.info("%s %s: score %g, success %s, actions %s", what, ep.task, ep.score, ep.success,
+                 [s.action for s in ep.steps])
+
+
 def episode_metrics(episodes: list[Episode] | list[dict], prefix: str = "") -> dict[str, float]:
     """Mean return, score (env units), success rate, episode length and invalid-action rate of finished episodes.
 

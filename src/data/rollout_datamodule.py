@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, IterableDataset
 
-from src.data.rollout import Episode, RolloutConfig, episode_metrics, run_episodes
+from src.data.rollout import Episode, RolloutConfig, episode_metrics, log_episodes, run_episodes
 from src.data.samples import MicroBatch, StepSample
 from src.envs.pool import EnvPool
 from src.models.algorithm_config import AlgorithmConfig
@@ -364,10 +364,13 @@ class RolloutDataModule(L.LightningDataModule):
         if not self.val_cfg or not self.val_tasks:
             return
         seed_torch(self.seed, self.trainer.global_step, VALIDATION, rank_and_world()[0])
-        yield {"metrics": evaluate(self.pool, self.trainer.lightning_module, self.val_tasks,
-                                   int(self.val_cfg.get("episodes_per_task", 1)),
-                                   self.rollout_config(use_tips=False, temperature=self.val_cfg.get("temperature", 0.4)),
-                                   self.max_steps)}
+        metrics, episodes = evaluate(self.pool, self.trainer.lightning_module, self.val_tasks,
+                                     int(self.val_cfg.get("episodes_per_task", 1)),
+                                     self.rollout_config(use_tips=False, temperature=self.val_cfg.get("temperature", 0.4)),
+                                     self.max_steps, return_episodes=True)
+        # what the policy did on each held-out task (this rank's shard): a falling score can be read off the log
+        log_episodes(episodes, f"validation after {self.trainer.global_step} optimizer steps")
+        yield {"metrics": metrics}
 
 
 def evaluate(pool: EnvPool, module, tasks: list[dict], episodes_per_task: int, cfg: RolloutConfig,
