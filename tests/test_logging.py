@@ -69,3 +69,34 @@ def test_runs_started_together_get_distinct_directories(tmp_path):
     tags = sorted(str(OmegaConf.load(d / ".hydra" / "config.yaml").tags[0]) for d in run_dirs)
     assert tags == ["run0", "run1"]  # one config per directory
     assert all((d / "train.log").is_file() for d in run_dirs)
+
+
+def test_a_resume_into_the_same_mlflow_run_keeps_the_first_parameters(tmp_path, caplog):
+    """Resuming with ``+logger.mlflow.run_id`` logs the config again; MLflow refuses changed parameters, so the
+    changed ones (here ckpt_path and max_epochs) become ``resumed/<key>`` tags and the rest is added."""
+    from src.utils.logging import log_config
+
+    conf = {"mlflow": {"_target_": "lightning.pytorch.loggers.mlflow.MLFlowLogger", "experiment_name": "empo2",
+                       "run_name": "resumed", "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+                       "artifact_location": f"{tmp_path}/mlartifacts"}}
+    logger, = instantiate_loggers(OmegaConf.create(conf))
+    first = {"seed": 0, "ckpt_path": None, "trainer": {"max_epochs": 10}, "long": "x" * 300}
+    log_config(OmegaConf.create(first), [logger])
+    run_id = logger.run_id
+    logger.finalize("success")
+
+    conf["mlflow"]["run_id"] = run_id
+    logger, = instantiate_loggers(OmegaConf.create(conf))
+    resume = {**first, "ckpt_path": "ckpts/iter_0004.ckpt", "trainer": {"max_epochs": 15}, "added": 1}
+    with caplog.at_level("WARNING", logger="src.utils.logging"):
+        log_config(OmegaConf.create(resume), [logger])
+    logger.finalize("success")
+
+    run = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id)
+    assert run.data.params == {"seed": "0", "ckpt_path": "None", "trainer/max_epochs": "10", "long": "x" * 250,
+                               "added": "1"}
+    assert {k: v for k, v in run.data.tags.items() if k.startswith("resumed/")} == {
+        "resumed/ckpt_path": "ckpts/iter_0004.ckpt", "resumed/trainer/max_epochs": "15"}
+    assert "ckpt_path, trainer/max_epochs" in caplog.text
+    artifacts = sorted(a.path for a in mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").list_artifacts(run_id))
+    assert artifacts == ["config.resumed-1.yaml", "config.yaml"]

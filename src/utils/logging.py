@@ -56,15 +56,38 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def log_config(cfg: DictConfig, loggers: list[Logger]) -> None:
     """Log every resolved config value as a parameter and the whole YAML as ``config.yaml``.
 
-    Parameter values have length limits in MLflow, so the artifact is the faithful copy.
+    Parameter values have length limits in MLflow, so the artifact is the faithful copy. A run continued in an
+    existing MLflow run (a resume with ``+logger.mlflow.run_id=<id>``) cannot change a parameter (MLflow raises
+    "Changing param values is not allowed"), and a resume changes some (``ckpt_path``, ``trainer.max_epochs``,
+    the output paths): those keep their first value, the resume's value is logged as the tag ``resumed/<key>``
+    with a warning, and the resume's YAML goes to ``config.resumed-<n>.yaml`` beside the original.
     """
     container = OmegaConf.to_container(cfg, resolve=True)
     params = flatten({k: v for k, v in container.items() if k != "hydra"})
     text = OmegaConf.to_yaml(cfg, resolve=True)
     for logger in loggers:
-        logger.log_hyperparams(params)
-        if isinstance(logger, MLFlowLogger):
-            logger.experiment.log_text(logger.run_id, text, "config.yaml")
+        if not isinstance(logger, MLFlowLogger):
+            logger.log_hyperparams(params)
+            continue
+        client, run_id = logger.experiment, logger.run_id
+        run = client.get_run(run_id)
+        log.info("MLflow run %s (%s)%s", run_id, run.info.run_name, ": continued" if run.data.params else "")
+        logged = run.data.params
+        new = {k: v for k, v in params.items() if k not in logged}
+        # MLFlowLogger stores str(value)[:250]: compare like for like
+        changed = {k: v for k, v in params.items() if k in logged and logged[k] != str(v)[:250]}
+        logger.log_hyperparams(new)
+        for key, value in changed.items():
+            client.set_tag(run_id, f"resumed/{key}", str(value)[:5000])
+        if changed:
+            log.warning("MLflow run %s already has %d of these parameters with other values (%s); they keep their "
+                        "first values and the new ones are the tags resumed/<key>", run_id, len(changed),
+                        ", ".join(sorted(changed)[:8]) + (" ..." if len(changed) > 8 else ""))
+        name = "config.yaml"
+        if logged:
+            n = sum(1 for a in client.list_artifacts(run_id) if a.path.startswith("config.resumed-"))
+            name = f"config.resumed-{n + 1}.yaml"
+        client.log_text(run_id, text, name)
 
 
 def log_checkpoint(path: str | None, loggers: list[Logger]) -> None:
