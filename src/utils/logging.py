@@ -13,6 +13,8 @@ from lightning.pytorch.loggers import Logger, MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 _SQLITE = "sqlite:///"
+# MLFlowLogger.log_hyperparams stores str(value)[:250]
+MLFLOW_PARAM_CHARS = 250
 # Creating a fresh store, migrating it and creating the experiment can wait this long for another run.
 STORE_LOCK_TIMEOUT_S = 600
 
@@ -58,7 +60,7 @@ def log_config(cfg: DictConfig, loggers: list[Logger]) -> None:
 
     Parameter values have length limits in MLflow, so the artifact is the faithful copy. A run continued in an
     existing MLflow run (a resume with ``+logger.mlflow.run_id=<id>``) cannot change a parameter (MLflow raises
-    "Changing param values is not allowed"), and a resume changes some (``ckpt_path``, ``trainer.max_epochs``,
+    "Changing param values is not allowed"), and a resume changes some (``ckpt_path``, ``trainer/max_epochs``,
     the output paths): those keep their first value, the resume's value is logged as the tag ``resumed/<key>``
     with a warning, and the resume's YAML goes to ``config.resumed-<n>.yaml`` beside the original.
     """
@@ -71,11 +73,11 @@ def log_config(cfg: DictConfig, loggers: list[Logger]) -> None:
             continue
         client, run_id = logger.experiment, logger.run_id
         run = client.get_run(run_id)
-        log.info("MLflow run %s (%s)%s", run_id, run.info.run_name, ": continued" if run.data.params else "")
         logged = run.data.params
+        log.info("MLflow run %s (%s)%s", run_id, run.info.run_name, ": continued" if logged else "")
         new = {k: v for k, v in params.items() if k not in logged}
-        # MLFlowLogger stores str(value)[:250]: compare like for like
-        changed = {k: v for k, v in params.items() if k in logged and logged[k] != str(v)[:250]}
+        changed = {k: v for k, v in params.items()
+                   if k in logged and logged[k] != str(v)[:MLFLOW_PARAM_CHARS]}
         logger.log_hyperparams(new)
         for key, value in changed.items():
             client.set_tag(run_id, f"resumed/{key}", str(value)[:5000])
