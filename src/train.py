@@ -29,7 +29,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     from src.warm_start import warm_start_model_config
     from src.utils.checkpoint_io import AtomicCheckpointIO
     from src.utils.instantiate import instantiate_callbacks, instantiate_loggers
+    from src.utils.precision_choice import resolve_precision
 
+    resolve_precision(cfg)  # trainer.precision=auto: this machine's choice, before anything reads it
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     check_device_memory(cfg)  # before loading any weights: refuse what cannot fit
@@ -59,12 +61,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     prepare_run(cfg)  # refuses/adapts options before anything (even torch) is loaded
     from src.warm_start import warm_start_metrics
-    from src.utils.logging import log_checkpoint, log_config
+    from src.utils.logging import log_checkpoint, log_config, set_tags
 
     objs = build(cfg)
     trainer = objs["trainer"]
     if trainer.is_global_zero:
         log_config(cfg, objs["loggers"])
+        set_tags(objs["loggers"], {"precision_used": trainer.precision})  # what Lightning runs with
         start = warm_start_metrics(objs["warm_start"])  # the point RL starts from: its held-out score
         for logger in objs["loggers"] if start else []:
             logger.log_metrics(start, step=0)

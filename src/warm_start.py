@@ -33,18 +33,20 @@ from typing import Any
 import hydra
 import lightning as L
 import numpy as np
+from lightning.pytorch.callbacks import RichProgressBar
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.data.demonstrations import build_examples, demonstration_records, make_dataloader
 from src.models.sft_module import ProgressLog, SFTModule, save_policy
 from src.utils.io import write_json_atomic
-from src.utils.logging import flatten
+from src.utils.logging import flatten, set_tags
+from src.utils.precision_choice import resolve_precision
 
 log = logging.getLogger(__name__)
 
 # Bump when the training procedure changes in a way the cache key does not see.
-WARM_START_FORMAT = 1
+WARM_START_FORMAT = 2  # 2: shared prompt prefix computed once per batch (same loss up to rounding)
 
 
 def _digest(obj: Any, n: int = 12) -> str:
@@ -115,8 +117,8 @@ def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: l
     with tempfile.TemporaryDirectory(prefix="warm_start_") as root:
         trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
                             max_epochs=int(ws["epochs"]), gradient_clip_val=ws["gradient_clip_val"],
-                            logger=loggers or False, callbacks=[ProgressLog()], enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                            logger=loggers or False, callbacks=[ProgressLog(), RichProgressBar()],
+                            enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
                             default_root_dir=root)
         loader = make_dataloader(examples, int(ws["batch_size"]), int(ws["seed"]))
         trainer.fit(module, train_dataloaders=loader)
@@ -127,7 +129,8 @@ def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: l
             "tasks": [r["task"] for r in prep["records"]], "num_examples": len(examples),
             "prompt_tokens_mean": prompt_tokens / len(examples),
             "final_train_loss": float(trainer.callback_metrics.get("train/loss_epoch", float("nan"))),
-            "epoch_times_s": module.epoch_times, "train_time_s": time.perf_counter() - tic, "heldout": {}}
+            "epoch_times_s": module.epoch_times, "train_time_s": time.perf_counter() - tic,
+            "precision_used": trainer.precision, "heldout": {}}
     save_policy(policy, prep["out_dir"], info)
     return info
 
@@ -174,6 +177,7 @@ def ensure_warm_start(cfg: DictConfig) -> dict[str, Any] | None:
     if not ws:
         return None
     ws = OmegaConf.to_container(ws, resolve=True)
+    resolve_precision(cfg)  # trainer.precision=auto (src/sft.py, tests): this machine's choice
     with _rng_preserved():  # the warm start seeds its own draws; the RL run's random streams stay untouched
         result = _ensure(cfg, ws)
     _print_summary(result)
@@ -200,7 +204,9 @@ def _ensure(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
                 write_json_atomic(out_dir / "sft_info.json", info, indent=1, default=str)
             heldout = info["heldout"][pkey]
     result = {"path": str(out_dir), "info": info, "heldout": heldout}
-    for logger in loggers:  # the warm-start run's own MLflow/CSV record
+    if loggers:  # the warm-start run's own MLflow/CSV record
+        set_tags(loggers, {"precision_used": info.get("precision_used", prep["key"]["precision"])})
+    for logger in loggers:
         logger.log_hyperparams(flatten(prep["key"], "warm_start/"))
         logger.log_metrics(warm_start_metrics(result), step=0)
         logger.finalize("success")

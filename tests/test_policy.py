@@ -145,3 +145,38 @@ def test_lora_reference_is_the_base_model(tiny_model_dir, model_cache_dir):
     assert not torch.allclose(base, adapted)
     trainable = [n for n, p in policy.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_a_shared_prompt_prefix_computed_once_gives_the_same_log_probs_and_gradients(tiny_policy: Policy):
+    """log_probs(share_prefix=True) runs the prompts' common prefix once and continues every row from its
+    keys/values: log-probs, entropies and every parameter's gradient equal the plain batch's (float rounding)."""
+    torch.manual_seed(0)
+    head = torch.randint(10, 4000, (40,)).tolist()
+    # uneven rests and replies exercise the padding between the shared block and each row
+    prompts = [head + torch.randint(10, 4000, (k,)).tolist() for k in (5, 17, 1, 9)]
+    replies = [torch.randint(10, 4000, (k,)).tolist() for k in (3, 7, 1, 4)]
+    assert tiny_policy.shared_prefix_length(prompts) == 40
+    results = []
+    for share in (False, True):
+        tiny_policy.zero_grad()
+        out = tiny_policy.log_probs(prompts, replies, share_prefix=share, with_entropy=True)
+        (out["log_probs"].sum() + out["entropy"].sum()).backward()
+        grads = {n: p.grad.clone() for n, p in tiny_policy.named_parameters() if p.grad is not None}
+        results.append((out["log_probs"].detach(), out["entropy"].detach(), out["response_mask"], grads))
+    (lp, ent, mask, grads), (lp_s, ent_s, mask_s, grads_s) = results
+    assert torch.equal(mask, mask_s)
+    torch.testing.assert_close(lp_s, lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_s, ent, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == grads_s.keys() and len(grads) == len(list(tiny_policy.parameters()))
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_s[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    tiny_policy.zero_grad()
+
+
+def test_shared_prefix_length_needs_a_long_common_prefix_and_leaves_each_last_prompt_token(tiny_policy: Policy):
+    head = list(range(100, 130))
+    assert tiny_policy.shared_prefix_length([head + [1], head + [2, 3]]) == 30
+    # the shortest prompt's last token must be fed: it predicts the first reply token
+    assert tiny_policy.shared_prefix_length([head, head + [2, 3]]) == 29
+    assert tiny_policy.shared_prefix_length([head[:10] + [1], head[:10] + [2]]) == 0  # under MIN_SHARED_PREFIX
+    assert tiny_policy.shared_prefix_length([head + [1]]) == 0  # one prompt: nothing to share

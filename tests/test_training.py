@@ -45,7 +45,7 @@ def empo2_run(tmp_path_factory):
 
 
 EXACT_RUN = ("seed=3", "trainer.max_epochs=4", "data.num_mini_batches=2", "trainer.check_val_every_n_epoch=2",
-             "memory.tip_max_tokens=8")
+             "memory.tip_max_tokens=8", "callbacks.model_checkpoint.save_top_k=-1")  # every iteration's checkpoint
 
 
 def test_four_iterations_log_metrics_and_checkpoint_memory(empo2_run):
@@ -192,6 +192,22 @@ def test_grpo_runs_without_memory(tmp_path):
     ckpt = torch.load(objs["last_checkpoint"], map_location="cpu", weights_only=False)
     assert "MemoryCallback" not in ckpt["callbacks"]
     assert "rollout/return" in objs["metrics"]
+
+
+def test_auto_precision_is_tagged_and_only_the_last_checkpoint_is_kept(tmp_path, monkeypatch):
+    """trainer.precision=auto (the CPU experiments' setting) runs with this machine's choice, which the MLflow run
+    records as the tag precision_used; by default a run keeps last.ckpt only (no disk growth per iteration)."""
+    from src.utils import precision_choice
+
+    monkeypatch.setenv(precision_choice.ENV_VAR, "")  # probe here (restored afterwards)
+    cfg = _cfg(tmp_path, "algorithm=grpo", "memory=none", "trainer.max_epochs=2", "trainer.precision=auto",
+               "trainer.check_val_every_n_epoch=2")
+    objs = train(cfg)
+    chosen = os.environ[precision_choice.ENV_VAR].split("|")[1]
+    assert chosen in ("32-true", "bf16-mixed") and objs["trainer"].precision == chosen
+    client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
+    assert client.get_run(objs["loggers"][0].run_id).data.tags["precision_used"] == chosen
+    assert sorted(p.name for p in Path(objs["last_checkpoint"]).parent.iterdir()) == ["last.ckpt"]
 
 
 def test_memory_mode_without_memory_is_refused(tmp_path):

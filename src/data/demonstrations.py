@@ -17,6 +17,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from src.data.prompts import HistoryItem
 from src.data.rollout import RolloutConfig
 from src.data.step_prompt import step_prompt
 from src.models.policy import Policy
+from src.utils.timing import EtaLog
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +79,37 @@ def ensure_gold(tasks: list[dict[str, Any]], gold_dir: str | os.PathLike, simpli
             log.info("Generating gold trajectories of %s variations %s into %s (subprocess)", name, missing, gold_dir)
             cmd = [sys.executable, str(GOLD_SCRIPT), "--task", name, "--variations", *map(str, missing),
                    "--simplification", simplification, "--out-dir", str(gold_dir), "--jvm-heap", str(jvm_heap)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            returncode, output = _run_logged(cmd, timeout_s)
             # Exit 1 = some paths did not replay to success; they are cached with success False and skipped later.
-            if proc.returncode not in (0, 1):
-                raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
+            if returncode not in (0, 1):
+                raise RuntimeError(f"{' '.join(cmd)} exited with {returncode}:\n{output[-4000:]}")
             have = load_gold(name, gold_dir, simplification)
             still = [v for v in missing if v not in have]
             if still:
                 raise RuntimeError(f"gold script did not write {name} variations {still} to {gold_dir}:\n"
-                                   f"{proc.stderr[-4000:]}")
+                                   f"{output[-4000:]}")
         cache[name] = have
     return [cache[name][int(task["variation"])] for name, task in zip(names, tasks)]
+
+
+def _run_logged(cmd: list[str], timeout_s: float) -> tuple[int, str]:
+    """Run ``cmd``, passing each line it prints to this log as it comes (its progress), and return (exit code,
+    everything it printed).
+
+    Raises:
+        subprocess.TimeoutExpired: still running after ``timeout_s`` (it is killed).
+    """
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            lines.append(line)
+            log.info("[gold] %s", line.rstrip())
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise subprocess.TimeoutExpired(cmd, timeout_s, output="".join(lines))
+        proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
+    return proc.returncode, "".join(lines)
 
 
 def gold_records(tasks: list[dict[str, Any]], env_cfg: dict[str, Any], gold_dir: str | os.PathLike) -> list[dict]:
@@ -129,6 +151,7 @@ def webshop_expert_records(env, tasks: list[dict[str, Any]]) -> list[dict]:
 
     expert = ExpertPolicy(env)
     out = []
+    progress = EtaLog(log, "WebShop expert demonstrations", len(tasks), "goals")
     for task in tasks:
         observation, info = env.reset(task)
         expert.reset()
@@ -144,6 +167,7 @@ def webshop_expert_records(env, tasks: list[dict[str, Any]]) -> list[dict]:
             record["observations"].append(observation)
         record["success"], record["score"] = bool(info["success"]), float(info["score"])
         out.append(record)
+        progress.step()
     return out
 
 

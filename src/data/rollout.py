@@ -169,10 +169,13 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
         run.embed_states(reached)
         if cfg.novelty:
             run.add_novelty_bonus(reached)
-        timers = run.timers
-        log.info("rollout step %d: %d/%d episodes still running (%.1f s, generate %.1f s, env %.1f s, memory %.1f s)",
-                 max((len(e.steps) for e in run.episodes), default=0), len(still_active), len(run.episodes),
-                 time.perf_counter() - t0, timers["generate_s"], timers["env_s"], timers["memory_s"])
+        timers, elapsed = run.timers, time.perf_counter() - t0
+        step = max((len(e.steps) for e in run.episodes), default=0)
+        # episodes end at the step cap at the latest, so the steps left bound the time left
+        left = f", at most ~{elapsed / step * (max_steps - step):.0f} s left" if max_steps and still_active else ""
+        log.info("rollout step %d%s: %d/%d episodes still running (%.1f s, generate %.1f s, env %.1f s, memory "
+                 "%.1f s%s)", step, f"/{max_steps}" if max_steps else "", len(still_active), len(run.episodes), elapsed,
+                 timers["generate_s"], timers["env_s"], timers["memory_s"], left)
         active = still_active
     elapsed = time.perf_counter() - t0
     metrics = dict(run.timers, rollout_s=elapsed, generated_tokens=float(run.generated_tokens),

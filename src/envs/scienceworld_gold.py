@@ -14,6 +14,7 @@ from typing import Any
 
 from src.envs.scienceworld import ScienceWorldEnv, resolve_task, start_jvm
 from src.utils.io import write_json_atomic
+from src.utils.timing import EtaLog
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ def generate_gold(tasks: list[dict[str, Any]], simplification: str = "easy",
     generator = start_jvm(jvm_heap)
     replay = None
     records: list[dict[str, Any]] = []
+    progress = EtaLog(logger, "gold paths", len(tasks), every_s=5.0)
     try:
         if tasks:
             replay = ScienceWorldEnv(names, simplification=simplification, num_train_variations=0,
@@ -67,6 +69,7 @@ def generate_gold(tasks: list[dict[str, Any]], simplification: str = "easy",
                 logger.warning("gold path of %s variation %s replays to score %s without success",
                                name, variation, record["final_score"])
             records.append(record)
+            progress.step(detail=f"{name} variation {variation}: {len(record['observations'])} actions")
     finally:
         if replay is not None:
             replay.close()

@@ -87,7 +87,9 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         RuntimeError: the policy weights changed during the evaluation.
     """
     from src.envs.pool import EnvPool
+    from src.utils.precision_choice import resolve_precision
 
+    resolve_precision(cfg)  # trainer.precision=auto: this machine's choice
     ev = cfg.eval
     check_eval_config(ev)
     b = _build(cfg)
@@ -130,6 +132,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         "episodes_per_task": int(ev.episodes_per_task),
         "seeds": list(ev.seeds),
         "temperature": float(ev.temperature),
+        "precision": str(cfg.trainer.precision),
         "memory": memory is not None,
         "memory_source": memory_source,
         "memory_hit_rate": memory_metrics.get("memory/hit_rate"),
@@ -169,7 +172,7 @@ def _write_and_log(cfg: DictConfig, summary: dict[str, Any]) -> None:
     """Print the summary, write it atomically to ``eval.summary_file`` and log it with the ``logger`` group."""
     from src.utils.instantiate import instantiate_loggers
     from src.utils.io import write_text_atomic
-    from src.utils.logging import log_config
+    from src.utils.logging import log_config, set_tags
 
     ev = cfg.eval
     text = json.dumps(summary, indent=2, default=str)
@@ -185,6 +188,7 @@ def _write_and_log(cfg: DictConfig, summary: dict[str, Any]) -> None:
     loggers = instantiate_loggers(logger_cfg)
     if loggers:
         log_config(cfg, loggers)
+        set_tags(loggers, {"precision_used": summary["precision"]})
         _log_summary(summary, loggers, path)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from src.models.hub import load_causal_lm, load_tokenizer, resolve_name_or_path
 from src.models.logprobs import entropy_from_logits, log_probs_from_logits
@@ -32,6 +32,9 @@ from src.models.sampling import (SampledTokenLogProbs, checkpoint_generation_def
                                  sampling_config)
 
 log = logging.getLogger(__name__)
+
+# Shorter shared prefixes are not worth a second forward call.
+MIN_SHARED_PREFIX = 16
 
 
 @dataclass
@@ -237,23 +240,38 @@ class Policy(nn.Module):
 
     # ------------------------------------------------------------------ scoring
     def log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float = 1.0,
-                  with_entropy: bool = False, disable_adapters: bool = False) -> dict[str, Tensor]:
+                  with_entropy: bool = False, disable_adapters: bool = False,
+                  share_prefix: bool = False) -> dict[str, Tensor]:
         """Per-token log-probs of ``response_ids`` given ``prompt_ids`` (differentiable unless under no_grad).
 
         Returns ``log_probs`` [B, R] (float32, 0 where masked), ``response_mask`` [B, R] (float32) and, with
         ``with_entropy``, ``entropy`` [B, R] of the (temperature-scaled) next-token distribution.
         ``disable_adapters=True`` evaluates the base model of a PEFT policy (the KL reference, SPEC §2.3).
+
+        ``share_prefix=True``: the token prefix all prompts share (e.g. system prompt and task) is computed once
+        and its keys/values reused by every row, in the forward and the backward pass; the result is the same up to
+        float rounding (``shared_prefix_length`` says how many tokens are shared; below ``MIN_SHARED_PREFIX`` or
+        with gradient checkpointing on, which drops a passed cache, the batch runs as usual).
         """
+        n_shared = self.shared_prefix_length(prompt_ids) if share_prefix else 0
+        if n_shared:
+            prefix_cache = self._prefix_cache(prompt_ids[0][:n_shared], len(prompt_ids), disable_adapters)
+            prompt_ids = [p[n_shared:] for p in prompt_ids]
         batch = pack_batch(prompt_ids, response_ids, self.tokenizer.pad_token_id)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         p_len = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
         ctx = self.model.disable_adapter() if disable_adapters else contextlib.nullcontext()
         r_len = batch["response_mask"].shape[1]
+        extra, attention_mask, position_ids = {}, batch["attention_mask"], batch["position_ids"]
+        if n_shared:  # the rows continue the shared prefix: its columns are attended to and positions follow it
+            extra["cache"] = prefix_cache
+            attention_mask = torch.cat([attention_mask.new_ones(len(prompt_ids), n_shared), attention_mask], dim=1)
+            position_ids = position_ids + n_shared
         with ctx:
             # Responses are right-aligned after column P, so only the last R + 1 positions' logits are needed;
             # asking for just those avoids a [B, P + R, V] tensor (GBs for long prompts).
-            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                position_ids=batch["position_ids"], use_cache=False, logits_to_keep=r_len + 1).logits
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False, logits_to_keep=r_len + 1, **extra).logits
         # bf16 logits (autocast) are upcast to float32 slice by slice before the temperature is applied
         logits = logits[:, :-1]
         response = batch["input_ids"][:, p_len:]
@@ -263,6 +281,26 @@ class Policy(nn.Module):
         if with_entropy:
             out["entropy"] = entropy_from_logits(logits, temperature=temperature) * mask
         return out
+
+    def shared_prefix_length(self, prompt_ids: list[list[int]]) -> int:
+        """Tokens at the start of every prompt that ``log_probs(share_prefix=True)`` computes once: their common
+        prefix, less the last prompt token of the shortest prompt (it must be fed to predict the first response
+        token); 0 when that is under ``MIN_SHARED_PREFIX``, for one prompt, or with gradient checkpointing on."""
+        if len(prompt_ids) < 2 or getattr(self.model, "is_activation_checkpointing", False):
+            return 0
+        first, n = prompt_ids[0], min(len(p) for p in prompt_ids) - 1
+        for other in prompt_ids[1:]:
+            n = next((j for j in range(n) if other[j] != first[j]), n)
+        return n if n >= MIN_SHARED_PREFIX else 0
+
+    def _prefix_cache(self, prefix: list[int], batch_size: int, disable_adapters: bool) -> DynamicCache:
+        """Keys/values of ``prefix`` computed once (with autograd), viewed as ``batch_size`` identical rows."""
+        ctx = self.model.disable_adapter() if disable_adapters else contextlib.nullcontext()
+        with ctx:
+            out = self.model(input_ids=torch.tensor([prefix], device=self.device), use_cache=True, logits_to_keep=1)
+        layers = [(layer.keys.expand(batch_size, -1, -1, -1), layer.values.expand(batch_size, -1, -1, -1))
+                  for layer in out.cache.layers]
+        return DynamicCache(ddp_cache_data=layers, config=self.model.config)
 
 
 def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", master_dtype: str = "float32",

@@ -18,6 +18,7 @@ import torch
 
 from src.models.policy import Policy
 from src.utils.io import atomic_dir
+from src.utils.timing import eta_text
 
 if TYPE_CHECKING:  # batches of demonstrations (src/data/demonstrations.py); no runtime import of the data layer
     from src.data.demonstrations import SFTExample
@@ -25,9 +26,13 @@ if TYPE_CHECKING:  # batches of demonstrations (src/data/demonstrations.py); no 
 log = logging.getLogger(__name__)
 
 
-def response_nll(policy: Policy, examples: list[SFTExample]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed negative log-likelihood of all target tokens, number of target tokens) of a batch; scalars."""
-    out = policy.log_probs([e.prompt_ids for e in examples], [e.response_ids for e in examples])
+def response_nll(policy: Policy, examples: list[SFTExample], share_prefix: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed negative log-likelihood of all target tokens, number of target tokens) of a batch; scalars.
+
+    ``share_prefix``: compute the prompts' common prefix once (``Policy.log_probs``); same values."""
+    out = policy.log_probs([e.prompt_ids for e in examples], [e.response_ids for e in examples],
+                           share_prefix=share_prefix)
     # log_probs is already 0 outside the response mask, so prompt and padding tokens contribute nothing.
     return -out["log_probs"].sum(), out["response_mask"].sum()
 
@@ -58,22 +63,32 @@ def mean_token_loss(policy: Policy, examples: list[SFTExample], batch_size: int 
 class SFTModule(L.LightningModule):
     """Cross-entropy fine-tuning of a ``Policy`` on ``SFTExample`` batches (lists), AdamW.
 
-    Logs ``train/loss`` (per step and epoch mean, nats per target token), ``train/target_tokens`` and
-    ``train/epoch_time_s``; ``epoch_times`` keeps the wall time (s) of each finished epoch.
+    Logs ``train/loss`` (per step and epoch mean, nats per target token), ``train/target_tokens``,
+    ``train/tokens_per_s`` (prompt + reply tokens of the previous batch over its wall time, step to step) and
+    ``train/epoch_time_s``; ``epoch_times`` keeps the wall time (s) of each finished epoch. ``share_prefix``:
+    each batch's common prompt prefix (system prompt, task) is computed once (``Policy.log_probs``; the loss and
+    gradients are the same up to float rounding, the batch ~2x cheaper for ScienceWorld demonstrations).
     """
 
-    def __init__(self, policy: Policy, lr: float = 1e-4, weight_decay: float = 0.0):
+    def __init__(self, policy: Policy, lr: float = 1e-4, weight_decay: float = 0.0, share_prefix: bool = True):
         super().__init__()
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
         self.policy = policy
         self.lr = lr
         self.weight_decay = weight_decay
+        self.share_prefix = share_prefix
         self.epoch_times: list[float] = []
         self._epoch_start = 0.0
+        self._last_batch: tuple[float, int] | None = None  # (start time, tokens) of the previous batch
 
     def training_step(self, batch: list[SFTExample], batch_idx: int) -> torch.Tensor:
-        nll, tokens = response_nll(self.policy, batch)
+        now, tokens_in = time.perf_counter(), sum(len(e.prompt_ids) + len(e.response_ids) for e in batch)
+        if self._last_batch is not None:
+            self.log("train/tokens_per_s", self._last_batch[1] / (now - self._last_batch[0]), on_step=True,
+                     on_epoch=False, prog_bar=True, batch_size=len(batch))
+        self._last_batch = (now, tokens_in)
+        nll, tokens = response_nll(self.policy, batch, self.share_prefix)
         loss = nll / tokens.clamp(min=1)
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(batch))
         self.log("train/target_tokens", tokens, on_step=True, on_epoch=False, batch_size=len(batch))
@@ -92,8 +107,8 @@ class SFTModule(L.LightningModule):
 
 
 class ProgressLog(L.Callback):
-    """A log line every ``every_s`` seconds of training: batch, loss, elapsed time and an estimate of the rest
-    (elapsed / batches done × batches left)."""
+    """A log line every ``every_s`` seconds of training: batch, loss, tokens/s, elapsed time and an estimate of the
+    rest (elapsed / batches done × batches left); the log file's copy of what the progress bar shows."""
 
     def __init__(self, every_s: float = 30.0):
         self.every_s = every_s
@@ -109,10 +124,10 @@ class ProgressLog(L.Callback):
         if now - self._last < self.every_s and done != total:
             return
         self._last = now
-        elapsed = now - self._start
-        log.info("warm start: batch %d/%d (epoch %d/%d), loss %.3f, %.1f min elapsed, about %.1f min left", done,
-                 total, trainer.current_epoch + 1, trainer.max_epochs, float(outputs["loss"]), elapsed / 60,
-                 elapsed / done * (total - done) / 60)
+        rate = trainer.callback_metrics.get("train/tokens_per_s")
+        rate = f", {float(rate):.0f} tokens/s" if rate is not None else ""
+        log.info("warm start: batch %d/%d (epoch %d/%d), loss %.3f%s, %s", done, total, trainer.current_epoch + 1,
+                 trainer.max_epochs, float(outputs["loss"]), rate, eta_text(now - self._start, done, total))
 
 
 def save_policy(policy: Policy, out_dir: str | os.PathLike, info: dict[str, Any] | None = None) -> Path:

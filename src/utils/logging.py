@@ -92,6 +92,16 @@ def log_config(cfg: DictConfig, loggers: list[Logger]) -> None:
         client.log_text(run_id, text, name)
 
 
+def set_tags(loggers: list[Logger], tags: dict[str, Any]) -> None:
+    """Set run tags (e.g. ``precision_used``) on every MLflow run; other loggers get them as parameters."""
+    for logger in loggers:
+        if isinstance(logger, MLFlowLogger):
+            for key, value in tags.items():
+                logger.experiment.set_tag(logger.run_id, key, str(value))
+        else:
+            logger.log_hyperparams(tags)
+
+
 def log_checkpoint(path: str | None, loggers: list[Logger]) -> None:
     """Upload a checkpoint file to each MLflow run's ``checkpoints/`` artifacts."""
     if not path or not Path(path).exists():

@@ -14,3 +14,36 @@ def timed(timers: dict[str, float], key: str) -> Iterator[None]:
         yield
     finally:
         timers[key] = timers.get(key, 0.0) + time.perf_counter() - tic
+
+
+def eta_text(elapsed_s: float, done: float, total: float) -> str:
+    """``"1.5 min elapsed, about 3.0 min left"``: the time left extrapolated from the rate so far."""
+    if done <= 0:
+        return f"{elapsed_s / 60:.1f} min elapsed"
+    left = elapsed_s / done * max(total - done, 0)
+    return f"{elapsed_s / 60:.1f} min elapsed, about {left / 60:.1f} min left"
+
+
+class EtaLog:
+    """Progress of a phase as log lines ``<what>: <done>/<total> <unit>, <eta_text>[, detail]``, at most every
+    ``every_s`` seconds and always for the last item, so a long start-up phase is never silent.
+
+    Used for the phases before the first training metric that have no progress bar of their own (ScienceWorld
+    gold paths, WebShop expert demonstrations).
+    """
+
+    def __init__(self, logger, what: str, total: int, unit: str = "", every_s: float = 10.0):
+        self.logger, self.what, self.total, self.unit, self.every_s = logger, what, total, unit, every_s
+        self.start = self.last = time.perf_counter()
+        self.done = 0
+
+    def step(self, n: int = 1, detail: str = "") -> None:
+        """Count ``n`` more items done; log when ``every_s`` has passed or all are done."""
+        self.done += n
+        now = time.perf_counter()
+        if now - self.last < self.every_s and self.done < self.total:
+            return
+        self.last = now
+        unit = f" {self.unit}" if self.unit else ""
+        self.logger.info("%s: %d/%d%s, %s%s", self.what, self.done, self.total, unit,
+                         eta_text(now - self.start, self.done, self.total), f", {detail}" if detail else "")

@@ -1,0 +1,173 @@
+"""What one warm-start step, one rollout generation and one RL update cost on this CPU, in each precision.
+
+    python scripts/bench_cpu_speed.py                          # experiment=scienceworld, every setting
+    python scripts/bench_cpu_speed.py --experiment webshop --batches 2
+    python scripts/bench_cpu_speed.py --profile                # + the top operators of a step (torch.profiler)
+
+Uses the real SmolLM2-135M policy and the real demonstration examples of the experiment's warm start (the same
+prompts RL sees; ScienceWorld gold paths are generated into the data dir on first use). For each precision
+(``32-true``, ``bf16-mixed``) it times, in seconds per call (median of ``--batches`` after one warm-up):
+
+- ``warm-start step``: forward + backward + AdamW on a batch of ``warm_start.batch_size`` examples, with and
+  without activation checkpointing and with and without the shared-prompt-prefix forward;
+- ``generate``: one rollout step of ``data.tasks_per_iteration x data.group_size`` prompts, up to
+  ``data.max_response_tokens`` new tokens (T = 1.0);
+- ``update``: forward (with entropy) + backward + AdamW on a micro-batch of ``data.micro_batch_size`` of those
+  prompts with their sampled replies.
+
+It prints the machine first (CPU model, torch's CPU capability, bf16 support, threads) and the matmul probe
+that ``trainer.precision=auto`` decides with. Figures belong to the machine they were measured on.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def compose(experiment: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    import src  # noqa: F401 - config resolvers
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = hydra_compose("train.yaml", overrides=[f"experiment={experiment}", "trainer.precision=32-true"],
+                            return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up: allocations, kernel selection
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experiment", default="scienceworld")
+    parser.add_argument("--batches", type=int, default=2, help="timed calls per setting (after one warm-up)")
+    parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--profile", action="store_true", help="print the top operators of one step of each kind")
+    args = parser.parse_args(argv)
+
+    import lightning as L
+    import torch
+    from omegaconf import OmegaConf
+
+    from src.data.demonstrations import make_dataloader
+    from src.models.sft_module import response_nll
+    from src.utils.precision_choice import cpu_features, decide_precision, probe_cpu_matmul
+    from src.warm_start import _prepare
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    probe = probe_cpu_matmul()
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}, {cpu_features()}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"matmul probe {probe.n}^2: fp32 {probe.fp32_gflops:.0f} GFLOP/s, bf16 {probe.bf16_gflops:.1f} GFLOP/s -> "
+          f"trainer.precision=auto picks {decide_precision('cpu', probe=probe)[0]}")
+
+    cfg = compose(args.experiment)
+    ws = OmegaConf.to_container(cfg.model.warm_start, resolve=True)
+    prep = _prepare(cfg, ws)
+    policy, examples = prep["policy"], prep["examples"]
+    batch = next(iter(make_dataloader(examples, int(ws["batch_size"]), 0)))
+    tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in batch)
+    policy.model.gradient_checkpointing_disable()
+    shared = policy.shared_prefix_length([e.prompt_ids for e in batch])
+    data = cfg.data
+    n_prompts = int(data.tasks_per_iteration) * int(data.group_size)
+    prompts = [e.prompt_ids for e in examples[:n_prompts]]
+    print(f"warm-start batch: {len(batch)} examples, {tokens} tokens ({shared} shared prompt-prefix tokens); "
+          f"rollout step: {n_prompts} prompts of {sum(map(len, prompts)) / n_prompts:.0f} tokens on average")
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-7)
+
+    def sft_step(share: bool):
+        optimizer.zero_grad()
+        nll, target_tokens = response_nll(policy, batch, share_prefix=share)
+        (nll / target_tokens).backward()
+        optimizer.step()
+
+    rows: list[tuple[str, str, float, float]] = []
+    print(f"\n{'precision':<11} {'what':<66} {'s/call':>8} {'tokens/s':>9}")
+    for precision in args.precisions:
+        autocast = L.Fabric(accelerator="cpu", devices=1, precision=precision).autocast
+        policy.train()
+        for checkpointing in (True, False):
+            if checkpointing:
+                policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                policy.model.gradient_checkpointing_disable()
+            for share in (False, True) if not checkpointing else (False,):
+                with autocast():
+                    seconds = timed(lambda: sft_step(share), args.batches)
+                rows.append((precision, f"warm-start step (checkpointing {'on' if checkpointing else 'off'}, "
+                                        f"shared prefix {'on' if share else 'off'})", seconds, tokens / seconds))
+                report(rows[-1])
+        with autocast(), torch.no_grad():
+            generation = policy.generate(prompts, max_new_tokens=int(data.max_response_tokens), temperature=1.0)
+            new_tokens = sum(map(len, generation.response_ids))
+            seconds = timed(lambda: policy.generate(prompts, max_new_tokens=int(data.max_response_tokens),
+                                                    temperature=1.0), args.batches)
+        rows.append((precision, f"generate ({n_prompts} prompts, <= {data.max_response_tokens} new tokens)", seconds,
+                     new_tokens / seconds))
+        report(rows[-1])
+        k = int(data.micro_batch_size)
+
+        def update():
+            optimizer.zero_grad()
+            out = policy.log_probs(prompts[:k], generation.response_ids[:k], with_entropy=True)
+            (-(out["log_probs"].sum()) / out["response_mask"].sum()).backward()
+            optimizer.step()
+
+        for checkpointing in (True, False):
+            if checkpointing:
+                policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                policy.model.gradient_checkpointing_disable()
+            with autocast():
+                seconds = timed(update, args.batches)
+            update_tokens = sum(len(p) for p in prompts[:k]) + sum(len(r) for r in generation.response_ids[:k])
+            rows.append((precision, f"update (micro-batch {k}, checkpointing {'on' if checkpointing else 'off'})",
+                         seconds, update_tokens / seconds))
+            report(rows[-1])
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            for name, fn in (("warm-start step", lambda: sft_step(True)), ("update", update)):
+                with autocast(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                    fn()
+                print(f"\n[{precision}] top operators of one {name} (self CPU time):")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=40))
+
+
+def report(row: tuple[str, str, float, float]) -> None:
+    precision, what, seconds, rate = row
+    print(f"{precision:<11} {what:<66} {seconds:>8.2f} {rate:>9.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
