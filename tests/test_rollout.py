@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from src.data.prompts import TIPS_HEADER
-from src.data.rollout import Episode, RolloutConfig, StepRecord, episode_metrics, run_episodes
+from src.data.rollout import Episode, StepRecord, episode_metrics, run_episodes
+from src.data.rollout_config import RolloutConfig
 from src.data.rollout_datamodule import RolloutDataModule, draw_mode
 from src.data.samples import StepSample
 from src.envs.pool import EnvPool

@@ -17,34 +17,20 @@ import logging
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from src.data.prompts import HistoryItem
-from src.data.rollout import RolloutConfig
+from src.data.rollout_config import RolloutConfig
+from src.data.samples import SFTExample
 from src.data.step_prompt import step_prompt
 from src.models.policy import Policy
 
 log = logging.getLogger(__name__)
 
 GOLD_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "cache_gold_trajectories.py"
-
-
-@dataclass
-class SFTExample:
-    """One demonstrated step as a supervised sample.
-
-    ``prompt_ids``: the (tip-free) prompt the rollout runner renders at this state. ``response_ids``: the
-    demonstrated reply's token ids + EOS. ``task``: the environment task dict; ``step``: 0-based step index.
-    """
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    task: dict[str, Any]
-    step: int
 
 
 # --------------------------------------------------------------------------- ScienceWorld gold paths

@@ -26,7 +26,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, IterableDataset
 
-from src.data.rollout import Episode, RolloutConfig, episode_metrics, log_episodes, run_episodes
+from src.data.rollout import Episode, episode_metrics, log_episodes, run_episodes
+from src.data.rollout_config import RolloutConfig
 from src.data.samples import MicroBatch, StepSample
 from src.envs.pool import EnvPool
 from src.models.algorithm_config import AlgorithmConfig

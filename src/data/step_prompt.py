@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from src.data.prompts import HistoryItem, build_step_messages
+from src.data.rollout_config import RolloutConfig
 from src.models.policy import Policy
-
-if TYPE_CHECKING:
-    from src.data.rollout import RolloutConfig
 
 log = logging.getLogger(__name__)
 
