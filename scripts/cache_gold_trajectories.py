@@ -1,4 +1,4 @@
-"""Generate ScienceWorld gold trajectories offline and cache them as JSON (SPEC §3.1).
+"""Generate ScienceWorld gold trajectories offline and cache them as JSON (docs/environments.md#scienceworld).
 
 Asking the simulator for a gold path slows every later reset of that JVM, so this runs in its own process;
 training and SFT read the cache with ``src.envs.scienceworld_gold.load_gold``. Each path is replayed through

@@ -13,7 +13,8 @@ give the mean and a ± standard-error band (std with Bessel correction / sqrt(n)
   iteration k used the policy after k iterations, the validation after iteration k the policy after k + 1.
 - `learning_curves_wallclock.png`: the same points against wall-clock minutes since each run's start (x: the mean
   over seeds of the time at which the point was logged).
-- `adaptation.png` (with `--adaptation`): score per trial of the OOD adaptation protocol (SPEC §5).
+- `adaptation.png` (with `--adaptation`): score per trial of the OOD adaptation protocol
+  (docs/evaluation.md#the-adaptation-protocol).
 - `results.md`: the results table (``results_table``): warm start, final held-out score and success per
   algorithm (mean ± s.e. over seeds), iterations, wall-clock and seconds per iteration.
 - `curves.json`: the plotted numbers.

@@ -101,6 +101,30 @@ def test_relative_links_resolve(page):
     assert broken_links(page) == []
 
 
+# a page of docs/ named in code, a config or a test: docs/method.md, docs/method.md#memory, docs/results/README.md
+DOC_REF = re.compile(r"\bdocs/[\w./-]*\.md(?:#[\w\-²]+)?")
+
+
+def broken_doc_references() -> list[str]:
+    """``file:line: reference`` for every ``docs/<page>.md[#anchor]`` in src/, scripts/, configs/ and tests/ whose
+    page or heading does not exist."""
+    bad = []
+    for folder in ("src", "scripts", "configs", "tests"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix not in (".py", ".yaml", ".sh"):
+                continue
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                for ref in DOC_REF.findall(line):
+                    page, _, anchor = ref.partition("#")
+                    if not (ROOT / page).is_file() or (anchor and anchor not in anchors(ROOT / page)):
+                        bad.append(f"{path.relative_to(ROOT)}:{i}: {ref}")
+    return bad
+
+
+def test_docs_named_in_code_exist():
+    assert broken_doc_references() == []
+
+
 def test_no_reference_to_documents_readers_do_not_have():
     spec = "SPEC" + " §"  # spelled apart so this file does not match itself
     hits = []

@@ -1,8 +1,8 @@
 """Demonstrations for the imitation warm start, as supervised examples in the RL agent's own format.
 
 - ScienceWorld: the simulator's gold action paths of the *training* variations, cached on disk by
-  ``scripts/cache_gold_trajectories.py`` (SPEC §3.1; run in a subprocess when missing, because generating them
-  slows every later reset of the generating JVM).
+  ``scripts/cache_gold_trajectories.py`` (docs/environments.md#scienceworld; run in a subprocess when missing, because
+  generating them slows every later reset of the generating JVM).
 - WebShop: episodes of the scripted oracle expert (``src/envs/webshop/baselines.py``) on *training* goals, run
   in-process (the original WebShop paper also imitated first, then ran RL).
 

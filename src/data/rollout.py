@@ -1,4 +1,5 @@
-"""Episodes: running groups of episodes through the environment pool with the current policy (SPEC §2.1).
+"""Episodes: running groups of episodes through the environment pool with the current policy
+(docs/method.md#one-iteration, step 2).
 
 All active episodes advance together: one batched policy call per step for all of them, one parallel
 environment step, one batched embedding call (memory keys and novelty) — never one call per episode.
@@ -38,14 +39,14 @@ class EpisodeMemory(Protocol):
 
 @dataclass
 class StepRecord:
-    """One agent step = one training sample (SPEC §2.1).
+    """One agent step = one training sample (docs/method.md#one-iteration, step 5).
 
     ``rollout_prompt_ids``: the prompt the policy sampled from (with tips in memory rollouts).
-    ``update_prompt_ids``: the prompt used for the update; tips removed in ``off_policy`` iterations (SPEC §2.4),
-    otherwise the same list. ``response_ids`` / ``rollout_log_probs``: exactly what the policy generated and the
-    log-probs it sampled them with. ``response_text``: the decoded response (the model's raw output);
-    ``action``: the action the environment executed (after parsing / action correction). ``reward``: extrinsic
-    reward (environment units); ``intrinsic``: novelty bonus.
+    ``update_prompt_ids``: the prompt used for the update; tips removed in ``off_policy`` iterations
+    (docs/method.md#tip-stripping-for-the-off-policy-update), otherwise the same list. ``response_ids`` /
+    ``rollout_log_probs``: exactly what the policy generated and the log-probs it sampled them with. ``response_text``:
+    the decoded response (the model's raw output); ``action``: the action the environment executed (after parsing /
+    action correction). ``reward``: extrinsic reward (environment units); ``intrinsic``: novelty bonus.
     """
 
     observation: str
@@ -67,7 +68,7 @@ class StepRecord:
 class Episode:
     """A finished episode. An episode ``failed`` when its environment worker crashed or returned a non-finite
     reward (``error`` says which); it has return NaN, gives no samples, is excluded from its group's advantage
-    statistics (SPEC §2.2) and is counted once, as ``failed_episodes``."""
+    statistics (docs/method.md#one-iteration, step 4) and is counted once, as ``failed_episodes``."""
 
     task: dict[str, Any]
     group: int
@@ -241,7 +242,7 @@ class _Rollout:
 
     def add_novelty_bonus(self, reached: list[int]) -> None:
         """The count-based novelty bonus of the states just reached, as each episode's last step's intrinsic
-        reward (SPEC §2.6)."""
+        reward (docs/method.md#count-based-novelty-bonus)."""
         with timed(self.timers, "memory_s"):
             tasks = [self.episodes[i].task for i in reached]
             bonus = self.memory.novelty_rewards(tasks, self.keys[reached]) if reached else []

@@ -1,4 +1,4 @@
-"""ScienceWorld text environment (SPEC §3.1) on the real ``scienceworld`` simulator (Scala, via py4j).
+"""ScienceWorld on the real ``scienceworld`` simulator (Scala, via py4j): docs/environments.md#scienceworld.
 
 The package's own ``ScienceWorldEnv.step`` makes several extra JVM round trips per action (look, inventory,
 task description and the ~1000-entry valid-action list), so this wrapper talks to the py4j server object
@@ -25,12 +25,12 @@ logger = logging.getLogger(__name__)
 # Paper ids ("4-2") -> task names, from the table the package ships (scienceworld/tasks.json, the numbering of
 # the ScienceWorld paper, Wang et al. 2022, Table 1).
 PAPER_IDS: dict[str, str] = dict(ID2TASK)
-# Alphabetical order of the 30 names: the integer task index used by SPEC §3.1 (power-component = 25). The
+# Alphabetical order of the 30 names: the integer task index ``env.task`` accepts (power-component = 25). The
 # simulator's getTaskNames() returns the same 30 names (checked in tests/test_scienceworld.py), so names can be
 # resolved before any JVM starts.
 TASK_NAMES: tuple[str, ...] = tuple(sorted(ID2TASK.values()))
 
-# Max actions per episode (SPEC §3.1, after the paper): 30, with longer caps for the long tasks.
+# Max actions per episode (after the paper; docs/environments.md#scienceworld): 30, with longer caps for the long tasks.
 DEFAULT_MAX_STEPS = 30
 MAX_STEPS_OVERRIDES: dict[str, int] = {
     "chemistry-mix": 60,
@@ -92,7 +92,7 @@ def _unknown_task_message(task: Any) -> str:
 
 
 def default_max_steps(task_name: str) -> int:
-    """Per-task action cap of SPEC §3.1 for a resolved task name."""
+    """Per-task action cap (``MAX_STEPS_OVERRIDES``, else ``DEFAULT_MAX_STEPS``) for a resolved task name."""
     return MAX_STEPS_OVERRIDES.get(task_name, DEFAULT_MAX_STEPS)
 
 
@@ -125,14 +125,15 @@ def start_jvm(jvm_heap: str):
         raise ValueError(f"jvm_heap={jvm_heap!r}: expected a JVM size like '768m' or '2g'")
     from scienceworld import ScienceWorldEnv as _PackageEnv
 
-    # Without a heap cap one JVM grows to ~3.5 GB (SPEC §3.1); the serial GC avoids one GC thread per core.
+    # Without a heap cap one JVM grows to ~3.5 GB; the serial GC avoids one GC thread per core.
     # Set only while the JVM is launched, so this process's environment is left as it was.
     with temporary_environ("JAVA_TOOL_OPTIONS", f"-Xmx{jvm_heap} -XX:+UseSerialGC"):
         return _PackageEnv("")
 
 
 class ScienceWorldEnv:
-    """One ScienceWorld simulator (one JVM) behind the contract of ``src/envs/base.py`` (SPEC §3.1).
+    """One ScienceWorld simulator (one JVM) behind the contract of ``src/envs/base.py``
+    (docs/environments.md#scienceworld).
 
     Args:
         task: one task or a list of tasks, each an alphabetical index (0..29; power-component = 25), a paper id
@@ -241,7 +242,8 @@ class ScienceWorldEnv:
                 "test": list(self._server.getVariationsTest())}
 
     def tasks(self, split: str) -> list[dict[str, Any]]:
-        """Task instances ``{"task_name": str, "variation": int}`` of every configured task (SPEC §3.1 protocol).
+        """Task instances ``{"task_name": str, "variation": int}`` of every configured task (the splits of
+        docs/environments.md#scienceworld).
 
         train: first ``num_train_variations`` train variations; dev/test: first up to ``num_test_variations``.
         Raises ValueError for another split.

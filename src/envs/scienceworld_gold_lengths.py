@@ -1,4 +1,4 @@
-"""How long the simulator's own gold paths are, against the action caps (SPEC §3.1).
+"""How long the simulator's own gold paths are, against the action caps (docs/environments.md#scienceworld).
 
 For 12 of the 30 tasks the gold path is longer than the default cap of 30 actions, so even a perfect copy of it is
 cut off (mendelian-genetics ~130 actions, inclined-plane-friction-unnamed-surfaces 177-205). The gold path is one
