@@ -67,7 +67,7 @@ def measured_minutes_per_iteration(tracking_uri: str, experiment_name: str, algo
     environment and policy, and their number; None if there are none."""
     import mlflow
 
-    from scripts.compare_runs import run_info
+    from src.evaluation.comparison.runs import run_info
 
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(experiment_name)
