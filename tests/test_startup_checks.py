@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from src.envs.scienceworld import TASK_NAMES, default_max_steps
+from src.envs.scienceworld_tasks import TASK_NAMES, default_max_steps
 from src.envs.scienceworld_gold_lengths import GOLD_PATH_LENGTHS, warn_gold_paths_over_cap
 from src.train import train
 from src.utils.startup_checks import clean_checkpoint_dirs

@@ -45,7 +45,7 @@ def ensure_gold(tasks: list[dict[str, Any]], gold_dir: str | os.PathLike, simpli
         ValueError: the cache holds another simplification, or a bad task name.
         RuntimeError: the script failed (its stderr is in the message) or did not write a requested variation.
     """
-    from src.envs.scienceworld import resolve_task
+    from src.envs.scienceworld_tasks import resolve_task
     from src.envs.scienceworld_gold import load_gold
 
     names = [resolve_task(t["task_name"]) for t in tasks]
@@ -85,7 +85,7 @@ def gold_records(tasks: list[dict[str, Any]], env_cfg: dict[str, Any], gold_dir:
     Raises:
         ValueError: the prompts list admissible actions (the gold cache does not store them).
     """
-    from src.envs.scienceworld import default_max_steps
+    from src.envs.scienceworld_tasks import default_max_steps
 
     if env_cfg.get("include_admissible_actions"):
         raise ValueError("env.include_admissible_actions=true puts the valid-action list in every prompt, which "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from src.envs.scienceworld import default_max_steps, resolve_task
+from src.envs.scienceworld_tasks import default_max_steps, resolve_task
 
 log = logging.getLogger(__name__)
 
