@@ -25,8 +25,6 @@ def algorithm_rank(algo: str) -> tuple[int, str]:
 
 
 # ---------------------------------------------------------------------------------------------------- selection
-
-# ---------------------------------------------------------------------------------------------------- selection
 def run_tags(run: Run) -> list[str]:
     """The run's Hydra ``tags`` (logged as the parameter ``tags``, the string form of a list)."""
     raw = run.data.params.get("tags", "")
@@ -84,6 +82,7 @@ def env_kind(runs: Sequence[Run]) -> str:
 
 
 def comparison_title(runs: Sequence[Run], kind: str) -> str:
+    """The figures' title: the algorithms compared (GRPO first), the environment and the tasks."""
     env = {"scienceworld": "ScienceWorld", "webshop": "WebShop"}[kind]
     tasks = sorted({r.data.params.get("env/task") for r in runs} - {None, "None"})
     algos = sorted({r.data.params["algorithm/name"] for r in runs}, key=algorithm_rank)
