@@ -1,4 +1,4 @@
-"""Generate ScienceWorld gold trajectories offline and cache them as JSON (SPEC §3.1).
+"""Generate ScienceWorld gold trajectories offline and cache them as JSON (docs/environments.md#scienceworld).
 
 Asking the simulator for a gold path slows every later reset of that JVM, so this runs in its own process;
 training and SFT read the cache with ``src.envs.scienceworld_gold.load_gold``. Each path is replayed through
@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script from any directory
 
-from src.envs.scienceworld import ScienceWorldEnv, default_max_steps, resolve_task  # noqa: E402
+from src.envs.scienceworld import ScienceWorldEnv  # noqa: E402
+from src.envs.scienceworld_tasks import default_max_steps, resolve_task  # noqa: E402
 from src.envs.scienceworld_gold import generate_gold, save_gold  # noqa: E402
 
 

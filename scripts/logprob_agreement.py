@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precision", default="bf16-mixed", help="Lightning precision of sampling and scoring")
     ap.add_argument("--episodes", type=int, default=8, help="prompts per generate call (the rollout batch)")
@@ -36,16 +36,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fp32-head", action="store_true", help="compute the output layer (logits) in float32")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the training config (default experiment=webshop)")
-    args = ap.parse_args(argv)
+    return ap
 
-    import hydra
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    args = _parser().parse_args(argv)
+
     import lightning as L
-    import torch
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from src.data.demonstrations import build_examples, demonstration_records
-    from src.models.core_algos import compute_policy_loss
     from src.models.policy import build_policy
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
@@ -54,31 +54,67 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     policy = build_policy(**OmegaConf.to_container(cfg.model.policy, resolve=True))
     if args.fp32_head:
         _fp32_head(policy.model.get_output_embeddings())
-    datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
-    records, system_prompt = demonstration_records(OmegaConf.to_container(cfg.env, resolve=True),
-                                                   args.episodes * args.steps,
-                                                   Path(cfg.paths.data_dir) / "scienceworld_gold")
-    examples = build_examples(policy, records, system_prompt, datamodule.rollout_config(use_tips=False),
-                              datamodule.max_steps)
-    # One state per (step, episode): every generate call is a batch of different prompt lengths, as in a rollout.
-    by_step = {}
-    for e in examples:
-        by_step.setdefault(e.step, []).append(e.prompt_ids)
-    prompts = [p for step in sorted(by_step)[: args.steps] for p in by_step[step][: args.episodes]]
+    prompts = _prompts(policy, cfg, args.episodes, args.steps)
     context = L.Fabric(accelerator="cpu", devices=1, precision=args.precision).autocast
     temperature = float(cfg.data.temperature)
     policy.eval()
-    samples, tic = [], time.perf_counter()
-    for start in range(0, len(prompts), args.episodes):
-        batch = prompts[start:start + args.episodes]
-        with torch.no_grad(), context():
-            gen = policy.generate(batch, max_new_tokens=int(cfg.data.max_response_tokens), temperature=temperature)
-        samples += [(p, r, lp) for p, r, lp in zip(batch, gen.response_ids, gen.log_probs)]
+    tic = time.perf_counter()
+    samples = _sample(policy, prompts, args.episodes, context, temperature, int(cfg.data.max_response_tokens))
     sample_s = time.perf_counter() - tic
-    deltas, ratios, clip = [], [], []
     algo = cfg.algorithm
-    for start in range(0, len(samples), args.micro_batch):
-        chunk = samples[start:start + args.micro_batch]
+    result = _score(policy, samples, args.micro_batch, context, temperature, algo)
+    result["sample_s"] = sample_s
+    low, high = 1 - float(algo.clip_ratio_low), 1 + float(algo.clip_ratio_high)
+    print(f"precision {args.precision}: {result['tokens']} response tokens of {len(samples)} samples "
+          f"(prompts {result['prompt_tokens_mean']:.0f} tokens on average); |Δ log-prob| max "
+          f"{result['max_abs_delta']:.4f} mean {result['mean_abs_delta']:.5f} p99 {result['p99_abs_delta']:.4f}; "
+          f"ratio outside [{low:.1f}, {high:.1f}]: {result['outside_clip_range']:.4f}; clip_frac {result['clip_frac']:.4f}")
+    return result
+
+
+def _prompts(policy, cfg, episodes: int, steps: int) -> list[list[int]]:
+    """``episodes`` prompts for each of the first ``steps`` steps of the scripted expert's demonstrations, rendered
+    as the rollout renders them: every generate call is then a batch of different prompt lengths, as in a rollout."""
+    import hydra
+    from omegaconf import OmegaConf
+
+    from src.data.demonstrations import build_examples, demonstration_records
+
+    datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
+    records, system_prompt = demonstration_records(OmegaConf.to_container(cfg.env, resolve=True),
+                                                   episodes * steps,
+                                                   Path(cfg.paths.data_dir) / "scienceworld_gold")
+    examples = build_examples(policy, records, system_prompt, datamodule.rollout_config(use_tips=False),
+                              datamodule.max_steps)
+    by_step = {}
+    for e in examples:
+        by_step.setdefault(e.step, []).append(e.prompt_ids)
+    return [p for step in sorted(by_step)[:steps] for p in by_step[step][:episodes]]
+
+
+def _sample(policy, prompts: list[list[int]], episodes: int, context, temperature: float,
+            max_new_tokens: int) -> list[tuple[list[int], list[int], list[float]]]:
+    """(prompt, sampled response, sampling log-probs) per prompt, ``episodes`` prompts per generate call."""
+    import torch
+
+    samples = []
+    for start in range(0, len(prompts), episodes):
+        batch = prompts[start:start + episodes]
+        with torch.no_grad(), context():
+            gen = policy.generate(batch, max_new_tokens=max_new_tokens, temperature=temperature)
+        samples += [(p, r, lp) for p, r, lp in zip(batch, gen.response_ids, gen.log_probs)]
+    return samples
+
+
+def _score(policy, samples, micro_batch: int, context, temperature: float, algo) -> dict[str, float]:
+    """Score ``samples`` in micro-batches as ``training_step`` does and compare with their sampling log-probs."""
+    import torch
+
+    from src.models.core_algos import compute_policy_loss
+
+    deltas, ratios, clip = [], [], []
+    for start in range(0, len(samples), micro_batch):
+        chunk = samples[start:start + micro_batch]
         # as training_step: autocast around one padded forward per micro-batch (no graph kept: same numbers)
         with torch.no_grad(), context():
             out = policy.log_probs([s[0] for s in chunk], [s[1] for s in chunk], temperature=temperature)
@@ -97,15 +133,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         clip.append((metrics["clip_frac"], float(mask.sum())))
     delta, ratio = torch.cat(deltas), torch.cat(ratios)
     low, high = 1 - float(algo.clip_ratio_low), 1 + float(algo.clip_ratio_high)
-    result = {"tokens": int(delta.numel()), "max_abs_delta": float(delta.max()), "mean_abs_delta": float(delta.mean()),
-              "p99_abs_delta": float(delta.quantile(0.99)), "outside_clip_range": float(((ratio < low) | (ratio > high)).float().mean()),
-              "clip_frac": sum(c * n for c, n in clip) / sum(n for _, n in clip),
-              "prompt_tokens_mean": sum(len(s[0]) for s in samples) / len(samples), "sample_s": sample_s}
-    print(f"precision {args.precision}: {result['tokens']} response tokens of {len(samples)} samples "
-          f"(prompts {result['prompt_tokens_mean']:.0f} tokens on average); |Δ log-prob| max "
-          f"{result['max_abs_delta']:.4f} mean {result['mean_abs_delta']:.5f} p99 {result['p99_abs_delta']:.4f}; "
-          f"ratio outside [{low:.1f}, {high:.1f}]: {result['outside_clip_range']:.4f}; clip_frac {result['clip_frac']:.4f}")
-    return result
+    return {"tokens": int(delta.numel()), "max_abs_delta": float(delta.max()), "mean_abs_delta": float(delta.mean()),
+            "p99_abs_delta": float(delta.quantile(0.99)),
+            "outside_clip_range": float(((ratio < low) | (ratio > high)).float().mean()),
+            "clip_frac": sum(c * n for c, n in clip) / sum(n for _, n in clip),
+            "prompt_tokens_mean": sum(len(s[0]) for s in samples) / len(samples)}
 
 
 def _fp32_head(head) -> None:

@@ -67,7 +67,7 @@ def measured_minutes_per_iteration(tracking_uri: str, experiment_name: str, algo
     environment and policy, and their number; None if there are none."""
     import mlflow
 
-    from scripts.compare_runs import run_info
+    from src.evaluation.comparison.runs import run_info
 
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(experiment_name)
@@ -119,8 +119,7 @@ def run_all(commands: list[list[str]], parallel: int, threads: int | None) -> li
     return failed
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the study (or print it with ``--dry-run``); return the number of failed training runs."""
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experiment", default="scienceworld", help="configs/experiment/<name> (default: %(default)s)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -136,6 +135,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="threads per run (OMP/MKL/torch); default: all cores when --parallel 1, else 1")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and the estimate, run nothing")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run (after --)")
+    return ap
+
+
+def estimate_minutes(args: argparse.Namespace, tracking_uri: str, exp_name: str, env_target: str, model: str) -> float:
+    """Print each algorithm's minutes per iteration (measured in the store, else the default) and its runs' total;
+    return the study's estimated wall-clock minutes with ``args.parallel`` runs side by side."""
+    env_key = "webshop" if "webshop" in env_target.lower() else "scienceworld"
+    total = 0.0
+    for algo in args.algorithms:
+        measured = measured_minutes_per_iteration(tracking_uri, exp_name, algo, env_target, model)
+        if measured:
+            per_iter, source = measured[0], f"measured on {measured[1]} earlier finished run(s)"
+        else:
+            per_iter = args.minutes_per_iteration or DEFAULT_MINUTES_PER_ITERATION[env_key]
+            source = ("--minutes-per-iteration" if args.minutes_per_iteration
+                      else "no earlier run in the store: default, measured with SmolLM2 on a 2-core CPU")
+        minutes = (STARTUP_MINUTES + per_iter * args.iterations) * len(args.seeds)
+        total += minutes
+        print(f"  {algo}: {per_iter:.1f} min/iteration ({source}) + {STARTUP_MINUTES} min start-up per run -> "
+              f"{minutes:.0f} min for {len(args.seeds)} runs")
+    return total / max(args.parallel, 1)  # optimistic: side-by-side runs each slow down somewhat
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the study (or print it with ``--dry-run``); return the number of failed training runs."""
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.iterations < 1:
         ap.error(f"--iterations={args.iterations}: expected at least 1")
@@ -149,25 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tags = [*cfg.tags, study_tag]
     tracking_uri, exp_name = cfg.logger.mlflow.tracking_uri, cfg.logger.mlflow.experiment_name
     env_target, model = cfg.env._target_, cfg.model.policy.name_or_path
-    env_key = "webshop" if "webshop" in env_target.lower() else "scienceworld"
     commands = run_commands(args.experiment, args.algorithms, args.seeds, args.iterations, tags, args.overrides)
 
-    total = 0.0
     print(f"Study {study_tag}: {len(commands)} runs ({', '.join(args.algorithms)} x seeds {args.seeds}), "
           f"{args.iterations} iterations each, {args.parallel} at a time; policy {model}; MLflow {tracking_uri}")
-    for algo in args.algorithms:
-        measured = measured_minutes_per_iteration(tracking_uri, exp_name, algo, env_target, model)
-        if measured:
-            per_iter, source = measured[0], f"measured on {measured[1]} earlier finished run(s)"
-        else:
-            per_iter = args.minutes_per_iteration or DEFAULT_MINUTES_PER_ITERATION[env_key]
-            source = ("--minutes-per-iteration" if args.minutes_per_iteration
-                      else "no earlier run in the store: default, measured with SmolLM2 on a 2-core CPU")
-        minutes = (STARTUP_MINUTES + per_iter * args.iterations) * len(args.seeds)
-        total += minutes
-        print(f"  {algo}: {per_iter:.1f} min/iteration ({source}) + {STARTUP_MINUTES} min start-up per run -> "
-              f"{minutes:.0f} min for {len(args.seeds)} runs")
-    total /= max(args.parallel, 1)  # optimistic: side-by-side runs each slow down somewhat
+    total = estimate_minutes(args, tracking_uri, exp_name, env_target, model)
     print(f"Estimated total: {total:.0f} min" + (f" (~{total / 60:.1f} h)" if total >= 60 else ""))
     for cmd in commands:
         print("  python src/train.py " + " ".join(cmd[2:]))

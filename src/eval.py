@@ -1,4 +1,4 @@
-"""Evaluate a policy with the protocols of SPEC §5.
+"""Evaluate a policy with the protocols of docs/evaluation.md.
 
     python src/eval.py experiment=scienceworld ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt
     python src/eval.py experiment=scienceworld ckpt_path=null eval.seeds=[0,1,2]        # the untrained base model
@@ -7,18 +7,18 @@
 
 Protocols (``eval.protocol``):
 
-- ``standard`` (SPEC §5 "ID"): the policy plays ``eval.num_tasks`` tasks of ``eval.split`` (test variations /
-  test goals) × ``eval.episodes_per_task`` episodes for every seed of ``eval.seeds`` at ``eval.temperature``
-  (0.4), without memory. With ``eval.memory=true`` tips are retrieved into the prompts from the memory stored in
-  the checkpoint (read only), or, when the checkpoint has none or ``ckpt_path=null``, from a memory built during
-  the evaluation: the episodes then run in rounds of one episode per task, and after each round every finished
-  episode's reflection is written (``MemoryCallback.write_tips``), so later rounds can retrieve it.
-- ``adaptation`` (SPEC §5 "OOD"): the policy plays a new task (``eval.task``, e.g. from the ``transfer_*``
-  experiments) for ``eval.trials`` + 1 trials, each trial = all tasks × ``eval.episodes_per_task`` episodes.
-  Trial 0 runs without retrieval (the baseline score); every trial, trial 0 included, then writes its
-  reflections, so trial k retrieves the tips of trials 0..k-1. The memory starts empty (a trained memory holds
-  no entries for the new task's partitions). No weight is updated: a SHA-256 of all policy weights is taken
-  before and after and a change raises.
+- ``standard`` (the paper's in-distribution, "ID", evaluation): the policy plays ``eval.num_tasks`` tasks of
+  ``eval.split`` (test variations / test goals) × ``eval.episodes_per_task`` episodes for every seed of ``eval.seeds``
+  at ``eval.temperature`` (0.4), without memory. With ``eval.memory=true`` tips are retrieved into the prompts from the
+  memory stored in the checkpoint (read only), or, when the checkpoint has none or ``ckpt_path=null``, from a memory
+  built during the evaluation: the episodes then run in rounds of one episode per task, and after each round every
+  finished episode's reflection is written (``MemoryCallback.write_tips``), so later rounds can retrieve it.
+- ``adaptation`` (the paper's out-of-distribution, "OOD", adaptation; docs/evaluation.md#the-adaptation-protocol): the
+  policy plays a new task (``eval.task``, e.g. from the ``transfer_*`` experiments) for ``eval.trials`` + 1 trials, each
+  trial = all tasks × ``eval.episodes_per_task`` episodes. Trial 0 runs without retrieval (the baseline score); every
+  trial, trial 0 included, then writes its reflections, so trial k retrieves the tips of trials 0..k-1. The memory
+  starts empty (a trained memory holds no entries for the new task's partitions). No weight is updated: a SHA-256 of all
+  policy weights is taken before and after and a change raises.
 
 Every seed starts from the same memory and reseeds all generators (``lightning.seed_everything``) before its
 first episode, so a rerun with the same seeds gives identical numbers. The episodes run through

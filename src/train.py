@@ -57,9 +57,11 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit; return the built objects and the final logged metrics."""
+    from src.envs.scienceworld_gold_lengths import warn_gold_paths_over_cap
     from src.utils.startup_checks import prepare_run
 
     prepare_run(cfg)  # refuses/adapts options before anything (even torch) is loaded
+    warn_gold_paths_over_cap(cfg.get("env"))  # ScienceWorld: action caps below a task's gold path
     from src.warm_start import warm_start_metrics
     from src.utils.logging import log_checkpoint, log_config, set_tags
 

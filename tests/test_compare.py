@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts import compare_runs, run_study  # noqa: E402
+from src.evaluation.comparison import adaptation, curves, table  # noqa: E402
+from src.evaluation.comparison import runs as comparison_runs  # noqa: E402
 
 T0 = 1_700_000_000_000  # run start (ms since epoch)
 MIN = 60_000           # one minute in ms
@@ -71,28 +73,28 @@ def store(tmp_path):
 
 def test_select_runs_by_tag_status_and_algorithm(store):
     client, ids = store["client"], store["ids"]
-    runs = compare_runs.select_runs(client, "empo2", tags=["scienceworld"])
+    runs = comparison_runs.select_runs(client, "empo2", tags=["scienceworld"])
     assert {r.info.run_id for r in runs} == {ids["grpo1"], ids["grpo2"], ids["empo1"]}
-    runs = compare_runs.select_runs(client, "empo2", tags=["scienceworld"], include_unfinished=True)
+    runs = comparison_runs.select_runs(client, "empo2", tags=["scienceworld"], include_unfinished=True)
     assert ids["running"] in {r.info.run_id for r in runs}
-    assert [r.info.run_id for r in compare_runs.select_runs(client, "empo2", run_ids=[ids["sft"]])] == [ids["sft"]]
+    assert [r.info.run_id for r in comparison_runs.select_runs(client, "empo2", run_ids=[ids["sft"]])] == [ids["sft"]]
     with pytest.raises(ValueError, match="no MLflow experiment named 'nope'"):
-        compare_runs.select_runs(client, "nope")
+        comparison_runs.select_runs(client, "nope")
     with pytest.raises(ValueError, match=r"tags \['absent'\]"):
-        compare_runs.select_runs(client, "empo2", tags=["absent"])
+        comparison_runs.select_runs(client, "empo2", tags=["absent"])
     with pytest.raises(ValueError, match="mix environments"):
-        compare_runs.env_kind(compare_runs.select_runs(client, "empo2", tags=["cpu"]))
-    assert compare_runs.env_kind(compare_runs.select_runs(client, "empo2", tags=["webshop"])) == "webshop"
+        comparison_runs.env_kind(comparison_runs.select_runs(client, "empo2", tags=["cpu"]))
+    assert comparison_runs.env_kind(comparison_runs.select_runs(client, "empo2", tags=["webshop"])) == "webshop"
 
 
 def test_curves_carry_iterations_minutes_and_values(store):
     client = store["client"]
     run = client.get_run(store["ids"]["grpo2"])
-    c = compare_runs.rollout_curve(client, run, "rollout/score")
+    c = comparison_runs.rollout_curve(client, run, "rollout/score")
     np.testing.assert_array_equal(c.iteration, [0, 1])
     np.testing.assert_allclose(c.minutes, [2, 4])
     np.testing.assert_array_equal(c.value, [30, 60])
-    v = compare_runs.val_curve(client, run, "val/score")
+    v = comparison_runs.val_curve(client, run, "val/score")
     # validation after iteration 1 played the policy after 2 iterations of updates
     np.testing.assert_array_equal(v.iteration, [2])
     np.testing.assert_allclose(v.minutes, [5])
@@ -104,15 +106,15 @@ def test_iterations_sharing_a_step_are_told_apart_by_timestamp(tmp_path):
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/m.db")
     exp_id = client.create_experiment("empo2", artifact_location=str(tmp_path / "a"))
     rid = _log_run(client, exp_id, "grpo", 1, [(0, 1, 0, 5.0), (0, 2, 1, 7.0), (1, 3, 2, 9.0)])
-    c = compare_runs.rollout_curve(client, client.get_run(rid), "rollout/score")
+    c = comparison_runs.rollout_curve(client, client.get_run(rid), "rollout/score")
     np.testing.assert_array_equal(c.iteration, [0, 1, 2])
     np.testing.assert_array_equal(c.value, [5, 7, 9])
 
 
 def test_aggregate_mean_and_standard_error_by_hand():
-    a = compare_runs.Curve(np.array([0.0, 1.0]), np.array([1.0, 3.0]), np.array([10.0, 20.0]))
-    b = compare_runs.Curve(np.array([0.0, 1.0, 2.0]), np.array([2.0, 4.0, 6.0]), np.array([30.0, 60.0, 7.0]))
-    agg = compare_runs.aggregate([a, b])
+    a = curves.Curve(np.array([0.0, 1.0]), np.array([1.0, 3.0]), np.array([10.0, 20.0]))
+    b = curves.Curve(np.array([0.0, 1.0, 2.0]), np.array([2.0, 4.0, 6.0]), np.array([30.0, 60.0, 7.0]))
+    agg = curves.aggregate([a, b])
     np.testing.assert_array_equal(agg.iteration, [0, 1, 2])
     np.testing.assert_allclose(agg.mean, [20, 40, 7])
     # s.e. = sample std / sqrt(2): |30 - 10| / 2 = 10 and |60 - 20| / 2 = 20; one seed: undefined
@@ -149,7 +151,7 @@ def _adaptation_files(tmp: Path) -> list[str]:
 
 
 def test_load_adaptation_formats_and_errors(tmp_path):
-    adapt = compare_runs.load_adaptation(_adaptation_files(tmp_path))
+    adapt = adaptation.load_adaptation(_adaptation_files(tmp_path))
     assert list(adapt) == ["EMPO²", "GRPO policy", "base model (untrained)"]
     np.testing.assert_array_equal(adapt["EMPO²"]["scores"], [[10, 20, 30], [20, 40, 30]])
     assert adapt["EMPO²"]["stderr"] is None  # two evaluations: the band is their standard error
@@ -158,11 +160,11 @@ def test_load_adaptation_formats_and_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"mean_score": 3.0}))
     with pytest.raises(ValueError, match="bad.json: no per-trial scores"):
-        compare_runs.load_adaptation([bad])
+        adaptation.load_adaptation([bad])
     short = tmp_path / "short.json"
     short.write_text(json.dumps({"algorithm": "empo2", "trial_scores": [1, 2]}))
     with pytest.raises(ValueError, match="short.json: 2 trials"):
-        compare_runs.load_adaptation([*_adaptation_files(tmp_path)[:1], short])
+        adaptation.load_adaptation([*_adaptation_files(tmp_path)[:1], short])
 
 
 def _read_png(path: Path) -> np.ndarray:
@@ -203,15 +205,15 @@ def test_main_writes_pngs_json_and_logs_artifacts(store):
     assert set(comp.data.params["runs/grpo"].split(",")) == {store["ids"]["grpo1"], store["ids"]["grpo2"]}
     assert {a.path for a in client.list_artifacts(comp.info.run_id)} == names
     # the comparison run is not itself picked up as a training run
-    assert len(compare_runs.select_runs(client, "empo2", tags=["scienceworld"])) == 3
+    assert len(comparison_runs.select_runs(client, "empo2", tags=["scienceworld"])) == 3
 
 
 def test_results_table_known_answers(store):
     """Final validation per run (GRPO 25 and 35: mean 30, s.e. 10 / 2 = 5; EMPO² one run: no s.e.), iterations,
     minutes, no timings and no warm start logged."""
     client = store["client"]
-    runs = compare_runs.select_runs(client, "empo2", tags=["scienceworld"])
-    lines = compare_runs.results_table(client, runs, "scienceworld").splitlines()
+    runs = comparison_runs.select_runs(client, "empo2", tags=["scienceworld"])
+    lines = table.results_table(client, runs, "scienceworld").splitlines()
     assert lines[2] == "| GRPO | 1, 2 | 2 | 10 | – / – / – | none | 30.0 ± 5.0 | 0.50 ± 0.00 |"
     assert lines[3] == "| EMPO² | 1 | 2 | 10 | – / – / – | none | 40.0 | 0.50 |"
 
@@ -223,10 +225,10 @@ def test_warm_start_is_the_validation_point_at_iteration_0(store):
                                    Metric("warm_start/success_rate", 0.25, T0, 0),
                                    Metric("train/update_s", 30.0, T0 + 1 * MIN, 1),
                                    Metric("train/update_s", 20.0, T0 + 1 * MIN + 500, 2)])
-    curve = compare_runs.val_curve(client, client.get_run(rid), "val/score")
+    curve = comparison_runs.val_curve(client, client.get_run(rid), "val/score")
     assert curve.iteration.tolist() == [0, 2] and curve.value.tolist() == [12.0, 25.0]
     assert curve.minutes.tolist() == [0.0, 4.0]
-    row = compare_runs.results_table(client, [client.get_run(rid)], "scienceworld").splitlines()[2]
+    row = table.results_table(client, [client.get_run(rid)], "scienceworld").splitlines()[2]
     # update time summed within iteration 0 (two optimizer steps), averaged over the run's 2 iterations
     assert row == "| GRPO | 1 | 2 | 10 | – / – / 25 | 12.0 ± 2.0 / 0.25 | 25.0 | 0.50 |"
 

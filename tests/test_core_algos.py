@@ -1,5 +1,5 @@
-"""Known-answer tests for src/models/core_algos.py (SPEC §2.2–§2.5). Expected values are worked out by
-hand in the comments; float64 is used where the arithmetic is compared tightly."""
+"""Known-answer tests for src/models/core_algos.py (docs/method.md#one-iteration, steps 4–5). Expected values are worked
+out by hand in the comments; float64 is used where the arithmetic is compared tightly."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
-"""Tip memory, novelty memory and embedder (SPEC §2.6, §2.7). Real FAISS and the real embedded MiniLM.
+"""Tip memory, novelty memory and embedder (docs/method.md#memory, docs/method.md#count-based-novelty-bonus). Real FAISS
+and the real embedded MiniLM.
 
 Keys are hand-made unit vectors whose cosines are known by construction: unit(c) = [c, sqrt(1 - c²), 0, ...]
 has cosine exactly c (up to float32 rounding) with e0 = [1, 0, ...].
@@ -555,7 +556,8 @@ def test_short_trajectory_reflection_is_not_shortened(embedder, tiny_policy):
 
 @pytest.mark.parametrize("experiment", ["scienceworld_paper", "webshop_paper"])
 def test_paper_experiments_use_the_paper_tip_budget(experiment):
-    """SPEC §2.7: 512 tip tokens at paper scale; the reflection prompt gets the policy's prompt budget."""
+    """512 tip tokens at paper scale (docs/usage.md#configuration); the reflection prompt gets the policy's prompt
+    budget."""
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir

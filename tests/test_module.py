@@ -1,5 +1,5 @@
 """The LightningModule's update through a real Lightning Trainer: every trained parameter moves, and the update is
-the same whatever the micro-batching (the mini-batch's global token count, SPEC §2.3)."""
+the same whatever the micro-batching (the mini-batch's global token count, docs/design.md#why-it-is-shaped-this-way)."""
 from __future__ import annotations
 
 import copy

@@ -127,7 +127,8 @@ def test_unknown_embedded_model_is_a_clear_error(model_cache_dir):
 
 
 def test_lora_reference_is_the_base_model(tiny_model_dir, model_cache_dir):
-    """With LoRA, disabling adapters gives the base model's log-probs (the KL reference, SPEC §2.3)."""
+    """With LoRA, disabling adapters gives the base model's log-probs (the KL reference, docs/method.md#one-iteration,
+    step 5)."""
     from src.models.policy import build_policy
 
     policy = build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir), dtype="float32",

@@ -1,5 +1,6 @@
 """Rollout pipeline on real ScienceWorld with a tiny policy: ids, masks and old log-probs line up with what was
-generated; the off-policy update prompt has no tips while the rollout prompt had them (SPEC §2.1, §2.4)."""
+generated; the off-policy update prompt has no tips while the rollout prompt had them
+(docs/method.md#tip-stripping-for-the-off-policy-update)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from src.data.prompts import TIPS_HEADER
-from src.data.rollout import Episode, RolloutConfig, StepRecord, episode_metrics, run_episodes
+from src.data.rollout import Episode, StepRecord, episode_metrics, run_episodes
+from src.data.rollout_config import RolloutConfig
 from src.data.rollout_datamodule import RolloutDataModule, draw_mode
 from src.data.samples import StepSample
 from src.envs.pool import EnvPool
@@ -402,7 +404,7 @@ def test_datamodule_checkpoint_state_restores_the_global_generators():
 def test_write_tips_stores_each_step_under_its_state_key(pool, tiny_policy, memory, monkeypatch):
     """After a rollout, every step of every episode is one memory entry in its episode's partition: key = the
     embedding of the state the step acted on, content = `<tip>; At that step the action taken was <a_k>; the
-    episode's final score was <R>/<max>.` with one tip per episode, step = k (SPEC §2.7)."""
+    episode's final score was <R>/<max>.` with one tip per episode, step = k (docs/method.md#memory, "Entries")."""
     from src.memory.tip_entry import format_entry
 
     monkeypatch.setattr(memory, "tip_max_tokens", 6)
@@ -433,7 +435,7 @@ def test_write_tips_stores_each_step_under_its_state_key(pool, tiny_policy, memo
 
 def test_reflection_continues_the_last_rollout_prompt_from_its_kept_keys_values(pool, tiny_policy, memory):
     """Tip writing after a rollout that kept each episode's last prompt: the reflection prompt is that prompt, its
-    action, then a turn with the steps it did not show; only the new ids are computed (SPEC §2.7)."""
+    action, then a turn with the steps it did not show; only the new ids are computed (docs/method.md#memory)."""
     calls = []
 
     class Recorder(RecordingPolicy):

@@ -7,13 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from src.envs.scienceworld import (
-    ScienceWorldEnv,
-    TASK_NAMES,
-    default_max_steps,
-    parse_action,
-    resolve_task,
-)
+from src.envs.scienceworld import ScienceWorldEnv, parse_action
+from src.envs.scienceworld_tasks import TASK_NAMES, default_max_steps, resolve_task
 from src.envs.scienceworld_gold import load_gold
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,7 +24,8 @@ from src.data.demonstrations import (  # noqa: E402
     response_ids,
     webshop_expert_records,
 )
-from src.data.rollout import RolloutConfig, run_episodes  # noqa: E402
+from src.data.rollout import run_episodes  # noqa: E402
+from src.data.rollout_config import RolloutConfig  # noqa: E402
 from src.envs.pool import EnvPool  # noqa: E402
 from src.envs.scienceworld_gold import gold_file  # noqa: E402
 from src.models.policy import build_policy  # noqa: E402

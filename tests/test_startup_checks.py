@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from src.envs.scienceworld import TASK_NAMES, default_max_steps
-from src.envs.scienceworld_gold_lengths import GOLD_PATH_LENGTHS
+from src.envs.scienceworld_tasks import TASK_NAMES, default_max_steps
+from src.envs.scienceworld_gold_lengths import GOLD_PATH_LENGTHS, warn_gold_paths_over_cap
 from src.train import train
-from src.utils.startup_checks import clean_checkpoint_dirs, warn_gold_paths_over_cap
+from src.utils.startup_checks import clean_checkpoint_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,13 +47,13 @@ def test_gold_paths_longer_than_the_cap_are_warned_about(tmp_path, caplog):
     assert "boil" not in over and "find-non-living-thing" not in over
     with caplog.at_level(logging.WARNING):
         # the CPU experiment caps find-non-living-thing (gold paths of 3-7 actions) at 6
-        assert len(warn_gold_paths_over_cap(_cfg(tmp_path))) == 1
+        assert len(warn_gold_paths_over_cap(_cfg(tmp_path).env)) == 1
     assert "'find-non-living-thing'" in caplog.text and "3-7 actions" in caplog.text and "cap is 6" in caplog.text
     messages = warn_gold_paths_over_cap(_cfg(tmp_path, "env.task=[mendelian-genetics-known-plant,boil]",
-                                             "env.max_steps=null"))
+                                             "env.max_steps=null").env)
     assert len(messages) == 1 and "mendelian-genetics-known-plant" in messages[0] and "cap is 30" in messages[0]
-    assert warn_gold_paths_over_cap(_cfg(tmp_path, "env.task=boil", "env.max_steps=null")) == []
-    assert warn_gold_paths_over_cap(_cfg(tmp_path, "experiment=webshop")) == []
+    assert warn_gold_paths_over_cap(_cfg(tmp_path, "env.task=boil", "env.max_steps=null").env) == []
+    assert warn_gold_paths_over_cap(_cfg(tmp_path, "experiment=webshop").env) == []
 
 
 _KILLED_SAVE = """

@@ -254,7 +254,8 @@ def test_no_signal_guard_warns_then_raises(tmp_path):
 @pytest.mark.parametrize("experiment", ["scienceworld", "webshop", "scienceworld_paper", "webshop_paper"])
 def test_experiment_configs_pass_the_algorithm_checks(experiment):
     """Every experiment passes the start-up checks (WebShop has a KL penalty, so no zero-advantage skipping), and
-    WebShop's memory is one partition for all goals (per-goal partitions almost never retrieve; README)."""
+    WebShop's memory is one partition for all goals (per-goal partitions almost never retrieve;
+    docs/evaluation.md#memory-partitions-in-evaluation)."""
     from src.models.algorithm_config import AlgorithmConfig
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):

@@ -1,5 +1,6 @@
 """WebShop pages, transitions and the agent wrapper on a tiny hand-built catalog in the original file format;
-baselines on the generated catalog. Expected observation strings are written out by hand (WEBSHOP.md)."""
+baselines on the generated catalog. Expected observation strings are written out by hand (the original's
+``web_agent_site/envs/web_agent_text_env.py``)."""
 from __future__ import annotations
 
 import json

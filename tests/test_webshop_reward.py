@@ -1,4 +1,5 @@
-"""Known-answer tests of the original WebShop reward (WEBSHOP.md "Reward"); expected values worked out by hand."""
+"""Known-answer tests of the original WebShop reward (``get_reward`` in the original's
+``web_agent_site/engine/goal.py``); expected values worked out by hand."""
 from __future__ import annotations
 
 import copy

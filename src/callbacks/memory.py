@@ -1,4 +1,4 @@
-"""The EMPO² memory as a Lightning callback (SPEC §2.6–§2.7).
+"""The EMPO² memory as a Lightning callback (docs/method.md#memory, docs/method.md#count-based-novelty-bonus).
 
 The callback owns the tip memory (FAISS, per partition), the novelty state memory and the embedder. The
 rollout runner calls it to embed states, retrieve tips and score novelty; after each training rollout the
@@ -37,7 +37,8 @@ def task_name(task: dict[str, Any]) -> str:
 
 
 def partition_key(task: dict[str, Any], partition: str) -> str:
-    """The tip-memory partition of a task dict, the one derivation used for reads and writes (SPEC §2.7).
+    """The tip-memory partition of a task dict, the one derivation used for reads and writes (docs/method.md#memory,
+    "Partitions").
 
     ``global``: one partition; ``task``: the task name; ``variation``: ``<task name>/<variation>`` with the
     ScienceWorld ``variation`` or the WebShop ``goal_idx``.
@@ -73,8 +74,9 @@ class MemoryCallback(L.Callback):
             reflection continues that prompt instead of computing a new one from scratch (see
             ``reflection_prompt``); costs memory until the tips are written (~46 KB per prompt token for SmolLM2
             in fp32, ~57 KB for Qwen2.5-7B in bf16).
-        novelty: ``{"enabled": bool, "threshold": 0.9, "coef": 1.0, "count": "visits"}`` (SPEC §2.6; coef in
-            environment units; ``count``: ``visits`` or ``distinct``, see ``NoveltyMemory``).
+        novelty: ``{"enabled": bool, "threshold": 0.9, "coef": 1.0, "count": "visits"}`` (coef in environment
+            units; ``count``: ``visits`` or ``distinct``, see ``NoveltyMemory``;
+            docs/method.md#count-based-novelty-bonus).
 
     Raises:
         ValueError: unknown partition, or embedder/tip-memory dimension mismatch.
@@ -117,7 +119,7 @@ class MemoryCallback(L.Callback):
     # ------------------------------------------------------------------ used by the rollout runner
     @staticmethod
     def state_text(instruction: str, observation: str) -> str:
-        """The memory key text: task instruction + latest observation (not the whole chat; SPEC §2.7)."""
+        """The memory key text: task instruction + latest observation (not the whole chat; docs/method.md#memory)."""
         return f"{instruction}\n{observation}"
 
     def embed(self, texts: list[str]) -> np.ndarray:
@@ -129,7 +131,8 @@ class MemoryCallback(L.Callback):
         return partition_key(task, self.partition)
 
     def retrieve(self, tasks: list[dict], keys: np.ndarray) -> list[list[str]]:
-        """Tip contents for each (task, key [dim]) pair: cosine > threshold, then top-k by score (SPEC §2.7)."""
+        """Tip contents for each (task, key [dim]) pair: cosine > threshold, then top-k by score (docs/method.md#memory,
+        "Retrieval")."""
         with timed(self.counters, "retrieve_s"):
             hits = self.tips.retrieve([self.partition_key(t) for t in tasks], keys)
         self.counters["queries"] += len(hits)
@@ -138,7 +141,8 @@ class MemoryCallback(L.Callback):
         return [[e.content for e in h] for h in hits]
 
     def novelty_rewards(self, tasks: list[dict], keys: np.ndarray) -> np.ndarray:
-        """Count-based bonus coef/(N+1) for the states reached in one environment step (per task; SPEC §2.6)."""
+        """Count-based bonus coef/(N+1) for the states reached in one environment step (per task;
+        docs/method.md#count-based-novelty-bonus)."""
         return self.novelty.rewards([task_name(t) for t in tasks], keys)
 
     # ------------------------------------------------------------------ tip writing
@@ -147,7 +151,7 @@ class MemoryCallback(L.Callback):
 
         Entry content: ``<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>.``,
         key = the embedding of step k's state made during the rollout (``StepRecord.key``, not recomputed),
-        score = the episode's final score (SPEC §2.7). Returns timings (s), token counts and
+        score = the episode's final score (docs/method.md#memory, "Entries"). Returns timings (s), token counts and
         ``tip_action_frac``, the fraction of reflections that hold an ``<action>`` tag: a policy fine-tuned on actions
         only (e.g. the imitation warm start) answers the reflection prompt with an action, and such tips carry no
         advice; above one half it is warned about once. The kept rollout keys/values (``Episode.reflection_prefix``)

@@ -1,8 +1,8 @@
 """Demonstrations for the imitation warm start, as supervised examples in the RL agent's own format.
 
 - ScienceWorld: the simulator's gold action paths of the *training* variations, cached on disk by
-  ``scripts/cache_gold_trajectories.py`` (SPEC §3.1; run in a subprocess when missing, because generating them
-  slows every later reset of the generating JVM).
+  ``scripts/cache_gold_trajectories.py`` (docs/environments.md#scienceworld; run in a subprocess when missing, because
+  generating them slows every later reset of the generating JVM).
 - WebShop: episodes of the scripted oracle expert (``src/envs/webshop/baselines.py``) on *training* goals, run
   in-process (the original WebShop paper also imitated first, then ran RL).
 
@@ -18,14 +18,14 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from src.data.prompts import HistoryItem
-from src.data.rollout import RolloutConfig
+from src.data.rollout_config import RolloutConfig
+from src.data.samples import SFTExample
 from src.data.step_prompt import step_prompt
 from src.models.policy import Policy
 from src.utils.timing import EtaLog
@@ -33,20 +33,6 @@ from src.utils.timing import EtaLog
 log = logging.getLogger(__name__)
 
 GOLD_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "cache_gold_trajectories.py"
-
-
-@dataclass
-class SFTExample:
-    """One demonstrated step as a supervised sample.
-
-    ``prompt_ids``: the (tip-free) prompt the rollout runner renders at this state. ``response_ids``: the
-    demonstrated reply's token ids + EOS. ``task``: the environment task dict; ``step``: 0-based step index.
-    """
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    task: dict[str, Any]
-    step: int
 
 
 # --------------------------------------------------------------------------- ScienceWorld gold paths
@@ -61,7 +47,7 @@ def ensure_gold(tasks: list[dict[str, Any]], gold_dir: str | os.PathLike, simpli
         ValueError: the cache holds another simplification, or a bad task name.
         RuntimeError: the script failed (its stderr is in the message) or did not write a requested variation.
     """
-    from src.envs.scienceworld import resolve_task
+    from src.envs.scienceworld_tasks import resolve_task
     from src.envs.scienceworld_gold import load_gold
 
     names = [resolve_task(t["task_name"]) for t in tasks]
@@ -121,7 +107,7 @@ def gold_records(tasks: list[dict[str, Any]], env_cfg: dict[str, Any], gold_dir:
     Raises:
         ValueError: the prompts list admissible actions (the gold cache does not store them).
     """
-    from src.envs.scienceworld import default_max_steps
+    from src.envs.scienceworld_tasks import default_max_steps
 
     if env_cfg.get("include_admissible_actions"):
         raise ValueError("env.include_admissible_actions=true puts the valid-action list in every prompt, which "

@@ -1,9 +1,11 @@
-"""Structured chat messages for one agent step, with or without tips (SPEC §2.1, §2.7).
+"""Structured chat messages for one agent step, with or without tips (docs/method.md#one-iteration, step 2;
+docs/method.md#memory).
 
 Prompts are always built from structured pieces and rendered with the tokenizer's chat template, so the
 with-tips prompt (what the policy saw during a memory rollout) and the tips-removed prompt (the off-policy
-update prompt, SPEC §2.4) of the same step come from the same call with ``tips`` given or not — no editing of
-token sequences. Tips sit inside ``<memory>…</memory>`` markers under a fixed header in the current user turn.
+update prompt, docs/method.md#tip-stripping-for-the-off-policy-update) of the same step come from the same call with
+``tips`` given or not — no editing of token sequences. Tips sit inside ``<memory>…</memory>`` markers under a fixed
+header in the current user turn.
 """
 from __future__ import annotations
 
@@ -114,7 +116,7 @@ def _ending_lines(final_observation: str, final_score: float, max_score: float) 
 
 def build_tip_messages(system_prompt: str, instruction: str, history: list[HistoryItem], final_observation: str,
                        final_score: float, max_score: float) -> list[dict[str, str]]:
-    """Messages asking the policy for its one-line reflection on a finished episode (SPEC §2.7).
+    """Messages asking the policy for its one-line reflection on a finished episode (docs/method.md#memory, "Entries").
 
     Every step of the trajectory is shown (observation and action); ``fit_tip_history`` shortens the oldest
     observations (marked ``[...]``) to fit a token budget, never dropping a step.
@@ -127,9 +129,9 @@ def build_tip_messages(system_prompt: str, instruction: str, history: list[Histo
 def build_reflection_turn(earlier: list[HistoryItem], num_steps: int, final_observation: str, final_score: float,
                           max_score: float) -> str:
     """The user turn asking for the reflection when it continues the episode's last rollout prompt and action
-    (SPEC §2.7): that prompt already shows the task, the last steps and the current observation, so this turn adds
-    the ``earlier`` steps it did not show (steps 1..len(earlier) of ``num_steps``), the final observation and score,
-    and the tip instruction. Together they show the whole trajectory."""
+    (docs/method.md#memory): that prompt already shows the task, the last steps and the current observation, so this
+    turn adds the ``earlier`` steps it did not show (steps 1..len(earlier) of ``num_steps``), the final observation and
+    score, and the tip instruction. Together they show the whole trajectory."""
     lines = ["The episode is over."]
     if earlier:
         lines += [f"Your first {len(earlier)} steps (of {num_steps}), not shown above:", *_steps_lines(earlier)]

@@ -1,4 +1,5 @@
-"""Episodes: running groups of episodes through the environment pool with the current policy (SPEC §2.1).
+"""Episodes: running groups of episodes through the environment pool with the current policy
+(docs/method.md#one-iteration, step 2).
 
 All active episodes advance together: one batched policy call per step for all of them, one parallel
 environment step, one batched embedding call (memory keys and novelty) — never one call per episode.
@@ -15,14 +16,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from src.data.prompts import HistoryItem
+from src.data.rollout_config import RolloutConfig
 from src.data.step_prompt import PROMPT_CUT_KEYS, StepPrompt, step_prompt
 from src.models.policy import Policy
 from src.utils.distributed import all_reduce
 from src.utils.timing import timed
 
 log = logging.getLogger(__name__)
-
-HISTORY_ACTIONS = ("raw", "executed")
 
 
 class EpisodeMemory(Protocol):
@@ -39,14 +39,14 @@ class EpisodeMemory(Protocol):
 
 @dataclass
 class StepRecord:
-    """One agent step = one training sample (SPEC §2.1).
+    """One agent step = one training sample (docs/method.md#one-iteration, step 5).
 
     ``rollout_prompt_ids``: the prompt the policy sampled from (with tips in memory rollouts).
-    ``update_prompt_ids``: the prompt used for the update; tips removed in ``off_policy`` iterations (SPEC §2.4),
-    otherwise the same list. ``response_ids`` / ``rollout_log_probs``: exactly what the policy generated and the
-    log-probs it sampled them with. ``response_text``: the decoded response (the model's raw output);
-    ``action``: the action the environment executed (after parsing / action correction). ``reward``: extrinsic
-    reward (environment units); ``intrinsic``: novelty bonus.
+    ``update_prompt_ids``: the prompt used for the update; tips removed in ``off_policy`` iterations
+    (docs/method.md#tip-stripping-for-the-off-policy-update), otherwise the same list. ``response_ids`` /
+    ``rollout_log_probs``: exactly what the policy generated and the log-probs it sampled them with. ``response_text``:
+    the decoded response (the model's raw output); ``action``: the action the environment executed (after parsing /
+    action correction). ``reward``: extrinsic reward (environment units); ``intrinsic``: novelty bonus.
     """
 
     observation: str
@@ -68,7 +68,7 @@ class StepRecord:
 class Episode:
     """A finished episode. An episode ``failed`` when its environment worker crashed or returned a non-finite
     reward (``error`` says which); it has return NaN, gives no samples, is excluded from its group's advantage
-    statistics (SPEC §2.2) and is counted once, as ``failed_episodes``."""
+    statistics (docs/method.md#one-iteration, step 4) and is counted once, as ``failed_episodes``."""
 
     task: dict[str, Any]
     group: int
@@ -97,33 +97,6 @@ class Episode:
         if self.failed:
             return math.nan
         return float(sum(gamma ** t * (s.reward + s.intrinsic) for t, s in enumerate(self.steps)))
-
-
-@dataclass
-class RolloutConfig:
-    """How episodes are run. ``use_tips``: retrieve tips into the rollout prompts; ``strip_tips_for_update``: also
-    render the tip-free update prompt (off-policy mode); ``history_length``: past steps shown in the prompt;
-    ``history_action``: what the history shows as each past step's action, ``raw`` (the model's output, as the
-    authors record it with action correction: ``record_original_action``) or ``executed`` (the action the
-    environment ran, e.g. the corrected one). ``keep_reflection_prefix``: store each finished episode's last prompt
-    keys/values on the episode (``Episode.reflection_prefix``) so the reflection that continues that prompt does
-    not recompute it."""
-
-    temperature: float = 1.0
-    max_response_tokens: int = 32
-    history_length: int = 5
-    history_obs_chars: int | None = None
-    use_tips: bool = False
-    strip_tips_for_update: bool = False
-    tips_scope: str = "current"
-    novelty: bool = False
-    do_sample: bool = True
-    history_action: str = "raw"
-    keep_reflection_prefix: bool = False  # keep each episode's last prompt keys/values for its tip (write_tips)
-
-    def __post_init__(self) -> None:
-        if self.history_action not in HISTORY_ACTIONS:
-            raise ValueError(f"history_action must be one of {HISTORY_ACTIONS}, got {self.history_action!r}")
 
 
 def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list[int], cfg: RolloutConfig,
@@ -272,7 +245,7 @@ class _Rollout:
 
     def add_novelty_bonus(self, reached: list[int]) -> None:
         """The count-based novelty bonus of the states just reached, as each episode's last step's intrinsic
-        reward (SPEC §2.6)."""
+        reward (docs/method.md#count-based-novelty-bonus)."""
         with timed(self.timers, "memory_s"):
             tasks = [self.episodes[i].task for i in reached]
             bonus = self.memory.novelty_rewards(tasks, self.keys[reached]) if reached else []

@@ -1,4 +1,4 @@
-"""Fresh rollouts as a Lightning data stream: one epoch = one training iteration (SPEC §1, §2).
+"""Fresh rollouts as a Lightning data stream: one epoch = one training iteration (docs/method.md#one-iteration).
 
 Each epoch the iterable dataset draws the iteration's update mode and tasks, runs groups of episodes with the
 *current* policy through the environment worker pool, writes tips, computes returns, GRPO advantages and old
@@ -26,7 +26,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, IterableDataset
 
-from src.data.rollout import Episode, RolloutConfig, episode_metrics, log_episodes, run_episodes
+from src.data.rollout import Episode, episode_metrics, log_episodes, run_episodes
+from src.data.rollout_config import RolloutConfig
 from src.data.samples import MicroBatch, StepSample
 from src.envs.pool import EnvPool
 from src.models.algorithm_config import AlgorithmConfig
@@ -40,7 +41,8 @@ log = logging.getLogger(__name__)
 
 
 def draw_mode(seed: int, iteration: int, memory_rollout_prob: float, offpolicy_prob: float) -> str:
-    """The update mode of an iteration (SPEC §1): on_policy w.p. 1−p, else off_policy w.p. q, else with tips.
+    """The update mode of an iteration (docs/method.md#one-iteration, step 1): on_policy w.p. 1−p, else off_policy w.p.
+    q, else with tips.
 
     Drawn from a generator seeded by (seed, iteration), so it is the same on every rank and after a resume
     without storing RNG state.
@@ -102,7 +104,7 @@ class RolloutDataModule(L.LightningDataModule):
         max_steps: shown in the prompt as the step budget (the env enforces its cap).
         num_env_workers: pool size; default = the largest number of concurrent episodes needed.
         val: ``{"split", "num_tasks", "episodes_per_task", "temperature"}`` for in-training validation
-            (no memory, SPEC §5), or null.
+            (no memory, docs/evaluation.md#evaluating-a-policy), or null.
         seed: seeds every iteration's random streams: mode, tasks and micro-batch permutation from
             (seed, iteration), the same on every rank; generation sampling from (seed, iteration, rank).
 
@@ -243,7 +245,8 @@ class RolloutDataModule(L.LightningDataModule):
         yield from self.micro_batches(samples, info, metrics, iteration)
 
     def make_samples(self, episodes: list[Episode], mode: str) -> tuple[list[StepSample], dict[str, float]]:
-        """One sample per step of every valid episode, carrying its episode's GRPO advantage (SPEC §2.2)."""
+        """One sample per step of every valid episode, carrying its episode's GRPO advantage
+        (docs/method.md#one-iteration, step 4)."""
         algo = self.algorithm
         returns = torch.tensor([e.discounted_return(algo.gamma) for e in episodes], dtype=torch.float64)
         group_index = torch.tensor([e.group for e in episodes])
@@ -267,7 +270,8 @@ class RolloutDataModule(L.LightningDataModule):
             for step in episode.steps:
                 samples.append(StepSample(
                     rollout_prompt_ids=step.rollout_prompt_ids, update_prompt_ids=step.update_prompt_ids,
-                    # the prompt the behaviour log-prob is taken under (SPEC §2.4)
+                    # the prompt the behaviour log-prob is taken under
+                    # (docs/method.md#tip-stripping-for-the-off-policy-update)
                     old_prompt_ids=step.rollout_prompt_ids if (mode != "off_policy" or old_with_tips)
                     else step.update_prompt_ids,
                     response_ids=step.response_ids, rollout_log_probs=step.rollout_log_probs, advantage=advantage))
@@ -328,7 +332,8 @@ class RolloutDataModule(L.LightningDataModule):
         Padding and rank alignment happen here and only here: every rank yields the same number of micro-batches
         (a rank with fewer samples gets zero-weight padding micro-batches), because DDP/FSDP need the same number
         of backward passes everywhere. Each micro-batch carries the mini-batch's global token and sequence
-        counts, so summing micro-batch losses reproduces the full mini-batch's token-mean (SPEC §2.3).
+        counts, so summing micro-batch losses reproduces the full mini-batch's token-mean
+        (docs/design.md#why-it-is-shaped-this-way).
 
         Args:
             info: ``mode``, ``iteration`` and ``rollout_global_step`` of the iteration.
@@ -360,7 +365,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> Iterator[dict[str, Any]]:
-        """One batch holding the metrics of a no-memory evaluation on the validation tasks (SPEC §5)."""
+        """One batch holding the metrics of a no-memory evaluation on the validation tasks
+        (docs/evaluation.md#evaluating-a-policy)."""
         if not self.val_cfg or not self.val_tasks:
             return
         seed_torch(self.seed, self.trainer.global_step, VALIDATION, rank_and_world()[0])
@@ -377,8 +383,8 @@ def evaluate(pool: EnvPool, module, tasks: list[dict], episodes_per_task: int, c
              max_steps: int | None, memory=None, return_episodes: bool = False):
     """Run ``episodes_per_task`` episodes on each task (this rank's shard) with ``cfg`` (its temperature, tips).
 
-    Without ``memory`` and ``cfg.use_tips``: the paper's protocol (SPEC §5). Returns episode metrics
-    (``score``, ``success_rate``, ...) and the rollout time; with ``return_episodes`` the pair
+    Without ``memory`` and ``cfg.use_tips``: the paper's protocol (docs/evaluation.md#evaluating-a-policy). Returns
+    episode metrics (``score``, ``success_rate``, ...) and the rollout time; with ``return_episodes`` the pair
     ``(metrics, episodes)``, episodes task-major (all episodes of task 0 first), for per-episode statistics
     (``src/evaluation/``).
     """

@@ -1,9 +1,12 @@
-"""The two shapes the training data takes between the rollout and the update.
+"""The shapes the training data takes between the data layer that makes it and the model layer that trains on it.
 
 ``StepSample``: one agent step as a training sample (made by ``RolloutDataModule.make_samples``, scored by
 ``EMPO2Module.score_samples``). ``MicroBatch``: what one ``training_step`` receives (made by
 ``RolloutDataModule.micro_batches``; the counts and flags the loss needs ride along with the samples). In verl
 both are one ``DataProto``; here token ids stay unpadded lists until the policy packs them for a forward pass.
+``SFTExample``: one demonstrated step of the imitation warm start (made by ``src/data/demonstrations.py``, trained
+on by ``src/models/sft_module.py``). They live here, apart from the code that makes them, so that the model layer
+never imports the data layer's machinery.
 """
 from __future__ import annotations
 
@@ -84,3 +87,17 @@ class MicroBatch:
     metrics: dict[str, Any] = field(default_factory=dict)
     num_samples: int = 0
     has_data: bool = True
+
+
+@dataclass
+class SFTExample:
+    """One demonstrated step as a supervised sample.
+
+    ``prompt_ids``: the (tip-free) prompt the rollout runner renders at this state. ``response_ids``: the
+    demonstrated reply's token ids + EOS. ``task``: the environment task dict; ``step``: 0-based step index.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    task: dict[str, Any]
+    step: int

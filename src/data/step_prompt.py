@@ -1,19 +1,17 @@
 """The prompt of one agent step: rendered, fitted to the token budget, and tip-stripped for the off-policy update.
 
 The one place a step's prompt is made (``step_prompt``): training rollouts, validation, evaluation and the
-imitation warm start's demonstrations all call it, so a prompt is rendered one way only (SPEC §2.1, §2.4).
+imitation warm start's demonstrations all call it, so a prompt is rendered one way only (docs/method.md#one-iteration,
+step 2; docs/method.md#tip-stripping-for-the-off-policy-update).
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from src.data.prompts import HistoryItem, build_step_messages
+from src.data.rollout_config import RolloutConfig
 from src.models.policy import Policy
-
-if TYPE_CHECKING:
-    from src.data.rollout import RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +35,8 @@ def step_prompt(policy: Policy, cfg: RolloutConfig, system_prompt: str, instruct
                 history: list[HistoryItem], observation: str, admissible_actions: list[str] | None, step: int,
                 max_steps: int | None, tips: list[str] | None = None,
                 cuts: dict[str, float] | None = None) -> StepPrompt:
-    """The prompt ids of one agent step, fitted to ``policy.max_prompt_tokens`` (SPEC §2.1).
+    """The prompt ids of one agent step, fitted to ``policy.max_prompt_tokens`` (what is cut first:
+    docs/usage.md#prompts).
 
     The one place a step's prompt is rendered: rollouts, validation and the imitation warm start
     (``src/warm_start.py``) all call it, so a demonstration's prompt is token for token the prompt RL samples from.
@@ -65,11 +64,11 @@ def step_prompt(policy: Policy, cfg: RolloutConfig, system_prompt: str, instruct
 
 
 def strip_tips(policy: Policy, common: dict) -> list[int]:
-    """Tip stripping for the off-policy update (SPEC §2.4): the update prompt of a step whose rollout prompt
-    showed tips is the same step rendered with ``tips=None``, from the same structured pieces
-    (``common``: the ``build_step_messages`` arguments as fitted for the rollout prompt), never by editing token
-    ids. Everything but the tips block is identical; the policy learns to act as it did with the tips, without
-    them."""
+    """Tip stripping for the off-policy update (docs/method.md#tip-stripping-for-the-off-policy-update): the update
+    prompt of a step whose rollout prompt showed tips is the same step rendered with ``tips=None``, from the same
+    structured pieces (``common``: the ``build_step_messages`` arguments as fitted for the rollout prompt), never by
+    editing token ids. Everything but the tips block is identical; the policy learns to act as it did with the tips,
+    without them."""
     return policy.encode(build_step_messages(tips=None, **common))
 
 

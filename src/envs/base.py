@@ -1,4 +1,4 @@
-"""The environment contract shared by every text environment (SPEC §3).
+"""The environment contract shared by every text environment (docs/environments.md#the-contract).
 
 Every environment is a plain Python object (not a gymnasium subclass, to keep workers light) with:
 

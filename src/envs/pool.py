@@ -1,11 +1,12 @@
-"""A pool of environment worker processes (SPEC §3: one environment per process, all envs of a batch step
-in parallel).
+"""A pool of environment worker processes: one environment per process, all envs of a batch step in parallel
+(docs/environments.md#the-contract, "Worker pool").
 
 Each worker builds its environment from a picklable ``_target_`` config with ``hydra.utils.instantiate`` and
 serves reset/step/tasks over a pipe. A call to several workers is sent to all of them before any answer is
 read, so the environments work in parallel. A worker that dies, breaks its pipe, raises inside its
 environment, or does not answer within ``timeout_s`` seconds is killed and restarted, and that call's result
-for it is an error result (SPEC §2.2: the caller marks the episode failed and drops it from its group).
+for it is an error result (docs/method.md#one-iteration, step 4: the caller marks the episode failed and drops it from
+its group).
 """
 from __future__ import annotations
 

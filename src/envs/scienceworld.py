@@ -1,11 +1,12 @@
-"""ScienceWorld text environment (SPEC §3.1) on the real ``scienceworld`` simulator (Scala, via py4j).
+"""ScienceWorld on the real ``scienceworld`` simulator (Scala, via py4j): docs/environments.md#scienceworld.
 
 The package's own ``ScienceWorldEnv.step`` makes several extra JVM round trips per action (look, inventory,
 task description and the ~1000-entry valid-action list), so this wrapper talks to the py4j server object
 directly: ``step``/``getScore``/``getCompleted`` per action, and the valid-action list only when action
 correction or ``include_admissible_actions`` needs it.
 
-Gold trajectories (generated, verified and cached) live in ``src/envs/scienceworld_gold.py``.
+Task names, paper ids and action caps live in ``src/envs/scienceworld_tasks.py``; gold trajectories (generated,
+verified and cached) in ``src/envs/scienceworld_gold.py``.
 """
 from __future__ import annotations
 
@@ -15,32 +16,11 @@ import re
 import shutil
 from typing import Any
 
-from scienceworld.constants import ID2TASK
-
 from src.envs.base import extract_action
+from src.envs.scienceworld_tasks import default_max_steps, resolve_task
 from src.utils.environ import temporary_environ
 
 logger = logging.getLogger(__name__)
-
-# Paper ids ("4-2") -> task names, from the table the package ships (scienceworld/tasks.json, the numbering of
-# the ScienceWorld paper, Wang et al. 2022, Table 1).
-PAPER_IDS: dict[str, str] = dict(ID2TASK)
-# Alphabetical order of the 30 names: the integer task index used by SPEC §3.1 (power-component = 25). The
-# simulator's getTaskNames() returns the same 30 names (checked in tests/test_scienceworld.py), so names can be
-# resolved before any JVM starts.
-TASK_NAMES: tuple[str, ...] = tuple(sorted(ID2TASK.values()))
-
-# Max actions per episode (SPEC §3.1, after the paper): 30, with longer caps for the long tasks.
-DEFAULT_MAX_STEPS = 30
-MAX_STEPS_OVERRIDES: dict[str, int] = {
-    "chemistry-mix": 60,
-    "chemistry-mix-paint-secondary-color": 60,
-    "chemistry-mix-paint-tertiary-color": 60,
-    "measure-melting-point-known-substance": 120,
-    "boil": 100,
-    "melt": 80,
-    "freeze": 80,
-}
 
 MAX_SCORE = 100.0
 
@@ -61,39 +41,6 @@ _HEAP = re.compile(r"^\d+[kKmMgG]?$")
 
 def _blocked(action: str) -> bool:
     return " ".join(action.lower().split()) in _BLOCKED_ACTIONS
-
-
-def resolve_task(task: str | int) -> str:
-    """Map a task given as alphabetical index (int or digit string, 0..29), paper id ("3-1") or name to its name.
-
-    Raises ValueError naming the bad value and listing the valid names (with index and paper id).
-    """
-    if isinstance(task, bool):  # bool is an int subclass; True would silently mean task 1
-        raise ValueError(_unknown_task_message(task))
-    if isinstance(task, int) or (isinstance(task, str) and task.strip().isdigit()):
-        idx = int(task)
-        if 0 <= idx < len(TASK_NAMES):
-            return TASK_NAMES[idx]
-        raise ValueError(_unknown_task_message(task))
-    if isinstance(task, str):
-        key = task.strip()
-        if key in PAPER_IDS:
-            return PAPER_IDS[key]
-        if key in TASK_NAMES:
-            return key
-    raise ValueError(_unknown_task_message(task))
-
-
-def _unknown_task_message(task: Any) -> str:
-    paper_of = {name: pid for pid, name in PAPER_IDS.items()}
-    listing = ", ".join(f"{i}={name} ({paper_of[name]})" for i, name in enumerate(TASK_NAMES))
-    return (f"Unknown ScienceWorld task {task!r}: expected an alphabetical index 0..{len(TASK_NAMES) - 1}, "
-            f"a paper id like '3-1', or one of the names. Valid tasks: {listing}")
-
-
-def default_max_steps(task_name: str) -> int:
-    """Per-task action cap of SPEC §3.1 for a resolved task name."""
-    return MAX_STEPS_OVERRIDES.get(task_name, DEFAULT_MAX_STEPS)
 
 
 def parse_action(response: str) -> str:
@@ -125,14 +72,15 @@ def start_jvm(jvm_heap: str):
         raise ValueError(f"jvm_heap={jvm_heap!r}: expected a JVM size like '768m' or '2g'")
     from scienceworld import ScienceWorldEnv as _PackageEnv
 
-    # Without a heap cap one JVM grows to ~3.5 GB (SPEC §3.1); the serial GC avoids one GC thread per core.
+    # Without a heap cap one JVM grows to ~3.5 GB; the serial GC avoids one GC thread per core.
     # Set only while the JVM is launched, so this process's environment is left as it was.
     with temporary_environ("JAVA_TOOL_OPTIONS", f"-Xmx{jvm_heap} -XX:+UseSerialGC"):
         return _PackageEnv("")
 
 
 class ScienceWorldEnv:
-    """One ScienceWorld simulator (one JVM) behind the contract of ``src/envs/base.py`` (SPEC §3.1).
+    """One ScienceWorld simulator (one JVM) behind the contract of ``src/envs/base.py``
+    (docs/environments.md#scienceworld).
 
     Args:
         task: one task or a list of tasks, each an alphabetical index (0..29; power-component = 25), a paper id
@@ -241,7 +189,8 @@ class ScienceWorldEnv:
                 "test": list(self._server.getVariationsTest())}
 
     def tasks(self, split: str) -> list[dict[str, Any]]:
-        """Task instances ``{"task_name": str, "variation": int}`` of every configured task (SPEC §3.1 protocol).
+        """Task instances ``{"task_name": str, "variation": int}`` of every configured task (the splits of
+        docs/environments.md#scienceworld).
 
         train: first ``num_train_variations`` train variations; dev/test: first up to ``num_test_variations``.
         Raises ValueError for another split.

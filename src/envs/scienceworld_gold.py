@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from src.envs.scienceworld import ScienceWorldEnv, resolve_task, start_jvm
+from src.envs.scienceworld import ScienceWorldEnv, start_jvm
+from src.envs.scienceworld_tasks import resolve_task
 from src.utils.io import write_json_atomic
 from src.utils.timing import EtaLog
 

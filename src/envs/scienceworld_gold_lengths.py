@@ -1,12 +1,18 @@
-"""How long the simulator's own gold paths are, against the action caps (SPEC §3.1).
+"""How long the simulator's own gold paths are, against the action caps (docs/environments.md#scienceworld).
 
 For 12 of the 30 tasks the gold path is longer than the default cap of 30 actions, so even a perfect copy of it is
 cut off (mendelian-genetics ~130 actions, inclined-plane-friction-unnamed-surfaces 177-205). The gold path is one
-solution, not always the shortest, but a cap below it is a warning sign; ``gold_cap_warnings`` says so at start-up.
+solution, not always the shortest, but a cap below it is a warning sign; ``warn_gold_paths_over_cap`` says so when
+training starts (``src/train.py``).
 """
 from __future__ import annotations
 
-from src.envs.scienceworld import default_max_steps, resolve_task
+import logging
+from typing import Any, Mapping
+
+from src.envs.scienceworld_tasks import default_max_steps, resolve_task
+
+log = logging.getLogger(__name__)
 
 # (shortest, longest) gold path in actions over the first 5 train variations ("easy" simplification), measured
 # with scripts/cache_gold_trajectories.py --split train --num-variations 5 (every path replayed to success; the
@@ -58,4 +64,16 @@ def gold_cap_warnings(tasks: str | int | list, max_steps: int | None) -> list[st
             messages.append(f"ScienceWorld task {name!r}: the simulator's gold path takes {span} actions (first 5 "
                             f"train variations) but the action cap is {cap}; episodes that need more are cut off. "
                             f"Raise env.max_steps if that is not intended.")
+    return messages
+
+
+def warn_gold_paths_over_cap(env_cfg: Mapping[str, Any] | None) -> list[str]:
+    """Log (and return) a warning for each task of a ScienceWorld environment config (the ``env`` group) whose gold
+    path is longer than its action cap (``gold_cap_warnings``); nothing for any other environment."""
+    env = env_cfg or {}
+    if not str(env.get("_target_", "")).endswith("scienceworld.ScienceWorldEnv"):
+        return []
+    messages = gold_cap_warnings(env["task"], env.get("max_steps"))
+    for message in messages:
+        log.warning(message)
     return messages

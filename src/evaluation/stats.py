@@ -31,7 +31,8 @@ def mean_stderr(values: Sequence[float]) -> dict[str, float | int | None]:
 
 
 def best_relative_gain(trial_scores: Sequence[float]) -> float | None:
-    """Best relative gain of trials 1..K over trial 0: ``(max_k s_k − s_0) / |s_0|`` (SPEC §5).
+    """Best relative gain of trials 1..K over trial 0: ``(max_k s_k − s_0) / |s_0|``
+    (docs/evaluation.md#the-adaptation-protocol).
 
     Zero baseline: 0.0 when the best later trial also scores 0 (nothing changed); None (undefined, report the
     absolute gain instead) when ``s_0 = 0`` and the best differs. Negative when every later trial is worse.

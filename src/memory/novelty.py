@@ -1,4 +1,4 @@
-"""Count-based intrinsic novelty reward over state embeddings (SPEC §2.6, paper §4.2).
+"""Count-based intrinsic novelty reward over state embeddings (paper §4.2; docs/method.md#count-based-novelty-bonus).
 
 Per task key, a store of representative states, each with a visit count. A visit to state e goes to the
 nearest stored state with cosine(e, s) >= threshold, or creates a new stored state with count 1. The reward of
@@ -35,8 +35,8 @@ class NoveltyMemory:
     Args:
         dim: embedding dimension.
         threshold: cosine at or above which two states count as the same (inclusive), default 0.9.
-        coef: reward for a brand-new state, in environment units (SPEC: 1.0 for ScienceWorld points, 0.01 for
-            WebShop's [0,1] scores).
+        coef: reward for a brand-new state, in environment units (1.0 for ScienceWorld points, 0.01 for
+            WebShop's [0,1] scores: docs/environments.md#units).
         capacity: optional max stored states per task; the oldest leave first (with their counts). None =
             unbounded.
         count: ``visits`` (N = prior visits to similar states) or ``distinct`` (N = similar stored states).

@@ -1,4 +1,4 @@
-"""One tip-memory entry: its stored fields and the line it shows in a prompt (SPEC §2.7)."""
+"""One tip-memory entry: its stored fields and the line it shows in a prompt (docs/method.md#memory, "Entries")."""
 from __future__ import annotations
 
 import math
@@ -32,7 +32,7 @@ def _fmt_number(x: float) -> str:
 
 
 def format_entry(tip: str, action: str, final_score: float, max_score: float) -> str:
-    """The stored tip line (SPEC §2.7):
+    """The stored tip line:
     ``"<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>."``
 
     Whitespace runs (including newlines) in ``tip`` and ``action`` are collapsed to single spaces so each entry is

@@ -1,4 +1,4 @@
-"""Tip memory: partitioned FAISS store of self-generated tips (SPEC §2.7).
+"""Tip memory: partitioned FAISS store of self-generated tips (docs/method.md#memory).
 
 Each partition (a str chosen by the caller: per task variation, per task, or one global key) holds a
 ``faiss.IndexFlatIP`` over L2-normalised state keys, so inner product = cosine, plus one ``TipEntry`` per
@@ -32,7 +32,7 @@ _RANK_BY = ("score", "similarity")
 
 
 class TipMemory:
-    """Partitioned tip store (SPEC §2.7).
+    """Partitioned tip store (docs/method.md#memory, "Partitions", "Retrieval").
 
     Args:
         dim: key dimension (must equal the embedder's).

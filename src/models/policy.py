@@ -1,4 +1,4 @@
-"""The policy: a Hugging Face causal LM behind one small class (SPEC §2.1, §4).
+"""The policy: a Hugging Face causal LM behind one small class (docs/usage.md#models).
 
 It does three things and nothing else:
 
@@ -100,7 +100,8 @@ class Policy(nn.Module):
     Args:
         model: a ``PreTrainedModel`` (optionally a PEFT model with LoRA adapters).
         tokenizer: its tokenizer (must have a chat template).
-        max_response_tokens: cap on generated tokens per step (SPEC §2.8: 32 ScienceWorld, 512 WebShop).
+        max_response_tokens: cap on generated tokens per step (the paper's experiments: 32 ScienceWorld, 512
+            WebShop).
         max_prompt_tokens: prompts longer than this are cut from the left (oldest history first),
             keeping the chat template's head; a warning counter is exposed as ``num_prompts_truncated``.
         temperature: default sampling temperature (rollout 1.0, evaluation 0.4 in the paper).
@@ -246,7 +247,8 @@ class Policy(nn.Module):
 
         Returns ``log_probs`` [B, R] (float32, 0 where masked), ``response_mask`` [B, R] (float32) and, with
         ``with_entropy``, ``entropy`` [B, R] of the (temperature-scaled) next-token distribution.
-        ``disable_adapters=True`` evaluates the base model of a PEFT policy (the KL reference, SPEC §2.3).
+        ``disable_adapters=True`` evaluates the base model of a PEFT policy (the KL reference,
+        docs/method.md#one-iteration, step 5).
 
         ``share_prefix=True``: the token prefix all prompts share (e.g. system prompt and task) is computed once
         and its keys/values reused by every row, in the forward and the backward pass; the result is the same up to
@@ -307,7 +309,7 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
                  trainable: bool = True, max_response_tokens: int = 32, max_prompt_tokens: int = 4096,
                  temperature: float = 1.0, gradient_checkpointing: bool = False, lora: dict | None = None,
                  attn_implementation: str | None = None) -> Policy:
-    """Load tokenizer + causal LM (optionally wrapped with PEFT LoRA) into a ``Policy`` (SPEC §4).
+    """Load tokenizer + causal LM (optionally wrapped with PEFT LoRA) into a ``Policy`` (docs/usage.md#models).
 
     Precision (see ``src/models/precision.py``): the trainable parameters (all of them, or the LoRA adapters) are
     ``master_dtype`` (float32 unless insisted otherwise, with a warning); frozen weights (the LoRA base model, or

@@ -1,7 +1,7 @@
 """Reusing a prompt's attention keys/values in a later generation (prefix caching).
 
 After a rollout step the model has already computed the keys/values of every prompt; the reflection on a finished
-episode (tip writing, SPEC §2.7) continues the episode's last prompt, so that prompt's keys/values are kept
+episode (tip writing, docs/method.md#memory) continues the episode's last prompt, so that prompt's keys/values are kept
 (``PromptKV``) and the reflection only computes its new tokens. A batch mixing prompts with and without a kept
 prefix is laid out as ``[left-padded prefix | left-padded rest]``: the prefix block comes from the kept caches,
 the rest is fed to the model, and position ids follow the attention mask, so the padding between the two blocks

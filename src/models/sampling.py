@@ -1,11 +1,12 @@
 """Sampling exactly from ``softmax(logits / T)`` with the sampled tokens' log-probs, in bounded memory.
 
 The trainer scores every sampled token with ``log_softmax(logits / T)`` over the full vocabulary (old and
-behaviour log-probs, SPEC §2.3), so the tokens must be drawn from that same distribution. A checkpoint's
-``generation_config`` may carry defaults that change it (Qwen2.5-7B-Instruct ships ``repetition_penalty: 1.05``,
-``top_k: 20``, ``top_p: 0.8``; others ``min_p``, ``no_repeat_ngram_size``, ``bad_words_ids``, ...), and
-transformers fills every field a call leaves unset from it, so passing a fresh ``GenerationConfig`` is not
-enough: :func:`checkpoint_generation_defaults_off` also hides the checkpoint's config for the duration of a call.
+behaviour log-probs of the clipped loss, docs/method.md#one-iteration), so the tokens must be drawn from that same
+distribution. A checkpoint's ``generation_config`` may carry defaults that change it (Qwen2.5-7B-Instruct ships
+``repetition_penalty: 1.05``, ``top_k: 20``, ``top_p: 0.8``; others ``min_p``, ``no_repeat_ngram_size``,
+``bad_words_ids``, ...), and transformers fills every field a call leaves unset from it, so passing a fresh
+``GenerationConfig`` is not enough: :func:`checkpoint_generation_defaults_off` also hides the checkpoint's config for
+the duration of a call.
 
 :class:`SampledTokenLogProbs` records the sampled tokens' log-probs step by step instead of keeping every
 step's ``[B, V]`` logits (``output_logits=True`` held ``[B, T, V]`` float32: ~5 GB for 16 × 512 tokens of a

@@ -1,7 +1,8 @@
 """Supervised fine-tuning of the policy on demonstrations (the imitation warm start's update).
 
 The loss is the mean token cross-entropy over the reply tokens only: prompt and padding tokens carry none.
-``SFTModule`` trains a ``Policy`` on batches of ``SFTExample`` (``src/data/demonstrations.py``);
+``SFTModule`` trains a ``Policy`` on batches of ``SFTExample`` (``src/data/samples.py``, made by
+``src/data/demonstrations.py``);
 ``save_policy`` writes the result as a Hugging Face directory that ``build_policy`` loads.
 """
 from __future__ import annotations
@@ -11,17 +12,15 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
 
+from src.data.samples import SFTExample
 from src.models.policy import Policy
 from src.utils.io import atomic_dir
 from src.utils.timing import eta_text
-
-if TYPE_CHECKING:  # batches of demonstrations (src/data/demonstrations.py); no runtime import of the data layer
-    from src.data.demonstrations import SFTExample
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,10 @@
 
 - Lightning options that cannot work with one epoch = one training iteration are refused with the reason, and
   ``fast_dev_run`` becomes one real iteration (``check_trainer_options``);
-- a ScienceWorld action cap below a task's gold-path length is warned about (``warn_gold_paths_over_cap``);
 - temporary files of checkpoint saves that a killed run left behind are removed (``clean_checkpoint_dirs``).
+
+Checks that need to know an environment live with it (e.g. ScienceWorld's action caps against its gold paths,
+``src/envs/scienceworld_gold_lengths.py``) and are called by the entry point.
 """
 from __future__ import annotations
 
@@ -69,19 +71,6 @@ def check_trainer_options(cfg: DictConfig) -> None:
                  fast, iterations)
 
 
-def warn_gold_paths_over_cap(cfg: DictConfig) -> list[str]:
-    """Log (and return) a warning for each ScienceWorld task whose gold path is longer than ``env.max_steps``."""
-    env = cfg.get("env") or {}
-    if not str(env.get("_target_", "")).endswith("scienceworld.ScienceWorldEnv"):
-        return []
-    from src.envs.scienceworld_gold_lengths import gold_cap_warnings
-
-    messages = gold_cap_warnings(env.task, env.get("max_steps"))
-    for message in messages:
-        log.warning(message)
-    return messages
-
-
 def clean_checkpoint_dirs(cfg: DictConfig) -> list[Path]:
     """Remove stale checkpoint temp files in the resumed checkpoint's directory and every ModelCheckpoint dirpath."""
     from src.utils.io import remove_stale_temp_files
@@ -94,5 +83,4 @@ def clean_checkpoint_dirs(cfg: DictConfig) -> list[Path]:
 def prepare_run(cfg: DictConfig) -> None:
     """All start-up checks, in order (``cfg`` may be changed: see ``check_trainer_options``)."""
     check_trainer_options(cfg)
-    warn_gold_paths_over_cap(cfg)
     clean_checkpoint_dirs(cfg)

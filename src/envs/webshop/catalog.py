@@ -1,4 +1,4 @@
-"""A deterministic generated WebShop catalog, written in the ORIGINAL files' schemas (SPEC §3.2).
+"""A deterministic generated WebShop catalog, written in the ORIGINAL files' schemas (docs/environments.md#webshop).
 
 Used when no original data is given: ``ensure_generated_catalog(root, num_products, seed)`` writes
 ``items_shuffle.json``, ``items_ins_v2.json`` and ``items_human_ins.json`` into

@@ -1,4 +1,5 @@
-"""Loading the original WebShop data files: normalisation, prices, goals and the goal split (WEBSHOP.md).
+"""Loading the original WebShop data files: normalisation, prices, goals and the goal split (the original's
+``web_agent_site/engine/engine.py`` and ``goal.py``).
 
 Files in a data directory (the original names):
 - ``items_shuffle_1000.json`` (or full-size ``items_shuffle.json``): list of raw products.
@@ -298,8 +299,8 @@ def load_webshop_data(data_dir: str | os.PathLike, *, num_products: int | None =
 
 
 def split_goal_indices(n_goals: int, split: str, num_test: int = 500, num_dev: int = 0) -> range:
-    """Goal indices of a split (verl-agent / SPEC §3.2): test = [0, num_test), dev = [num_test, num_test +
-    num_dev), train = the rest. Raises ValueError for an unknown split or an empty train split."""
+    """Goal indices of a split (as verl-agent splits them; docs/environments.md#webshop): test = [0, num_test), dev =
+    [num_test, num_test + num_dev), train = the rest. Raises ValueError for an unknown split or an empty train split."""
     test_end = min(num_test, n_goals)
     dev_end = min(test_end + num_dev, n_goals)
     if split == "test":

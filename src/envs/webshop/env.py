@@ -1,4 +1,4 @@
-"""WebShop environments: the original text-mode state machine and the agent wrapper (SPEC §3, §3.2).
+"""WebShop environments: the original text-mode state machine and the agent wrapper (docs/environments.md#webshop).
 
 - ``WebShopTextEnv``: the original ``web_agent_text_env`` surface on raw actions ``search[...]`` /
   ``click[...]`` (regex ``(.+)\\[(.+)\\]``, argument lower-cased), pages search -> results -> item ->
@@ -192,7 +192,7 @@ def _load(source_dir: str, cache_dir: str, num_products: int | None, human_goals
 
 
 class WebShopEnv:
-    """The WebShop environment for agents (src/envs/base.py contract; SPEC §3.2).
+    """The WebShop environment for agents (src/envs/base.py contract; docs/environments.md#webshop).
 
     Data: ``real_data_dir`` (or the ``WEBSHOP_DATA_DIR`` environment variable) names a directory with the
     original files; without it a catalog of ``catalog_size`` products is generated from ``catalog_seed`` into

@@ -1,4 +1,5 @@
-"""The original WebShop text observations (``observation_mode='text'``), page by page (WEBSHOP.md).
+"""The original WebShop text observations (``observation_mode='text'``), page by page (the original's
+``web_agent_site/envs/web_agent_text_env.py``).
 
 The original renders HTML and joins the visible text nodes with ' [SEP] ' (each node stripped; nodes that
 are exactly '\\n' dropped). Each function below lists those nodes in page order. A node exists only for

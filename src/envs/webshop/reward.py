@@ -1,4 +1,5 @@
-"""The original WebShop purchase reward (WEBSHOP.md "Reward"; SPEC §3.2).
+"""The original WebShop purchase reward (``get_reward`` in the original's ``web_agent_site/engine/goal.py``;
+docs/environments.md#webshop).
 
 reward = (n_attr_matched + n_opt_matched + price_ok) / (|goal attrs| + |goal opts| + 1) × r_type, in [0, 1];
 success means reward == 1.0. Fuzzy matching uses ``thefuzz.fuzz.token_set_ratio`` (lower-cases, strips

@@ -1,4 +1,4 @@
-"""BM25 product search, as the original's pyserini/Lucene index (SPEC §3.2).
+"""BM25 product search, as the original's pyserini/Lucene index (docs/environments.md#webshop).
 
 Documents are the original's ``' '.join([Title, Description, BulletPoints[0], option_text]).lower()`` with
 option_text = ``', and '.join(f'{name}: {", ".join(values)}')``. Scoring is ``bm25s`` (Lucene variant,

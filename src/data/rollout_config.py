@@ -1,0 +1,34 @@
+"""How episodes are run: the settings the rollout runner (``src/data/rollout.py``) and the step prompt
+(``src/data/step_prompt.py``) both read, kept apart so that neither of them imports the other."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HISTORY_ACTIONS = ("raw", "executed")
+
+
+@dataclass
+class RolloutConfig:
+    """How episodes are run. ``use_tips``: retrieve tips into the rollout prompts; ``strip_tips_for_update``: also
+    render the tip-free update prompt (off-policy mode); ``history_length``: past steps shown in the prompt;
+    ``history_action``: what the history shows as each past step's action, ``raw`` (the model's output, as the
+    authors record it with action correction: ``record_original_action``) or ``executed`` (the action the
+    environment ran, e.g. the corrected one). ``keep_reflection_prefix``: store each finished episode's last prompt
+    keys/values on the episode (``Episode.reflection_prefix``) so the reflection that continues that prompt does
+    not recompute it."""
+
+    temperature: float = 1.0
+    max_response_tokens: int = 32
+    history_length: int = 5
+    history_obs_chars: int | None = None
+    use_tips: bool = False
+    strip_tips_for_update: bool = False
+    tips_scope: str = "current"
+    novelty: bool = False
+    do_sample: bool = True
+    history_action: str = "raw"
+    keep_reflection_prefix: bool = False  # keep each episode's last prompt keys/values for its tip (write_tips)
+
+    def __post_init__(self) -> None:
+        if self.history_action not in HISTORY_ACTIONS:
+            raise ValueError(f"history_action must be one of {HISTORY_ACTIONS}, got {self.history_action!r}")

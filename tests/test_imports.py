@@ -1,0 +1,115 @@
+"""The import structure of ``src/``: no import cycle, and the layers import downwards only.
+
+Read with ``ast``, without importing anything: every ``import src...`` / ``from src... import ...`` counts, at
+module level, inside functions and under ``if TYPE_CHECKING:`` alike (a type-only import still ties the two
+modules together for a reader).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name (``src.data.rollout``; a package by its ``__init__``) → file, for every ``src/**/*.py``."""
+    out = {}
+    for path in sorted((ROOT / "src").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _owner(name: str, modules: dict[str, Path]) -> str | None:
+    """The module of ``modules`` that ``name`` (a module, or a name inside one) belongs to."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: the src modules it imports}``; ``from pkg import mod`` counts as importing ``pkg.mod``."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str | None] = set()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                deps.update(_owner(a.name, modules) for a in node.names if a.name.split(".")[0] == "src")
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolved against this module's package
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                if base.split(".")[0] != "src":
+                    continue
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    deps.add(full if full in modules else _owner(base, modules))
+        graph[name] = {d for d in deps if d and d != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as ``[a, b, ..., a]``, or None (depth-first search, modules in sorted order)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_names_the_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_graph_sees_every_kind_of_import():
+    graph = import_graph()
+    assert "src.utils.resolvers" in graph["src"]                      # module level
+    assert "src.utils.startup_checks" in graph["src.train"]           # inside a function
+    assert "src.data.samples" in graph["src.models.empo2_module"]     # `from src.data.samples import ...`
+
+
+def test_no_import_cycle_in_src():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle in src/: " + " -> ".join(cycle)
+
+
+# What each layer may not import: a lower layer knows nothing of the ones above it (docs/design.md).
+FORBIDDEN = {
+    "src.utils": ("src.envs", "src.memory", "src.models", "src.data", "src.callbacks", "src.evaluation"),
+    "src.envs": ("src.memory", "src.models", "src.data", "src.callbacks", "src.evaluation"),
+    "src.memory": ("src.models", "src.data", "src.callbacks", "src.evaluation", "src.envs"),
+    # the model layer reads the data it trains on from src.data.samples only
+    "src.models": ("src.data.rollout", "src.data.rollout_datamodule", "src.data.demonstrations",
+                   "src.data.step_prompt", "src.data.prompts", "src.callbacks", "src.evaluation", "src.envs"),
+}
+
+
+def test_layers_import_downwards_only():
+    wrong = []
+    for module, deps in sorted(import_graph().items()):
+        for layer, forbidden in FORBIDDEN.items():
+            if module == layer or module.startswith(layer + "."):
+                wrong += [f"{module} imports {d}" for d in sorted(deps)
+                          if any(d == f or d.startswith(f + ".") for f in forbidden)]
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
