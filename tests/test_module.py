@@ -8,6 +8,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+from lightning.pytorch.loggers import Logger
 import torch
 from torch.utils.data import DataLoader
 
@@ -182,3 +183,117 @@ def test_a_mini_batch_without_samples_leaves_the_policy_alone(tiny_model_dir, mo
     assert (steps_a, steps_b) == (1, 2)
     moved = [n for n in params_a if not torch.equal(params_a[n], params_b[n])]
     assert not moved, f"parameters moved by an update without data: {moved[:5]}"
+
+
+class _MetricsLogger(Logger):
+    """Keeps every logged (step, metrics) pair in memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "in_memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def series(self, key: str) -> list[float]:
+        return [m[key] for _, m in self.rows if key in m]
+
+
+def _poison_gradient(module: EMPO2Module, steps: set[int]) -> None:
+    """One NaN entry in one gradient during the optimizer steps ``steps`` (0-based global steps)."""
+    param = next(p for p in module.policy.parameters() if p.requires_grad)
+
+    def hook(grad):
+        if module.global_step not in steps:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("nan")
+        return grad
+
+    param.register_hook(hook)
+
+
+def _fit_logged(module: EMPO2Module, batches: list[MicroBatch]) -> _MetricsLogger:
+    logger = _MetricsLogger()
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=logger, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    return logger
+
+
+def test_a_non_finite_gradient_skips_the_step(tiny_model_dir, model_cache_dir, caplog):
+    """One NaN entry in one gradient (verl #1197): the step is skipped (weights and AdamW state as before it, the
+    step still counts), logged as train/nonfinite_grad_steps and warned about; the next finite step trains."""
+    import logging
+
+    adamw = partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    reference = _module(tiny_model_dir, model_cache_dir, adamw)
+    samples = _samples(reference)
+
+    def steps(n):
+        return [b for _ in range(n) for b in _micro_batches(copy.deepcopy(samples), 4)]
+
+    clean = copy.deepcopy(reference)
+    _fit(clean, steps(1))
+    poisoned = copy.deepcopy(reference)
+    _poison_gradient(poisoned, {1})
+    with caplog.at_level(logging.WARNING, logger="src.models.empo2_module"):
+        logger = _fit_logged(poisoned, steps(2))
+    assert poisoned.global_step == 2
+    after = dict(poisoned.policy.named_parameters())
+    nonfinite = [n for n, p in after.items() if not torch.isfinite(p).all()]
+    assert not nonfinite, f"{len(nonfinite)} of {len(after)} parameters hold NaN/inf after one NaN gradient entry"
+    moved = [n for n, p in clean.policy.named_parameters() if not torch.equal(p, after[n])]
+    assert not moved, f"parameters moved by the skipped step: {moved[:5]}"
+    states = [m.trainer.optimizers[0].state_dict()["state"] for m in (clean, poisoned)]
+    assert states[0].keys() == states[1].keys()
+    for k in states[0]:
+        for name, value in states[0][k].items():
+            assert torch.equal(value, states[1][k][name]), (k, name)
+    assert logger.series("train/nonfinite_grad_steps") == [0.0, 1.0]
+    assert logger.series("train/update_skipped") == [0.0, 1.0]
+    assert "not finite" in caplog.text and "iteration 0" in caplog.text and "global step 1" in caplog.text
+    # the streak ends with the next finite step, which trains
+    again = copy.deepcopy(reference)
+    _poison_gradient(again, {1})
+    logger = _fit_logged(again, steps(3))
+    assert logger.series("train/nonfinite_grad_steps") == [0.0, 1.0, 0.0]
+    assert any(not torch.equal(p, after[n]) for n, p in again.policy.named_parameters())
+
+
+def test_consecutive_non_finite_gradients_stop_the_run(tiny_model_dir, model_cache_dir):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
+        for algorithm in ("empo2", "grpo"):
+            assert compose(config_name="train", overrides=[f"algorithm={algorithm}"]).algorithm.max_nonfinite_steps == 3
+    module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.AdamW, lr=1e-3), max_nonfinite_steps=2)
+    samples = _samples(module)
+    _poison_gradient(module, {1, 2})
+    with pytest.raises(RuntimeError, match=r"2 consecutive optimizer steps.*iteration 0.*max_nonfinite_steps=2"):
+        _fit(module, [b for _ in range(4) for b in _micro_batches(copy.deepcopy(samples), 4)])
+    assert module.global_step == 3
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+
+
+def test_a_checkpoint_is_never_written_from_non_finite_weights(tiny_model_dir, model_cache_dir, tmp_path):
+    module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.AdamW, lr=1e-3))
+    _fit(module, _micro_batches(_samples(module), 4))
+    module.trainer.save_checkpoint(tmp_path / "finite.ckpt")
+    name, param = next((n, p) for n, p in module.policy.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        param.view(-1)[3] = float("inf")
+    with pytest.raises(RuntimeError, match=rf"Refusing to save a checkpoint.*iteration 0.*{name}"):
+        module.trainer.save_checkpoint(tmp_path / "broken.ckpt")
+    assert not (tmp_path / "broken.ckpt").exists()
