@@ -297,3 +297,35 @@ def test_a_checkpoint_is_never_written_from_non_finite_weights(tiny_model_dir, m
     with pytest.raises(RuntimeError, match=rf"Refusing to save a checkpoint.*iteration 0.*{name}"):
         module.trainer.save_checkpoint(tmp_path / "broken.ckpt")
     assert not (tmp_path / "broken.ckpt").exists()
+
+
+def test_the_first_ratio_is_exactly_one_despite_dropout_settings(tiny_model_dir, model_cache_dir, tmp_path, caplog):
+    """A checkpoint whose config sets attention_dropout=0.1 and a LoRA dropout of 0.1 (TRL PR #3234): π_old is
+    scored in eval mode and the update runs in train mode, so any active dropout makes the first ratio differ
+    from 1. The policy is built without dropout, and says what it zeroed."""
+    import json
+    import logging
+    import shutil
+
+    model_dir = tmp_path / "tiny-with-dropout"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    lora = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.1, "target_modules": "all-linear"}
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="src.models.policy"):
+        module = EMPO2Module(policy={"name_or_path": str(model_dir), "cache_dir": str(model_cache_dir),
+                                     "dtype": "float32", "lora": lora},
+                             algorithm=ALGORITHM, optimizer=partial(torch.optim.SGD, lr=1e-3), gradient_clip_val=None)
+    assert "attention_dropout=0.1" in caplog.text and "model.policy.lora.dropout=0.1" in caplog.text
+    with torch.no_grad():  # the LoRA branch is 0 while lora_B is at its zero init, whatever its dropout
+        for name, p in module.policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    samples = _samples(module)
+    with module.rollout_context():  # as the datamodule scores π_old: eval mode, no grad
+        module.score_samples([samples])
+    module.policy.train()  # the mode rollout_context restores, in which the update runs
+    logger = _fit_logged(module, _micro_batches(samples, 4))
+    assert logger.series("train/ratio_max") == [1.0]
+    assert logger.series("train/ratio_mean") == [1.0]

@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from src.models.precision import torch_dtype
 from src.utils.io import atomic_dir
@@ -95,8 +96,11 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_causal_lm(name_or_path: str, dtype: str = "bfloat16", attn_implementation: str | None = None) -> PreTrainedModel:
+def load_causal_lm(name_or_path: str, dtype: str = "bfloat16", attn_implementation: str | None = None,
+                   config: PretrainedConfig | None = None) -> PreTrainedModel:
     """Load a causal LM from a hub id or a local directory in the given dtype name (``bfloat16``/``float32``/...).
+
+    ``config``: use this (possibly edited) config instead of the one stored with the weights.
 
     Raises:
         ValueError: ``dtype`` is not a floating-point torch dtype name.
@@ -104,6 +108,8 @@ def load_causal_lm(name_or_path: str, dtype: str = "bfloat16", attn_implementati
     kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    if config is not None:
+        kwargs["config"] = config
     return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, LogitsProcessorList, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from src.models.hub import load_causal_lm, load_tokenizer, resolve_name_or_path
 from src.models.logprobs import entropy_from_logits, log_probs_from_logits
@@ -265,6 +265,41 @@ class Policy(nn.Module):
         return out
 
 
+def zero_config_dropout(config: PretrainedConfig, prefix: str = "") -> dict[str, float]:
+    """Set every non-zero dropout probability of a model config to 0, in place, nested configs included.
+
+    Dropout fields are the numeric ones whose name contains ``dropout`` or ends in ``pdrop`` (``attention_dropout``,
+    ``hidden_dropout_prob``, ``resid_pdrop`` ...). Returns ``{field: old value}`` of the fields changed.
+    """
+    zeroed = {}
+    for key, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            zeroed.update(zero_config_dropout(value, f"{prefix}{key}."))
+        elif ("dropout" in key or key.endswith("pdrop")) and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and value != 0:
+            setattr(config, key, 0.0)
+            zeroed[prefix + key] = value
+    return zeroed
+
+
+def zero_module_dropout(model: nn.Module) -> dict[float, int]:
+    """Set ``p`` of every dropout module (``nn.Dropout`` and its relatives) and every float module attribute named
+    ``*dropout*`` (some layers copy the config's value at construction) to 0, in place.
+
+    Returns ``{old probability: number of modules or attributes}`` of what was changed.
+    """
+    zeroed: dict[float, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            zeroed[module.p] = zeroed.get(module.p, 0) + 1
+            module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if "dropout" in key and isinstance(value, float) and value > 0:
+                zeroed[value] = zeroed.get(value, 0) + 1
+                setattr(module, key, 0.0)
+    return zeroed
+
+
 def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", master_dtype: str = "float32",
                  trainable: bool = True, max_response_tokens: int = 32, max_prompt_tokens: int = 4096,
                  temperature: float = 1.0, gradient_checkpointing: bool = False, lora: dict | None = None,
@@ -275,6 +310,10 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
     ``master_dtype`` (float32 unless insisted otherwise, with a warning); frozen weights (the LoRA base model, or
     the whole model with ``trainable=False``, e.g. the KL reference) stay in the loading ``dtype``.
 
+    The policy has no dropout: every dropout probability (the config's ``*dropout*`` fields, dropout modules,
+    ``lora.dropout``) is set to 0, with a warning naming what was non-zero. π_old is scored in eval mode and the
+    update runs in train mode, so active dropout would make the ratio of the first update differ from 1.
+
     Raises:
         ValueError: ``dtype`` or ``master_dtype`` is not a floating-point torch dtype name.
     """
@@ -282,8 +321,10 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
     tokenizer = load_tokenizer(path)
     lora_on = bool(lora and lora.get("enabled"))
     master = master_dtype_of(master_dtype) if trainable else None
+    config = AutoConfig.from_pretrained(path)
+    zeroed = [f"{k}={v}" for k, v in zero_config_dropout(config).items()]
     model = load_causal_lm(path, dtype=master_dtype if trainable and not lora_on else dtype,
-                           attn_implementation=attn_implementation)
+                           attn_implementation=attn_implementation, config=config)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_on:
@@ -291,9 +332,16 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
 
         if gradient_checkpointing:
             model.enable_input_require_grads()
+        if float(lora.get("dropout", 0.0)):
+            zeroed.append(f"model.policy.lora.dropout={lora['dropout']}")
         model = get_peft_model(model, LoraConfig(
-            r=int(lora.get("r", 16)), lora_alpha=int(lora.get("alpha", 32)), lora_dropout=float(lora.get("dropout", 0.0)),
+            r=int(lora.get("r", 16)), lora_alpha=int(lora.get("alpha", 32)), lora_dropout=0.0,
             target_modules=lora.get("target_modules", "all-linear"), task_type="CAUSAL_LM"))
+    zeroed += [f"{n} dropout module(s)/attribute(s) with p={p}" for p, n in zero_module_dropout(model).items()]
+    if zeroed:
+        log.warning("The policy %s is built without dropout (π_old is scored in eval mode and the update runs in "
+                    "train mode: any dropout would make the first PPO ratio differ from 1); set to 0: %s",
+                    name_or_path, ", ".join(zeroed))
     if trainable:
         for p in model.parameters():
             if p.requires_grad and p.dtype != master:
