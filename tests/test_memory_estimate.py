@@ -73,9 +73,13 @@ def test_estimate_known_answer():
     parts = estimate_per_device(counts, world=4, sharded=True, reference=True, weight_bytes=2)
     assert parts == {"trainable weights": 1000.0, "gradients": 1000.0, "AdamW states": 2000.0,
                      "frozen reference": 500.0, "FSDP gathered params+grads": 400}
-    lora = estimate_per_device(ParamCounts(1000, 10, 100), world=2, sharded=False, reference=True, weight_bytes=2)
+    # with LoRA the KL reference is normally the base with the adapters off (no copy) ...
+    lora = estimate_per_device(ParamCounts(1000, 10, 100), world=2, sharded=False, reference=False, weight_bytes=2)
     assert lora == {"trainable weights": 40, "gradients": 40, "AdamW states": 80, "frozen base": 2000,
                     "DDP gradient buckets": 40}
+    # ... and a frozen copy when LoRA continues an adapter loaded as the policy
+    adapter = estimate_per_device(ParamCounts(1000, 10, 100), world=2, sharded=False, reference=True, weight_bytes=2)
+    assert adapter == {**lora, "frozen reference": 2000}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the real device memory is read")

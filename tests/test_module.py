@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader
 
 from src.data.rollout_datamodule import RolloutDataModule
 from src.data.samples import MicroBatch, StepSample
-from src.models.empo2_module import EMPO2Module
+from src.models.empo2_module import EMPO2Module, _pad_rows
+from src.models.memory_estimate import count_parameters
 from src.models.policy import build_policy
 
 ALGORITHM = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_c": 10.0, "loss_agg_mode": "token-mean",
@@ -329,3 +330,66 @@ def test_the_first_ratio_is_exactly_one_despite_dropout_settings(tiny_model_dir,
     logger = _fit_logged(module, _micro_batches(samples, 4))
     assert logger.series("train/ratio_max") == [1.0]
     assert logger.series("train/ratio_mean") == [1.0]
+
+
+@pytest.fixture
+def sft_adapter(tiny_model_dir, model_cache_dir, tmp_path):
+    """A PEFT LoRA adapter directory on the tiny model (the "SFT model": lora_B away from its zero init, a stored
+    dropout of 0.1) and the log-prob function of the model it defines, with the raw base's for comparison."""
+    from peft import LoraConfig, get_peft_model
+
+    from src.models.policy import Policy
+
+    base = build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir), dtype="float32").eval()
+    torch.manual_seed(1)
+    adapted = get_peft_model(copy.deepcopy(base.model), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                                                    target_modules="all-linear", task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    adapted.save_pretrained(tmp_path / "adapter")
+    base.tokenizer.save_pretrained(tmp_path / "adapter")  # as SFT scripts do
+    sft = Policy(adapted.eval(), base.tokenizer)
+    prompts = [base.encode([{"role": "user", "content": f"step {k} of the task"}]) for k in range(4)]
+    responses = [[100, 200, 300], [400, 500], [600, 700, 800, 900], [1000]]
+
+    def log_probs(policy, **kwargs):
+        with torch.no_grad():
+            return policy.log_probs(prompts, responses, **kwargs)["log_probs"]
+
+    return {"dir": str(tmp_path / "adapter"), "base_dir": tiny_model_dir, "log_probs": log_probs, "sft": log_probs(sft),
+            "base": log_probs(base)}
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_lora_adapter_passed_as_the_policy_is_trained_and_is_the_reference(sft_adapter, model_cache_dir, lora):
+    """model.policy.name_or_path = a PEFT adapter directory (TRL #1340): with LoRA the loaded adapter itself is
+    trained, without LoRA the adapted (merged) model is; either way policy and KL reference start as the adapted
+    model, not as the raw base."""
+    lora_cfg = {"enabled": lora, "r": 4, "alpha": 8, "target_modules": "all-linear"}
+    module = EMPO2Module(policy={"name_or_path": sft_adapter["dir"], "cache_dir": str(model_cache_dir),
+                                 "dtype": "float32", "lora": lora_cfg},
+                         algorithm={**ALGORITHM, "kl_coef": 0.1}, optimizer=partial(torch.optim.SGD, lr=1.0),
+                         gradient_clip_val=None)
+    log_probs, sft = sft_adapter["log_probs"], sft_adapter["sft"]
+    gap = (sft - sft_adapter["base"]).abs().max()
+    assert gap > 0.1  # the adapter changes the model
+    torch.testing.assert_close(log_probs(module.policy.eval()), sft, atol=1e-5, rtol=0,
+                               msg=lambda m: f"the policy is not the adapted model:\n{m}")
+    trainable = [n for n, p in module.policy.named_parameters() if p.requires_grad]
+    assert trainable and all(("lora_" in n) == lora for n in trainable)
+    # the start-up memory check counts the base model and the adapter it trains
+    counts = count_parameters(sft_adapter["dir"], lora_cfg)
+    assert counts.total == count_parameters(sft_adapter["base_dir"]).total
+    assert counts.adapters == (sum(p.numel() for p in module.policy.parameters() if p.requires_grad) if lora else 0)
+    samples = _samples(module)
+    with module.rollout_context():
+        module.score_samples([samples])
+    ref = _pad_rows([s.ref_log_probs for s in samples], sft.shape[1])
+    torch.testing.assert_close(ref, sft, atol=1e-5, rtol=0, msg=lambda m: f"the reference is not the adapted model:\n{m}")
+    _fit(module, _micro_batches(samples, 4))
+    assert (log_probs(module.policy.eval()) - sft).abs().max() > 1e-4  # the policy trained ...
+    with module.rollout_context():
+        module.score_samples([samples])
+    torch.testing.assert_close(_pad_rows([s.ref_log_probs for s in samples], sft.shape[1]), ref, atol=0, rtol=0)

@@ -22,7 +22,7 @@ import torch
 
 from src.models.algorithm_config import AlgorithmConfig
 from src.models.core_algos import UPDATE_MODES, aggregate_loss, compute_kl_loss, compute_policy_loss, low_prob_token_mask
-from src.models.policy import build_policy
+from src.models.policy import build_policy, reference_is_a_copy
 from src.models.precision import check_trainable_dtype, fsdp_mixed_precision, torch_dtype
 from src.utils.distributed import all_reduce
 
@@ -64,10 +64,10 @@ class EMPO2Module(L.LightningModule):
         self.algorithm = AlgorithmConfig.from_dict(algorithm)
         self.policy = build_policy(**policy)
         self.ref_policy = None
-        lora = (policy.get("lora") or {}).get("enabled", False)
-        if self.algorithm.kl_coef > 0 and not lora:
-            # Without LoRA the reference is a frozen copy; with LoRA it is the base model (adapters off).
-            self.ref_policy = build_policy(**{**policy, "gradient_checkpointing": False, "trainable": False})
+        if self.algorithm.kl_coef > 0 and reference_is_a_copy(policy):
+            # the model as loaded: an adapter directory is merged into its base (lora off)
+            self.ref_policy = build_policy(**{**policy, "gradient_checkpointing": False, "trainable": False,
+                                              "lora": None})
         self._step_stats: dict[str, float] = {}
         self._train_tokens = 0
         self._train_time = 0.0
@@ -151,7 +151,7 @@ class EMPO2Module(L.LightningModule):
                 for s, lp in zip(need, self._response_log_probs(self.policy, need, "old_prompt_ids")):
                     s.old_log_probs = lp
             if algo.kl_coef > 0:
-                # Without LoRA the reference is a frozen copy; with LoRA it is the base model (adapters off).
+                # a frozen copy (reference_is_a_copy), else the base model with the LoRA adapters off
                 ref = self.ref_policy or self.policy
                 for s, lp in zip(chunk, self._response_log_probs(ref, chunk, "update_prompt_ids",
                                                                  disable_adapters=self.ref_policy is None)):

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 EMBEDDED_SMOLLM2 = "embedded:SmolLM2-135M-Instruct"
 # A tiny randomly initialised model with SmolLM2's tokenizer, for tests and smoke runs (no download).
 EMBEDDED_TINY = "embedded:tiny-random-llama"
+# The file that makes a directory a PEFT adapter (saved by PeftModel.save_pretrained) rather than a model.
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 def _smollm2_gguf() -> tuple[str, str]:
@@ -83,6 +85,23 @@ def resolve_name_or_path(name_or_path: str, cache_dir: str | Path) -> str:
     if name_or_path.startswith("embedded:"):
         raise ValueError(f"Unknown embedded model {name_or_path!r}; expected {EMBEDDED_SMOLLM2!r} or {EMBEDDED_TINY!r}.")
     return name_or_path
+
+
+def adapter_base_model(name_or_path: str) -> str | None:
+    """The base model of a PEFT adapter directory (one holding ``adapter_config.json``): its
+    ``base_model_name_or_path``, a hub id or a path. None when ``name_or_path`` is not an adapter directory.
+
+    Raises:
+        ValueError: the adapter's config names no base model.
+    """
+    config = Path(name_or_path) / ADAPTER_CONFIG
+    if not config.is_file():
+        return None
+    base = json.loads(config.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{config} names no base model (base_model_name_or_path is {base!r}); set it to the hub id "
+                         "or directory of the model the adapter was trained on")
+    return str(base)
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:

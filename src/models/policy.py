@@ -18,13 +18,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers import AutoConfig, LogitsProcessorList, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from src.models.hub import load_causal_lm, load_tokenizer, resolve_name_or_path
+from src.models.hub import adapter_base_model, load_causal_lm, load_tokenizer, resolve_name_or_path
 from src.models.logprobs import entropy_from_logits, log_probs_from_logits
 from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
 from src.models.prompt_cache import PromptKV, batch_with_prefixes, row_prompt_kv
@@ -300,6 +301,19 @@ def zero_module_dropout(model: nn.Module) -> dict[float, int]:
     return zeroed
 
 
+def reference_is_a_copy(policy: dict[str, Any]) -> bool:
+    """Whether the KL reference of the policy built from ``policy`` (``build_policy`` kwargs) is a frozen copy of
+    the model as loaded, rather than the same model with its LoRA adapters off.
+
+    The copy is needed without LoRA, and when LoRA continues an adapter loaded from ``name_or_path``: turning the
+    adapters off would give the raw base model, not the adapted model training started from.
+    """
+    if not (policy.get("lora") or {}).get("enabled", False):
+        return True
+    path = resolve_name_or_path(policy["name_or_path"], policy.get("cache_dir", "."))
+    return adapter_base_model(path) is not None
+
+
 def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", master_dtype: str = "float32",
                  trainable: bool = True, max_response_tokens: int = 32, max_prompt_tokens: int = 4096,
                  temperature: float = 1.0, gradient_checkpointing: bool = False, lora: dict | None = None,
@@ -314,11 +328,21 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
     ``lora.dropout``) is set to 0, with a warning naming what was non-zero. π_old is scored in eval mode and the
     update runs in train mode, so active dropout would make the ratio of the first update differ from 1.
 
+    ``name_or_path`` may be a PEFT adapter directory (``adapter_config.json``, e.g. an SFT result): the policy is
+    then the adapted model. With LoRA on, the loaded adapter itself is trained (its own r, alpha and target
+    modules; ``lora.r/alpha/target_modules`` are not used); with LoRA off it is merged into the base weights and
+    the merged model is trained (or frozen with ``trainable=False``).
+
     Raises:
         ValueError: ``dtype`` or ``master_dtype`` is not a floating-point torch dtype name.
     """
     path = resolve_name_or_path(name_or_path, cache_dir)
-    tokenizer = load_tokenizer(path)
+    adapter = None
+    base = adapter_base_model(path)
+    if base is not None:
+        adapter, path = path, resolve_name_or_path(base, cache_dir)
+    has_tokenizer = adapter is not None and (Path(adapter) / "tokenizer_config.json").is_file()
+    tokenizer = load_tokenizer(adapter if has_tokenizer else path)
     lora_on = bool(lora and lora.get("enabled"))
     master = master_dtype_of(master_dtype) if trainable else None
     config = AutoConfig.from_pretrained(path)
@@ -327,11 +351,26 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
                            attn_implementation=attn_implementation, config=config)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if lora_on:
+    if lora_on and gradient_checkpointing:
+        model.enable_input_require_grads()
+    if adapter is not None:
+        from peft import PeftModel
+
+        # get_peft_model on top would add a fresh adapter of the same name and train the raw base (TRL #1340)
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=lora_on and trainable)
+        if lora_on:
+            loaded = model.peft_config["default"]
+            targets = loaded.target_modules
+            log.info("Continuing the LoRA adapter %s (r=%s, alpha=%s, target modules: %s) on %s; "
+                     "model.policy.lora.r/alpha/target_modules are not used", adapter, loaded.r, loaded.lora_alpha,
+                     targets if isinstance(targets, str) else f"{len(targets)} modules", path)
+        else:
+            model = model.merge_and_unload().requires_grad_(True)  # PEFT froze the base; trainable decides below
+            log.info("Merged the LoRA adapter %s into its base model %s; the merged model is the policy", adapter,
+                     path)
+    elif lora_on:
         from peft import LoraConfig, get_peft_model
 
-        if gradient_checkpointing:
-            model.enable_input_require_grads()
         if float(lora.get("dropout", 0.0)):
             zeroed.append(f"model.policy.lora.dropout={lora['dropout']}")
         model = get_peft_model(model, LoraConfig(
