@@ -50,13 +50,13 @@ def count_parameters(path: str, lora: dict | None = None) -> ParamCounts:
 
 @functools.lru_cache(maxsize=8)
 def _count_parameters(path: str, lora_json: str) -> ParamCounts:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from src.models.hub import adapter_base_model
+    from src.models.hub import adapter_base_model, base_model_setting, load_config
 
     lora = json.loads(lora_json)
     base = adapter_base_model(path)
-    config = AutoConfig.from_pretrained(base or path)
+    config = load_config(base, base_model_setting(path)) if base else load_config(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = sum(p.numel() for p in model.parameters())

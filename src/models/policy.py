@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoConfig, LogitsProcessorList, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessorList, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from src.models.hub import adapter_base_model, load_causal_lm, load_tokenizer, resolve_name_or_path
+from src.models.hub import (adapter_base_model, base_model_setting, load_causal_lm, load_config, load_tokenizer,
+                            resolve_name_or_path)
 from src.models.logprobs import entropy_from_logits, log_probs_from_logits
 from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
 from src.models.prompt_cache import PromptKV, batch_with_prefixes, row_prompt_kv
@@ -335,20 +336,21 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
 
     Raises:
         ValueError: ``dtype`` or ``master_dtype`` is not a floating-point torch dtype name.
+        OSError: the model (or an adapter's base model) is neither local nor in the Hugging Face cache.
     """
     path = resolve_name_or_path(name_or_path, cache_dir)
-    adapter = None
+    adapter, setting = None, "model.policy.name_or_path"
     base = adapter_base_model(path)
     if base is not None:
-        adapter, path = path, resolve_name_or_path(base, cache_dir)
+        adapter, path, setting = path, resolve_name_or_path(base, cache_dir), base_model_setting(path)
     has_tokenizer = adapter is not None and (Path(adapter) / "tokenizer_config.json").is_file()
-    tokenizer = load_tokenizer(adapter if has_tokenizer else path)
+    tokenizer = load_tokenizer(adapter) if has_tokenizer else load_tokenizer(path, setting)
     lora_on = bool(lora and lora.get("enabled"))
     master = master_dtype_of(master_dtype) if trainable else None
-    config = AutoConfig.from_pretrained(path)
+    config = load_config(path, setting)
     zeroed = [f"{k}={v}" for k, v in zero_config_dropout(config).items()]
     model = load_causal_lm(path, dtype=master_dtype if trainable and not lora_on else dtype,
-                           attn_implementation=attn_implementation, config=config)
+                           attn_implementation=attn_implementation, config=config, setting=setting)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_on and gradient_checkpointing:
