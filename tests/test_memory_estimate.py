@@ -102,3 +102,5 @@ def test_a_hub_id_that_is_not_in_the_local_cache_is_named_with_what_to_do(monkey
     msg = str(err.value)
     assert "'made-up-org/no-such-model-7b'" in msg and "not in the local Hugging Face cache" in msg
     assert "model.policy.name_or_path=/path/to/" in msg
+    with pytest.raises(OSError, match=r"name_or_path='/no/such/model/dir': no such directory"):
+        count_parameters("/no/such/model/dir")

@@ -119,6 +119,11 @@ def explain_missing_model(name_or_path: str, setting: str = "model.policy.name_o
     except OSError as err:
         if Path(name_or_path).exists():
             raise
+        # a hub id is "name" or "owner/name"; anything else was meant as a directory
+        if Path(name_or_path).is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
+            raise OSError(f"{setting}={name_or_path!r}: no such directory. Point {setting} at a local directory "
+                          "holding the model's config.json, tokenizer and weights, or at a hub id such as "
+                          "Qwen/Qwen2.5-7B-Instruct.") from None
         from huggingface_hub import constants
 
         offline = " (offline: HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
