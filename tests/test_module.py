@@ -387,7 +387,8 @@ def test_a_lora_adapter_passed_as_the_policy_is_trained_and_is_the_reference(sft
     with module.rollout_context():
         module.score_samples([samples])
     ref = _pad_rows([s.ref_log_probs for s in samples], sft.shape[1])
-    torch.testing.assert_close(ref, sft, atol=1e-5, rtol=0, msg=lambda m: f"the reference is not the adapted model:\n{m}")
+    torch.testing.assert_close(ref, sft, atol=1e-5, rtol=0,
+                               msg=lambda m: f"the reference is not the adapted model:\n{m}")
     _fit(module, _micro_batches(samples, 4))
     assert (log_probs(module.policy.eval()) - sft).abs().max() > 1e-4  # the policy trained ...
     with module.rollout_context():

@@ -93,9 +93,10 @@ def check_accelerator(cfg: DictConfig) -> None:
     if torch.cuda.is_available() or (accelerator == "gpu" and torch.backends.mps.is_available()):
         return
     build = "a CPU-only build of torch" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     raise ValueError(
         f"trainer.accelerator={accelerator} but this machine has no GPU that torch can use "
-        f"(torch.cuda.is_available() is False; {build}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). "
+        f"(torch.cuda.is_available() is False; {build}; CUDA_VISIBLE_DEVICES={visible!r}). "
         "To run on the CPU add: trainer.accelerator=cpu trainer.devices=1 trainer.precision=32-true (with "
         "trainer=ddp or trainer=fsdp that is one CPU process; trainer.devices=N starts N). Otherwise run on a "
         f"machine with GPUs (this config asks for trainer.devices={cfg.trainer.get('devices')}).")
