@@ -73,11 +73,34 @@ def test_estimate_known_answer():
     parts = estimate_per_device(counts, world=4, sharded=True, reference=True, weight_bytes=2)
     assert parts == {"trainable weights": 1000.0, "gradients": 1000.0, "AdamW states": 2000.0,
                      "frozen reference": 500.0, "FSDP gathered params+grads": 400}
-    lora = estimate_per_device(ParamCounts(1000, 10, 100), world=2, sharded=False, reference=True, weight_bytes=2)
+    # with LoRA the KL reference is normally the base with the adapters off (no copy) ...
+    lora = estimate_per_device(ParamCounts(1000, 10, 100), world=2, sharded=False, reference=False, weight_bytes=2)
     assert lora == {"trainable weights": 40, "gradients": 40, "AdamW states": 80, "frozen base": 2000,
                     "DDP gradient buckets": 40}
+    # ... and a frozen copy when LoRA continues an adapter loaded as the policy
+    adapter = estimate_per_device(ParamCounts(1000, 10, 100), world=2, sharded=False, reference=True, weight_bytes=2)
+    assert adapter == {**lora, "frozen reference": 2000}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the real device memory is read")
 def test_device_memory_comes_from_the_config_without_a_gpu():
     assert device_memory_bytes("gpu", 80) == (80 * GIB, "memory_check.device_memory_gib")
+
+
+def test_a_hub_id_that_is_not_in_the_local_cache_is_named_with_what_to_do(monkeypatch):
+    """Offline, the paper experiment's start-up memory check reads the model's config from the hub: the error names
+    the model id, says it is not in the local cache and how to point model.policy.name_or_path at a directory
+    (instead of transformers' generic "We couldn't connect to 'https://huggingface.co'")."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 at start-up
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=webshop_paper",
+                                                      "model.policy.name_or_path=made-up-org/no-such-model-7b"])
+    with pytest.raises(OSError) as err:
+        check_device_memory(cfg)
+    msg = str(err.value)
+    assert "'made-up-org/no-such-model-7b'" in msg and "not in the local Hugging Face cache" in msg
+    assert "model.policy.name_or_path=/path/to/" in msg
+    with pytest.raises(OSError, match=r"name_or_path='/no/such/model/dir': no such directory"):
+        count_parameters("/no/such/model/dir")

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+from lightning.pytorch.loggers import Logger
 import torch
 from torch.utils.data import DataLoader
 
 from src.data.rollout_datamodule import RolloutDataModule
 from src.data.samples import MicroBatch, StepSample
-from src.models.empo2_module import EMPO2Module
+from src.models.empo2_module import EMPO2Module, _pad_rows
+from src.models.memory_estimate import count_parameters
 from src.models.policy import build_policy
 
 ALGORITHM = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.3, "clip_ratio_c": 10.0, "loss_agg_mode": "token-mean",
@@ -182,3 +184,213 @@ def test_a_mini_batch_without_samples_leaves_the_policy_alone(tiny_model_dir, mo
     assert (steps_a, steps_b) == (1, 2)
     moved = [n for n in params_a if not torch.equal(params_a[n], params_b[n])]
     assert not moved, f"parameters moved by an update without data: {moved[:5]}"
+
+
+class _MetricsLogger(Logger):
+    """Keeps every logged (step, metrics) pair in memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "in_memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def series(self, key: str) -> list[float]:
+        return [m[key] for _, m in self.rows if key in m]
+
+
+def _poison_gradient(module: EMPO2Module, steps: set[int]) -> None:
+    """One NaN entry in one gradient during the optimizer steps ``steps`` (0-based global steps)."""
+    param = next(p for p in module.policy.parameters() if p.requires_grad)
+
+    def hook(grad):
+        if module.global_step not in steps:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("nan")
+        return grad
+
+    param.register_hook(hook)
+
+
+def _fit_logged(module: EMPO2Module, batches: list[MicroBatch]) -> _MetricsLogger:
+    logger = _MetricsLogger()
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=logger, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    return logger
+
+
+def test_a_non_finite_gradient_skips_the_step(tiny_model_dir, model_cache_dir, caplog):
+    """One NaN entry in one gradient (verl #1197): the step is skipped (weights and AdamW state as before it, the
+    step still counts), logged as train/nonfinite_grad_steps and warned about; the next finite step trains."""
+    import logging
+
+    adamw = partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    reference = _module(tiny_model_dir, model_cache_dir, adamw)
+    samples = _samples(reference)
+
+    def steps(n):
+        return [b for _ in range(n) for b in _micro_batches(copy.deepcopy(samples), 4)]
+
+    clean = copy.deepcopy(reference)
+    _fit(clean, steps(1))
+    poisoned = copy.deepcopy(reference)
+    _poison_gradient(poisoned, {1})
+    with caplog.at_level(logging.WARNING, logger="src.models.empo2_module"):
+        logger = _fit_logged(poisoned, steps(2))
+    assert poisoned.global_step == 2
+    after = dict(poisoned.policy.named_parameters())
+    nonfinite = [n for n, p in after.items() if not torch.isfinite(p).all()]
+    assert not nonfinite, f"{len(nonfinite)} of {len(after)} parameters hold NaN/inf after one NaN gradient entry"
+    moved = [n for n, p in clean.policy.named_parameters() if not torch.equal(p, after[n])]
+    assert not moved, f"parameters moved by the skipped step: {moved[:5]}"
+    states = [m.trainer.optimizers[0].state_dict()["state"] for m in (clean, poisoned)]
+    assert states[0].keys() == states[1].keys()
+    for k in states[0]:
+        for name, value in states[0][k].items():
+            assert torch.equal(value, states[1][k][name]), (k, name)
+    assert logger.series("train/nonfinite_grad_steps") == [0.0, 1.0]
+    assert logger.series("train/update_skipped") == [0.0, 1.0]
+    assert "not finite" in caplog.text and "iteration 0" in caplog.text and "global step 1" in caplog.text
+    # the streak ends with the next finite step, which trains
+    again = copy.deepcopy(reference)
+    _poison_gradient(again, {1})
+    logger = _fit_logged(again, steps(3))
+    assert logger.series("train/nonfinite_grad_steps") == [0.0, 1.0, 0.0]
+    assert any(not torch.equal(p, after[n]) for n, p in again.policy.named_parameters())
+
+
+def test_consecutive_non_finite_gradients_stop_the_run(tiny_model_dir, model_cache_dir):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
+        for algorithm in ("empo2", "grpo"):
+            assert compose(config_name="train", overrides=[f"algorithm={algorithm}"]).algorithm.max_nonfinite_steps == 3
+    module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.AdamW, lr=1e-3), max_nonfinite_steps=2)
+    samples = _samples(module)
+    _poison_gradient(module, {1, 2})
+    with pytest.raises(RuntimeError, match=r"2 consecutive optimizer steps.*iteration 0.*max_nonfinite_steps=2"):
+        _fit(module, [b for _ in range(4) for b in _micro_batches(copy.deepcopy(samples), 4)])
+    assert module.global_step == 3
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+
+
+def test_a_checkpoint_is_never_written_from_non_finite_weights(tiny_model_dir, model_cache_dir, tmp_path):
+    module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.AdamW, lr=1e-3))
+    _fit(module, _micro_batches(_samples(module), 4))
+    module.trainer.save_checkpoint(tmp_path / "finite.ckpt")
+    name, param = next((n, p) for n, p in module.policy.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        param.view(-1)[3] = float("inf")
+    with pytest.raises(RuntimeError, match=rf"Refusing to save a checkpoint.*iteration 0.*{name}"):
+        module.trainer.save_checkpoint(tmp_path / "broken.ckpt")
+    assert not (tmp_path / "broken.ckpt").exists()
+
+
+def test_the_first_ratio_is_exactly_one_despite_dropout_settings(tiny_model_dir, model_cache_dir, tmp_path, caplog):
+    """A checkpoint whose config sets attention_dropout=0.1 and a LoRA dropout of 0.1 (TRL PR #3234): π_old is
+    scored in eval mode and the update runs in train mode, so any active dropout makes the first ratio differ
+    from 1. The policy is built without dropout, and says what it zeroed."""
+    import json
+    import logging
+    import shutil
+
+    model_dir = tmp_path / "tiny-with-dropout"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    lora = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.1, "target_modules": "all-linear"}
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="src.models.policy"):
+        module = EMPO2Module(policy={"name_or_path": str(model_dir), "cache_dir": str(model_cache_dir),
+                                     "dtype": "float32", "lora": lora},
+                             algorithm=ALGORITHM, optimizer=partial(torch.optim.SGD, lr=1e-3), gradient_clip_val=None)
+    assert "attention_dropout=0.1" in caplog.text and "model.policy.lora.dropout=0.1" in caplog.text
+    with torch.no_grad():  # the LoRA branch is 0 while lora_B is at its zero init, whatever its dropout
+        for name, p in module.policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    samples = _samples(module)
+    with module.rollout_context():  # as the datamodule scores π_old: eval mode, no grad
+        module.score_samples([samples])
+    module.policy.train()  # the mode rollout_context restores, in which the update runs
+    logger = _fit_logged(module, _micro_batches(samples, 4))
+    assert logger.series("train/ratio_max") == [1.0]
+    assert logger.series("train/ratio_mean") == [1.0]
+
+
+@pytest.fixture
+def sft_adapter(tiny_model_dir, model_cache_dir, tmp_path):
+    """A PEFT LoRA adapter directory on the tiny model (the "SFT model": lora_B away from its zero init, a stored
+    dropout of 0.1) and the log-prob function of the model it defines, with the raw base's for comparison."""
+    from peft import LoraConfig, get_peft_model
+
+    from src.models.policy import Policy
+
+    base = build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir), dtype="float32").eval()
+    torch.manual_seed(1)
+    adapted = get_peft_model(copy.deepcopy(base.model), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                                                    target_modules="all-linear", task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    adapted.save_pretrained(tmp_path / "adapter")
+    base.tokenizer.save_pretrained(tmp_path / "adapter")  # as SFT scripts do
+    sft = Policy(adapted.eval(), base.tokenizer)
+    prompts = [base.encode([{"role": "user", "content": f"step {k} of the task"}]) for k in range(4)]
+    responses = [[100, 200, 300], [400, 500], [600, 700, 800, 900], [1000]]
+
+    def log_probs(policy, **kwargs):
+        with torch.no_grad():
+            return policy.log_probs(prompts, responses, **kwargs)["log_probs"]
+
+    return {"dir": str(tmp_path / "adapter"), "base_dir": tiny_model_dir, "log_probs": log_probs, "sft": log_probs(sft),
+            "base": log_probs(base)}
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_lora_adapter_passed_as_the_policy_is_trained_and_is_the_reference(sft_adapter, model_cache_dir, lora):
+    """model.policy.name_or_path = a PEFT adapter directory (TRL #1340): with LoRA the loaded adapter itself is
+    trained, without LoRA the adapted (merged) model is; either way policy and KL reference start as the adapted
+    model, not as the raw base."""
+    lora_cfg = {"enabled": lora, "r": 4, "alpha": 8, "target_modules": "all-linear"}
+    module = EMPO2Module(policy={"name_or_path": sft_adapter["dir"], "cache_dir": str(model_cache_dir),
+                                 "dtype": "float32", "lora": lora_cfg},
+                         algorithm={**ALGORITHM, "kl_coef": 0.1}, optimizer=partial(torch.optim.SGD, lr=1.0),
+                         gradient_clip_val=None)
+    log_probs, sft = sft_adapter["log_probs"], sft_adapter["sft"]
+    gap = (sft - sft_adapter["base"]).abs().max()
+    assert gap > 0.1  # the adapter changes the model
+    torch.testing.assert_close(log_probs(module.policy.eval()), sft, atol=1e-5, rtol=0,
+                               msg=lambda m: f"the policy is not the adapted model:\n{m}")
+    trainable = [n for n, p in module.policy.named_parameters() if p.requires_grad]
+    assert trainable and all(("lora_" in n) == lora for n in trainable)
+    # the start-up memory check counts the base model and the adapter it trains
+    counts = count_parameters(sft_adapter["dir"], lora_cfg)
+    assert counts.total == count_parameters(sft_adapter["base_dir"]).total
+    assert counts.adapters == (sum(p.numel() for p in module.policy.parameters() if p.requires_grad) if lora else 0)
+    samples = _samples(module)
+    with module.rollout_context():
+        module.score_samples([samples])
+    ref = _pad_rows([s.ref_log_probs for s in samples], sft.shape[1])
+    torch.testing.assert_close(ref, sft, atol=1e-5, rtol=0,
+                               msg=lambda m: f"the reference is not the adapted model:\n{m}")
+    _fit(module, _micro_batches(samples, 4))
+    assert (log_probs(module.policy.eval()) - sft).abs().max() > 1e-4  # the policy trained ...
+    with module.rollout_context():
+        module.score_samples([samples])
+    torch.testing.assert_close(_pad_rows([s.ref_log_probs for s in samples], sft.shape[1]), ref, atol=0, rtol=0)

@@ -83,3 +83,55 @@ def test_temp_file_of_a_killed_checkpoint_save_is_removed_at_start_up(tmp_path):
     removed = clean_checkpoint_dirs(_cfg(tmp_path, f"ckpt_path={ckpt_dir}/last.ckpt"))
     assert removed == [stale] and not stale.exists() and live.exists()
     assert (ckpt_dir / "last.ckpt").read_bytes() == b"previous checkpoint"
+
+
+def _fake_checkpoint(path: Path) -> Path:
+    """A file with what a src/train.py checkpoint holds at the top (global step, policy.* weights)."""
+    import torch
+
+    torch.save({"epoch": 0, "global_step": 2, "pytorch-lightning_version": "2.6.6",
+                "state_dict": {"policy.model.lm_head.weight": torch.zeros(64, 64)}}, path)
+    return path
+
+
+def test_a_truncated_checkpoint_is_refused_at_start_up_naming_the_file(tmp_path):
+    """A last.ckpt cut short (a copy or save killed half-way) fails at start-up naming the file, not after the whole
+    build with torch's 'PytorchStreamReader failed reading zip archive'."""
+    ckpt = _fake_checkpoint(tmp_path / "last.ckpt")
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"ckpt_path='{ckpt}' is not a complete checkpoint.*{len(data) // 2} bytes"):
+        train(_cfg(tmp_path, f"ckpt_path={ckpt}", "model.warm_start=null"))
+    assert not (tmp_path / "run").exists()  # refused before anything was built or written
+
+
+def test_ckpt_path_must_be_a_checkpoint_of_this_project(tmp_path, monkeypatch):
+    import torch
+
+    from src.utils.startup_checks import check_checkpoint_path
+
+    good = _fake_checkpoint(tmp_path / "iter_0001.ckpt")
+    assert check_checkpoint_path(_cfg(tmp_path, f"ckpt_path={good}")) == good
+    monkeypatch.chdir(tmp_path)  # a relative path is taken from where the command runs
+    assert check_checkpoint_path(_cfg(tmp_path, "ckpt_path=iter_0001.ckpt")) == good
+    with pytest.raises(FileNotFoundError, match=r"ckpt_path='nope/last.ckpt' \(.*nope/last.ckpt\) does not exist"):
+        check_checkpoint_path(_cfg(tmp_path, "ckpt_path=nope/last.ckpt"))
+    torch.save({"weights": torch.zeros(3)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match=r"'.*other.pt' is a torch file but not a checkpoint of this project"):
+        check_checkpoint_path(_cfg(tmp_path, f"ckpt_path={tmp_path / 'other.pt'}"))
+    sharded = tmp_path / "fsdp" / "last.ckpt"  # trainer=fsdp writes a directory per checkpoint
+    sharded.mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"directory without a \.metadata file"):
+        check_checkpoint_path(_cfg(tmp_path, f"ckpt_path={sharded}"))
+    (sharded / ".metadata").write_bytes(b"")
+    assert check_checkpoint_path(_cfg(tmp_path, f"ckpt_path={sharded}")) == sharded
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
+def test_a_gpu_trainer_without_a_gpu_says_how_to_run_on_the_cpu(tmp_path):
+    """trainer=fsdp (accelerator gpu) on a machine without a GPU: not Lightning's bare 'No supported gpu backend
+    found!' after the model is built, but the overrides that run it on the CPU."""
+    with pytest.raises(ValueError, match=r"trainer.accelerator=gpu.*no GPU.*"
+                                         r"trainer.accelerator=cpu trainer.devices=1 trainer.precision=32-true"):
+        train(_cfg(tmp_path, "trainer=fsdp", "model.warm_start=null"))
+    assert not (tmp_path / "run").exists()

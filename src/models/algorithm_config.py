@@ -66,6 +66,9 @@ class AlgorithmConfig:
     """Warn after this many consecutive iterations without a policy-gradient signal (>= 1)."""
     fail_on_no_signal: bool = False
     """Raise instead of warning when the patience is used up."""
+    max_nonfinite_steps: int = 3
+    """Stop the run after this many consecutive optimizer steps whose gradient norm is NaN or inf (>= 1); each such
+    step is skipped (weights and optimizer state untouched)."""
     temperature: float = 1.0
     """Temperature the log-probs are taken at: the rollout temperature (> 0)."""
 
@@ -107,6 +110,8 @@ class AlgorithmConfig:
                              f"{self.clip_ratio_c}: expected 0 <= low < 1, high >= 0, c > 1")
         if int(self.no_signal_patience) < 1:
             raise ValueError(f"algorithm.no_signal_patience={self.no_signal_patience!r}: expected an int >= 1")
+        if int(self.max_nonfinite_steps) < 1:
+            raise ValueError(f"algorithm.max_nonfinite_steps={self.max_nonfinite_steps!r}: expected an int >= 1")
         if not float(self.temperature) > 0:
             raise ValueError(f"algorithm.temperature={self.temperature!r}: expected > 0")
         # Skipping a zero-advantage step drops its KL term too (the step never reaches the loss), so the KL

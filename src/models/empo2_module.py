@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +22,9 @@ import torch
 
 from src.models.algorithm_config import AlgorithmConfig
 from src.models.core_algos import UPDATE_MODES, aggregate_loss, compute_kl_loss, compute_policy_loss, low_prob_token_mask
-from src.models.policy import build_policy
+from src.models.policy import build_policy, reference_is_a_copy
 from src.models.precision import check_trainable_dtype, fsdp_mixed_precision, torch_dtype
+from src.utils.distributed import all_reduce
 
 if TYPE_CHECKING:  # the module reads these types; it builds none of them (the datamodule does)
     from src.data.samples import MicroBatch, StepSample
@@ -62,13 +64,15 @@ class EMPO2Module(L.LightningModule):
         self.algorithm = AlgorithmConfig.from_dict(algorithm)
         self.policy = build_policy(**policy)
         self.ref_policy = None
-        lora = (policy.get("lora") or {}).get("enabled", False)
-        if self.algorithm.kl_coef > 0 and not lora:
-            # Without LoRA the reference is a frozen copy; with LoRA it is the base model (adapters off).
-            self.ref_policy = build_policy(**{**policy, "gradient_checkpointing": False, "trainable": False})
+        if self.algorithm.kl_coef > 0 and reference_is_a_copy(policy):
+            # the model as loaded: an adapter directory is merged into its base (lora off)
+            self.ref_policy = build_policy(**{**policy, "gradient_checkpointing": False, "trainable": False,
+                                              "lora": None})
         self._step_stats: dict[str, float] = {}
         self._train_tokens = 0
         self._train_time = 0.0
+        self._nonfinite_streak = 0  # consecutive optimizer steps skipped for a NaN/inf gradient norm
+        self._iteration = 0  # iteration of the last micro-batch trained on (named by errors)
 
     def configure_model(self) -> None:
         """FSDP2 (``trainer=fsdp``: Lightning's ``ModelParallelStrategy``): shard each decoder layer and the root.
@@ -147,7 +151,7 @@ class EMPO2Module(L.LightningModule):
                 for s, lp in zip(need, self._response_log_probs(self.policy, need, "old_prompt_ids")):
                     s.old_log_probs = lp
             if algo.kl_coef > 0:
-                # Without LoRA the reference is a frozen copy; with LoRA it is the base model (adapters off).
+                # a frozen copy (reference_is_a_copy), else the base model with the LoRA adapters off
                 ref = self.ref_policy or self.policy
                 for s, lp in zip(chunk, self._response_log_probs(ref, chunk, "update_prompt_ids",
                                                                  disable_adapters=self.ref_policy is None)):
@@ -176,6 +180,7 @@ class EMPO2Module(L.LightningModule):
             the detached micro-batch loss (a partial sum of the mini-batch loss).
         """
         tic = time.perf_counter()
+        self._iteration = batch.iteration
         loss, metrics, num_tokens = self._loss(batch)
         world = self.trainer.world_size if self._trainer is not None else 1
         self.manual_backward(loss * world * batch.loss_scale)
@@ -219,6 +224,17 @@ class EMPO2Module(L.LightningModule):
         return loss, metrics, float(mask.sum())
 
     def _optimizer_step(self, batch: MicroBatch) -> None:
+        """Clip and apply the mini-batch's gradients; skip the step when their norm is NaN or inf.
+
+        A skipped step leaves the weights and the optimizer state untouched (every gradient is set to None, which
+        AdamW skips) and still counts in ``global_step`` (iterations are derived from it). It is logged
+        (``train/nonfinite_grad_steps``: the number of consecutive skipped steps, 0 after a step that trained) and
+        warned about.
+
+        Raises:
+            RuntimeError: ``algorithm.max_nonfinite_steps`` consecutive steps had a non-finite gradient norm; the
+                message names the iteration and the global steps.
+        """
         opt = self.optimizers()
         if not batch.has_data:
             # No sample on any rank: AdamW would still move every weight (momentum and weight decay act on zero
@@ -229,10 +245,36 @@ class EMPO2Module(L.LightningModule):
         params = [p for p in self.policy.parameters() if p.grad is not None]
         clip = self.hparams.gradient_clip_val
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
+        # the norm is global (all-reduced by DDP/FSDP), so every rank takes the same decision
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        finite = math.isfinite(grad_norm)
+        if not finite:
+            # One NaN entry anywhere makes every weight NaN after the step (clipping multiplies all gradients by
+            # max_norm / nan); dropping the gradients skips the step the same way as a step without data.
+            opt.zero_grad(set_to_none=True)
+            self._nonfinite_streak += 1
+        elif batch.has_data:  # a step without data says nothing about whether the gradients recovered
+            self._nonfinite_streak = 0
+        step = self.global_step
         opt.step()
         opt.zero_grad(set_to_none=True)
-        self._log_update(batch, grad_norm)
+        self._log_update(batch, grad_norm, skipped=not finite or not batch.has_data)
+        if finite:
+            return
+        limit = self.algorithm.max_nonfinite_steps
+        if self._nonfinite_streak >= limit:
+            raise RuntimeError(
+                f"The gradient norm was not finite ({grad_norm}) in {self._nonfinite_streak} consecutive optimizer "
+                f"steps (iteration {batch.iteration}, global steps {step - self._nonfinite_streak + 1}..{step}), "
+                f"the limit algorithm.max_nonfinite_steps={limit}. These steps were skipped, so the weights are "
+                "still finite, but the run no longer trains. Usual causes: a learning rate too high for the "
+                "precision, fp16/bf16 overflow, NaN rewards or advantages. Resume from the last checkpoint with a "
+                "lower model.optimizer.lr, or raise algorithm.max_nonfinite_steps.")
+        if self._trainer is None or self.trainer.is_global_zero:
+            log.warning("Skipped optimizer step at global step %d (iteration %d): the gradient norm is not finite "
+                        "(%s); weights and optimizer state are unchanged (%d consecutive, the run stops at "
+                        "algorithm.max_nonfinite_steps=%d)", step, batch.iteration, grad_norm, self._nonfinite_streak,
+                        limit)
 
     def _log_rollout_metrics(self, batch: MicroBatch) -> None:
         modes = {f"rollout/mode_{m}": float(m == batch.mode) for m in UPDATE_MODES}
@@ -261,14 +303,15 @@ class EMPO2Module(L.LightningModule):
             else:
                 s[k] = s.get(k, 0.0) + v * weight
 
-    def _log_update(self, batch: MicroBatch, grad_norm: float) -> None:
+    def _log_update(self, batch: MicroBatch, grad_norm: float, skipped: bool) -> None:
         s, self._step_stats = self._step_stats, {}
         w = max(s.pop("_w", 0.0), 1e-9)
         out = {}
         for k, v in s.items():
             out[f"train/{k}"] = v if k in PARTIAL_SUMS or k == "ratio_max" else v / w
         out["train/grad_norm"] = grad_norm
-        out["train/update_skipped"] = float(not batch.has_data)
+        out["train/update_skipped"] = float(skipped)
+        out["train/nonfinite_grad_steps"] = float(self._nonfinite_streak)
         out["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
         out["train/tokens_per_s"] = self._train_tokens / max(self._train_time, 1e-9)
         out["train/update_s"] = self._train_time
@@ -276,6 +319,35 @@ class EMPO2Module(L.LightningModule):
         self._log_metrics(out, step=self.global_step)
         self.log_dict({k: out[k] for k in PROGRESS_BAR_KEYS if k in out}, logger=False, prog_bar=True, on_step=True,
                       on_epoch=False, batch_size=1)
+
+    # ------------------------------------------------------------------ checkpointing
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse to write a checkpoint from non-finite weights; keep the non-finite-gradient streak (exact resume).
+
+        Every rank checks its own parameters (its shard under FSDP) and the counts are summed over ranks, so all
+        ranks refuse together.
+
+        Raises:
+            RuntimeError: a policy parameter holds NaN or inf; the message names the iteration, the global step
+                and the first such parameters of this rank. Nothing is written.
+        """
+        bad = []
+        for name, p in self.policy.named_parameters():
+            t = p.detach()
+            t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard
+            if not bool(torch.isfinite(t).all()):
+                bad.append(name)
+        total = int(all_reduce([float(len(bad))])[0])
+        if total:
+            raise RuntimeError(
+                f"Refusing to save a checkpoint after iteration {self._iteration} (global step {self.global_step}): "
+                f"{total} policy parameter tensor(s) hold NaN or inf values (on this rank: {', '.join(bad[:5])}"
+                f"{', ...' if len(bad) > 5 else ''}). The earlier checkpoints are kept; resume from the last one "
+                "(ckpt_path=<run dir>/checkpoints/last.ckpt), e.g. with a lower model.optimizer.lr.")
+        checkpoint["nonfinite_grad_streak"] = self._nonfinite_streak
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._nonfinite_streak = int(checkpoint.get("nonfinite_grad_streak", 0))
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:

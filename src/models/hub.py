@@ -7,6 +7,7 @@ downloaded at run time. Any other ``name_or_path`` goes to ``from_pretrained`` u
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -14,7 +15,8 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from src.models.precision import torch_dtype
 from src.utils.io import atomic_dir
@@ -24,6 +26,8 @@ log = logging.getLogger(__name__)
 EMBEDDED_SMOLLM2 = "embedded:SmolLM2-135M-Instruct"
 # A tiny randomly initialised model with SmolLM2's tokenizer, for tests and smoke runs (no download).
 EMBEDDED_TINY = "embedded:tiny-random-llama"
+# The file that makes a directory a PEFT adapter (saved by PeftModel.save_pretrained) rather than a model.
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 def _smollm2_gguf() -> tuple[str, str]:
@@ -84,9 +88,69 @@ def resolve_name_or_path(name_or_path: str, cache_dir: str | Path) -> str:
     return name_or_path
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+def adapter_base_model(name_or_path: str) -> str | None:
+    """The base model of a PEFT adapter directory (one holding ``adapter_config.json``): its
+    ``base_model_name_or_path``, a hub id or a path. None when ``name_or_path`` is not an adapter directory.
+
+    Raises:
+        ValueError: the adapter's config names no base model.
+    """
+    config = Path(name_or_path) / ADAPTER_CONFIG
+    if not config.is_file():
+        return None
+    base = json.loads(config.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{config} names no base model (base_model_name_or_path is {base!r}); set it to the hub id "
+                         "or directory of the model the adapter was trained on")
+    return str(base)
+
+
+@contextlib.contextmanager
+def explain_missing_model(name_or_path: str, setting: str = "model.policy.name_or_path"):
+    """Turn transformers' generic ``OSError`` for a model that is neither a local path nor in the Hugging Face
+    cache ("We couldn't connect to 'https://huggingface.co' ...") into one naming the model, the cache and what
+    to do. ``setting`` is where the name came from. Errors about an existing local path pass unchanged.
+
+    Raises:
+        OSError: the model ``name_or_path`` could not be found locally.
+    """
+    try:
+        yield
+    except OSError as err:
+        if Path(name_or_path).exists():
+            raise
+        # a hub id is "name" or "owner/name"; anything else was meant as a directory
+        if Path(name_or_path).is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
+            raise OSError(f"{setting}={name_or_path!r}: no such directory. Point {setting} at a local directory "
+                          "holding the model's config.json, tokenizer and weights, or at a hub id such as "
+                          "Qwen/Qwen2.5-7B-Instruct.") from None
+        from huggingface_hub import constants
+
+        offline = " (offline: HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OSError(
+            f"{setting}={name_or_path!r} is not a local directory and is not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}), and it could not be fetched from the hub{offline}: {reason} "
+            f"Download it once where the hub can be reached (`hf download {name_or_path}` with the same HF_HOME), or "
+            f"point {setting} at a local directory holding its config.json, tokenizer and weights, e.g. "
+            f"{setting}=/path/to/{Path(name_or_path).name}.") from None
+
+
+def load_config(name_or_path: str, setting: str = "model.policy.name_or_path") -> PretrainedConfig:
+    """The model config of a hub id or local directory (``explain_missing_model`` names a missing model)."""
+    with explain_missing_model(name_or_path, setting):
+        return AutoConfig.from_pretrained(name_or_path)
+
+
+def base_model_setting(adapter_dir: str) -> str:
+    """Where an adapter directory's base model is named, for error messages."""
+    return f"base_model_name_or_path in {Path(adapter_dir) / ADAPTER_CONFIG}"
+
+
+def load_tokenizer(name_or_path: str, setting: str = "model.policy.name_or_path") -> PreTrainedTokenizerBase:
     """Load a tokenizer; left padding (prompts are left-padded for batched generation)."""
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    with explain_missing_model(name_or_path, setting):
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -95,16 +159,24 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_causal_lm(name_or_path: str, dtype: str = "bfloat16", attn_implementation: str | None = None) -> PreTrainedModel:
+def load_causal_lm(name_or_path: str, dtype: str = "bfloat16", attn_implementation: str | None = None,
+                   config: PretrainedConfig | None = None,
+                   setting: str = "model.policy.name_or_path") -> PreTrainedModel:
     """Load a causal LM from a hub id or a local directory in the given dtype name (``bfloat16``/``float32``/...).
+
+    ``config``: use this (possibly edited) config instead of the one stored with the weights.
 
     Raises:
         ValueError: ``dtype`` is not a floating-point torch dtype name.
+        OSError: the model is neither local nor in the Hugging Face cache (see ``explain_missing_model``).
     """
     kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    if config is not None:
+        kwargs["config"] = config
+    with explain_missing_model(name_or_path, setting):
+        return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
 
 
 def build_tiny_model(tokenizer_dir: str | Path, out_dir: str | Path, seed: int = 0, hidden_size: int = 64,

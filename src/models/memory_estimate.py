@@ -7,11 +7,13 @@ s = W when the strategy shards (FSDP, FSDP2) and 1 when it replicates (DDP, one 
   weights, see ``precision.py``) + DDP's gradient buckets ``4P`` (replicated, W > 1) + a frozen KL reference in
   the loading dtype ``2P/s`` (bf16) when ``kl_coef > 0``;
 - LoRA: the frozen base ``2P/s`` (bf16) + ``16A/s`` for the adapters (+ ``4A`` DDP buckets); the reference is the
-  base model with adapters off (no copy);
+  base model with adapters off (no copy), except when LoRA continues an adapter loaded from
+  ``model.policy.name_or_path``: then it is a frozen merged copy ``2P/s``;
 - FSDP: the parameters gathered for compute, and their gradients, in the compute dtype: the root module
   (embeddings, final norm, LM head) plus two decoder layers (the current one and the prefetched one).
 
-Parameter counts come from the model's ``config.json`` alone (the model is built on the meta device; no
+Parameter counts come from the model's ``config.json`` alone (an adapter directory's base model, and its
+``adapter_config.json`` for the adapters) (the model is built on the meta device; no
 weights are read or downloaded beyond the config). Activations, the generation KV cache and the CUDA context
 are not estimated: a combination is refused when the model states alone exceed ``usable_fraction`` of the
 device memory. The device memory is read from the GPU when one is visible, else taken from the config
@@ -48,10 +50,13 @@ def count_parameters(path: str, lora: dict | None = None) -> ParamCounts:
 
 @functools.lru_cache(maxsize=8)
 def _count_parameters(path: str, lora_json: str) -> ParamCounts:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from src.models.hub import adapter_base_model, base_model_setting, load_config
 
     lora = json.loads(lora_json)
-    config = AutoConfig.from_pretrained(path)
+    base = adapter_base_model(path)
+    config = load_config(base, base_model_setting(path)) if base else load_config(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = sum(p.numel() for p in model.parameters())
@@ -62,9 +67,13 @@ def _count_parameters(path: str, lora_json: str) -> ParamCounts:
     if lora.get("enabled"):
         from peft import LoraConfig, get_peft_model
 
-        peft_model = get_peft_model(model, LoraConfig(r=int(lora.get("r", 16)), lora_alpha=int(lora.get("alpha", 32)),
-                                                      target_modules=lora.get("target_modules", "all-linear"),
-                                                      task_type="CAUSAL_LM"))
+        if base is not None:  # the loaded adapter is trained, with its own shape
+            lora_config = LoraConfig.from_pretrained(path)
+            lora_config.inference_mode = False  # saved as True, which would freeze the adapters counted here
+        else:
+            lora_config = LoraConfig(r=int(lora.get("r", 16)), lora_alpha=int(lora.get("alpha", 32)),
+                                     target_modules=lora.get("target_modules", "all-linear"), task_type="CAUSAL_LM")
+        peft_model = get_peft_model(model, lora_config)
         adapters = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     return ParamCounts(total, adapters, gathered)
 
@@ -73,8 +82,10 @@ def estimate_per_device(counts: ParamCounts, *, world: int, sharded: bool, refer
                         master_bytes: int = 4, compute_bytes: int = 2) -> dict[str, float]:
     """Bytes per device of each part of the model states (see the module docstring for the formulas).
 
-    ``weight_bytes``: bytes per frozen weight (loading dtype); ``master_bytes``: per trainable parameter (its
-    gradient and each AdamW moment have the same size); ``compute_bytes``: per parameter gathered by FSDP.
+    ``reference``: a frozen copy of the model is kept as the KL reference (``policy.reference_is_a_copy`` with
+    ``kl_coef > 0``). ``weight_bytes``: bytes per frozen weight (loading dtype); ``master_bytes``: per trainable
+    parameter (its gradient and each AdamW moment have the same size); ``compute_bytes``: per parameter gathered
+    by FSDP.
     """
     s = world if sharded else 1
     lora = counts.adapters > 0
@@ -83,7 +94,7 @@ def estimate_per_device(counts: ParamCounts, *, world: int, sharded: bool, refer
              "AdamW states": 2 * trainable * master_bytes / s}
     if lora:
         parts["frozen base"] = counts.total * weight_bytes / s
-    elif reference:
+    if reference:
         parts["frozen reference"] = counts.total * weight_bytes / s
     if not sharded and world > 1:
         parts["DDP gradient buckets"] = trainable * master_bytes
@@ -141,6 +152,7 @@ def check_device_memory(cfg) -> dict[str, float] | None:
     from omegaconf import OmegaConf
 
     from src.models.hub import resolve_name_or_path
+    from src.models.policy import reference_is_a_copy
     from src.models.precision import torch_dtype
 
     check = OmegaConf.to_container(cfg.memory_check, resolve=True) if cfg.get("memory_check") else {}
@@ -156,10 +168,11 @@ def check_device_memory(cfg) -> dict[str, float] | None:
     world, sharded = _world_size(trainer), _is_sharded(trainer.get("strategy"))
     sizes = dict(weight_bytes=torch_dtype(policy.get("dtype", "float32")).itemsize,
                  master_bytes=torch_dtype(policy.get("master_dtype", "float32")).itemsize,
-                 compute_bytes=2 if "16" in str(trainer.get("precision")) else 4,
-                 reference=float(cfg.algorithm.get("kl_coef", 0.0)) > 0, world=world)
+                 compute_bytes=2 if "16" in str(trainer.get("precision")) else 4, world=world)
+    kl = float(cfg.algorithm.get("kl_coef", 0.0)) > 0
     counts = count_parameters(path, lora)
-    parts = estimate_per_device(counts, sharded=sharded, **sizes)
+    reference = kl and reference_is_a_copy(policy)
+    parts = estimate_per_device(counts, sharded=sharded, reference=reference, **sizes)
     memory, source = device_memory_bytes(trainer.get("accelerator", "cpu"), check.get("device_memory_gib", 80))
     limit = memory * float(check.get("usable_fraction", 0.9))
     total = sum(parts.values())
@@ -172,9 +185,11 @@ def check_device_memory(cfg) -> dict[str, float] | None:
         return parts
     fixes = []
     if not sharded:
-        fixes.append(("trainer=fsdp", estimate_per_device(counts, sharded=True, **sizes)))
+        fixes.append(("trainer=fsdp", estimate_per_device(counts, sharded=True, reference=reference, **sizes)))
     if not lora.get("enabled"):
-        with_lora = count_parameters(path, {**lora, "enabled": True})
+        lora_on = {**lora, "enabled": True}
+        with_lora = count_parameters(path, lora_on)
+        sizes["reference"] = kl and reference_is_a_copy({**policy, "lora": lora_on})
         fixes.append(("model.policy.lora.enabled=true", estimate_per_device(with_lora, sharded=sharded, **sizes)))
         if not sharded:
             fixes.append(("trainer=fsdp model.policy.lora.enabled=true",

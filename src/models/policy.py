@@ -18,13 +18,15 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, LogitsProcessorList, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from src.models.hub import load_causal_lm, load_tokenizer, resolve_name_or_path
+from src.models.hub import (adapter_base_model, base_model_setting, load_causal_lm, load_config, load_tokenizer,
+                            resolve_name_or_path)
 from src.models.logprobs import entropy_from_logits, log_probs_from_logits
 from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
 from src.models.prompt_cache import PromptKV, batch_with_prefixes, row_prompt_kv
@@ -305,6 +307,54 @@ class Policy(nn.Module):
         return DynamicCache(ddp_cache_data=layers, config=self.model.config)
 
 
+def zero_config_dropout(config: PretrainedConfig, prefix: str = "") -> dict[str, float]:
+    """Set every non-zero dropout probability of a model config to 0, in place, nested configs included.
+
+    Dropout fields are the numeric ones whose name contains ``dropout`` or ends in ``pdrop`` (``attention_dropout``,
+    ``hidden_dropout_prob``, ``resid_pdrop`` ...). Returns ``{field: old value}`` of the fields changed.
+    """
+    zeroed = {}
+    for key, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            zeroed.update(zero_config_dropout(value, f"{prefix}{key}."))
+        elif ("dropout" in key or key.endswith("pdrop")) and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and value != 0:
+            setattr(config, key, 0.0)
+            zeroed[prefix + key] = value
+    return zeroed
+
+
+def zero_module_dropout(model: nn.Module) -> dict[float, int]:
+    """Set ``p`` of every dropout module (``nn.Dropout`` and its relatives) and every float module attribute named
+    ``*dropout*`` (some layers copy the config's value at construction) to 0, in place.
+
+    Returns ``{old probability: number of modules or attributes}`` of what was changed.
+    """
+    zeroed: dict[float, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            zeroed[module.p] = zeroed.get(module.p, 0) + 1
+            module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if "dropout" in key and isinstance(value, float) and value > 0:
+                zeroed[value] = zeroed.get(value, 0) + 1
+                setattr(module, key, 0.0)
+    return zeroed
+
+
+def reference_is_a_copy(policy: dict[str, Any]) -> bool:
+    """Whether the KL reference of the policy built from ``policy`` (``build_policy`` kwargs) is a frozen copy of
+    the model as loaded, rather than the same model with its LoRA adapters off.
+
+    The copy is needed without LoRA, and when LoRA continues an adapter loaded from ``name_or_path``: turning the
+    adapters off would give the raw base model, not the adapted model training started from.
+    """
+    if not (policy.get("lora") or {}).get("enabled", False):
+        return True
+    path = resolve_name_or_path(policy["name_or_path"], policy.get("cache_dir", "."))
+    return adapter_base_model(path) is not None
+
+
 def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", master_dtype: str = "float32",
                  trainable: bool = True, max_response_tokens: int = 32, max_prompt_tokens: int = 4096,
                  temperature: float = 1.0, gradient_checkpointing: bool = False, lora: dict | None = None,
@@ -315,25 +365,64 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
     ``master_dtype`` (float32 unless insisted otherwise, with a warning); frozen weights (the LoRA base model, or
     the whole model with ``trainable=False``, e.g. the KL reference) stay in the loading ``dtype``.
 
+    The policy has no dropout: every dropout probability (the config's ``*dropout*`` fields, dropout modules,
+    ``lora.dropout``) is set to 0, with a warning naming what was non-zero. π_old is scored in eval mode and the
+    update runs in train mode, so active dropout would make the ratio of the first update differ from 1.
+
+    ``name_or_path`` may be a PEFT adapter directory (``adapter_config.json``, e.g. an SFT result): the policy is
+    then the adapted model. With LoRA on, the loaded adapter itself is trained (its own r, alpha and target
+    modules; ``lora.r/alpha/target_modules`` are not used); with LoRA off it is merged into the base weights and
+    the merged model is trained (or frozen with ``trainable=False``).
+
     Raises:
         ValueError: ``dtype`` or ``master_dtype`` is not a floating-point torch dtype name.
+        OSError: the model (or an adapter's base model) is neither local nor in the Hugging Face cache.
     """
     path = resolve_name_or_path(name_or_path, cache_dir)
-    tokenizer = load_tokenizer(path)
+    adapter, setting = None, "model.policy.name_or_path"
+    base = adapter_base_model(path)
+    if base is not None:
+        adapter, path, setting = path, resolve_name_or_path(base, cache_dir), base_model_setting(path)
+    has_tokenizer = adapter is not None and (Path(adapter) / "tokenizer_config.json").is_file()
+    tokenizer = load_tokenizer(adapter) if has_tokenizer else load_tokenizer(path, setting)
     lora_on = bool(lora and lora.get("enabled"))
     master = master_dtype_of(master_dtype) if trainable else None
+    config = load_config(path, setting)
+    zeroed = [f"{k}={v}" for k, v in zero_config_dropout(config).items()]
     model = load_causal_lm(path, dtype=master_dtype if trainable and not lora_on else dtype,
-                           attn_implementation=attn_implementation)
+                           attn_implementation=attn_implementation, config=config, setting=setting)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if lora_on:
+    if lora_on and gradient_checkpointing:
+        model.enable_input_require_grads()
+    if adapter is not None:
+        from peft import PeftModel
+
+        # get_peft_model on top would add a fresh adapter of the same name and train the raw base (TRL #1340)
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=lora_on and trainable)
+        if lora_on:
+            loaded = model.peft_config["default"]
+            targets = loaded.target_modules
+            log.info("Continuing the LoRA adapter %s (r=%s, alpha=%s, target modules: %s) on %s; "
+                     "model.policy.lora.r/alpha/target_modules are not used", adapter, loaded.r, loaded.lora_alpha,
+                     targets if isinstance(targets, str) else f"{len(targets)} modules", path)
+        else:
+            model = model.merge_and_unload().requires_grad_(True)  # PEFT froze the base; trainable decides below
+            log.info("Merged the LoRA adapter %s into its base model %s; the merged model is the policy", adapter,
+                     path)
+    elif lora_on:
         from peft import LoraConfig, get_peft_model
 
-        if gradient_checkpointing:
-            model.enable_input_require_grads()
+        if float(lora.get("dropout", 0.0)):
+            zeroed.append(f"model.policy.lora.dropout={lora['dropout']}")
         model = get_peft_model(model, LoraConfig(
-            r=int(lora.get("r", 16)), lora_alpha=int(lora.get("alpha", 32)), lora_dropout=float(lora.get("dropout", 0.0)),
+            r=int(lora.get("r", 16)), lora_alpha=int(lora.get("alpha", 32)), lora_dropout=0.0,
             target_modules=lora.get("target_modules", "all-linear"), task_type="CAUSAL_LM"))
+    zeroed += [f"{n} dropout module(s)/attribute(s) with p={p}" for p, n in zero_module_dropout(model).items()]
+    if zeroed:
+        log.warning("The policy %s is built without dropout (π_old is scored in eval mode and the update runs in "
+                    "train mode: any dropout would make the first PPO ratio differ from 1); set to 0: %s",
+                    name_or_path, ", ".join(zeroed))
     if trainable:
         for p in model.parameters():
             if p.requires_grad and p.dtype != master:

@@ -2,14 +2,21 @@
 
 - Lightning options that cannot work with one epoch = one training iteration are refused with the reason, and
   ``fast_dev_run`` becomes one real iteration (``check_trainer_options``);
+- a GPU accelerator on a machine without a usable GPU is refused with the overrides that run on the CPU
+  (``check_accelerator``);
+- a ``ckpt_path`` that is missing, unreadable, cut short or not a checkpoint of this project is refused naming the
+  file (``check_checkpoint_path``);
 - temporary files of checkpoint saves that a killed run left behind are removed (``clean_checkpoint_dirs``).
 
-Checks that need to know an environment live with it (e.g. ScienceWorld's action caps against its gold paths,
+torch is imported only by the checks that need it (a GPU accelerator, a ``ckpt_path``). Checks that need to know an
+environment live with it (e.g. ScienceWorld's action caps against its gold paths,
 ``src/envs/scienceworld_gold_lengths.py``) and are called by the entry point.
 """
 from __future__ import annotations
 
 import logging
+import os
+import zipfile
 from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
@@ -71,6 +78,86 @@ def check_trainer_options(cfg: DictConfig) -> None:
                  fast, iterations)
 
 
+def check_accelerator(cfg: DictConfig) -> None:
+    """Refuse ``trainer.accelerator=gpu`` (or ``cuda``) when torch sees no GPU, naming the CPU overrides.
+
+    Lightning would fail only when the Trainer is built, after the model, with "No supported gpu backend found!".
+
+    Raises:
+        ValueError: naming the accelerator, what torch sees and the overrides to run on the CPU.
+    """
+    accelerator = str(cfg.trainer.get("accelerator", "cpu")).lower()
+    if accelerator not in ("gpu", "cuda"):
+        return
+    import torch
+
+    if torch.cuda.is_available() or (accelerator == "gpu" and torch.backends.mps.is_available()):
+        return
+    build = "a CPU-only build of torch" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    raise ValueError(
+        f"trainer.accelerator={accelerator} but this machine has no GPU that torch can use "
+        f"(torch.cuda.is_available() is False; {build}; CUDA_VISIBLE_DEVICES={visible!r}). "
+        "To run on the CPU add: trainer.accelerator=cpu trainer.devices=1 trainer.precision=32-true (with "
+        "trainer=ddp or trainer=fsdp that is one CPU process; trainer.devices=N starts N). Otherwise run on a "
+        f"machine with GPUs (this config asks for trainer.devices={cfg.trainer.get('devices')}).")
+
+
+_CHECKPOINT_EXPECTED = ("Expected a checkpoint written by src/train.py: a .ckpt file (e.g. "
+                        "logs/train/runs/<run>/checkpoints/last.ckpt) or, from trainer=fsdp, a checkpoint directory "
+                        "holding a .metadata file")
+
+
+def check_checkpoint_path(cfg: DictConfig) -> Path | None:
+    """Refuse a ``ckpt_path`` that cannot be resumed from, before anything is built; return its absolute path
+    (None without ``ckpt_path``). A relative path is taken from where the command runs, as ``src/train.py`` does.
+
+    A file must be a complete zip archive as ``torch.save`` writes (a copy or save cut short is not), load as
+    Lightning loads it (``weights_only=True``; memory-mapped, so the tensors are not read) and hold a global step
+    and ``policy.*`` weights. A directory must hold a distributed checkpoint's ``.metadata``.
+
+    Raises:
+        FileNotFoundError: nothing at the path.
+        PermissionError: the file is not readable.
+        ValueError: not a checkpoint of this project; the message names the file and what was expected.
+    """
+    if not cfg.get("ckpt_path"):
+        return None
+    import hydra.utils
+
+    given = str(cfg.ckpt_path)
+    path = Path(hydra.utils.to_absolute_path(given))
+    name = f"ckpt_path={given!r}" + (f" ({path})" if str(path) != given else "")
+    if not path.exists():
+        raise FileNotFoundError(f"{name} does not exist. {_CHECKPOINT_EXPECTED}.")
+    if path.is_dir():
+        if not (path / ".metadata").is_file():
+            raise ValueError(f"{name} is a directory without a .metadata file, so not a distributed checkpoint. "
+                             f"{_CHECKPOINT_EXPECTED}.")
+        return path
+    if not os.access(path, os.R_OK):
+        raise PermissionError(f"{name} is not readable by this user. {_CHECKPOINT_EXPECTED}.")
+    size = path.stat().st_size
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{name} is not a complete checkpoint: not a zip archive as torch.save writes ({size} "
+                         "bytes; a copy or a save cut short leaves such a file). Resume from an earlier checkpoint of "
+                         f"the run (iter_*.ckpt in the same directory). {_CHECKPOINT_EXPECTED}.")
+    import torch
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as err:  # whatever torch says, the user needs the file's name
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(f"{name} could not be loaded as a checkpoint ({type(err).__name__}: {reason}). "
+                         f"{_CHECKPOINT_EXPECTED}.") from err
+    weights = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    if not isinstance(weights, dict) or "global_step" not in ckpt or not any(k.startswith("policy.") for k in weights):
+        keys = sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise ValueError(f"{name} is a torch file but not a checkpoint of this project (it needs a global_step and "
+                         f"policy.* weights in its state_dict; it holds {keys}). {_CHECKPOINT_EXPECTED}.")
+    return path
+
+
 def clean_checkpoint_dirs(cfg: DictConfig) -> list[Path]:
     """Remove stale checkpoint temp files in the resumed checkpoint's directory and every ModelCheckpoint dirpath."""
     from src.utils.io import remove_stale_temp_files
@@ -83,4 +170,6 @@ def clean_checkpoint_dirs(cfg: DictConfig) -> list[Path]:
 def prepare_run(cfg: DictConfig) -> None:
     """All start-up checks, in order (``cfg`` may be changed: see ``check_trainer_options``)."""
     check_trainer_options(cfg)
+    check_accelerator(cfg)
+    check_checkpoint_path(cfg)
     clean_checkpoint_dirs(cfg)
