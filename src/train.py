@@ -78,7 +78,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer.fit(objs["module"], datamodule=objs["datamodule"], ckpt_path=ckpt_path)
     ckpt = getattr(trainer.checkpoint_callback, "last_model_path", None) if trainer.checkpoint_callback else None
     if trainer.is_global_zero:
-        log_checkpoint(ckpt, objs["loggers"])
+        if cfg.get("log_checkpoint_artifact", True):  # a copy of last.ckpt in the MLflow artifact store
+            log_checkpoint(ckpt, objs["loggers"])
     objs["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     objs["last_checkpoint"] = ckpt
     return objs

@@ -196,18 +196,20 @@ def test_grpo_runs_without_memory(tmp_path):
 
 def test_auto_precision_is_tagged_and_only_the_last_checkpoint_is_kept(tmp_path, monkeypatch):
     """trainer.precision=auto (the CPU experiments' setting) runs with this machine's choice, which the MLflow run
-    records as the tag precision_used; by default a run keeps last.ckpt only (no disk growth per iteration)."""
+    records as the tag precision_used; by default a run keeps last.ckpt only (no disk growth per iteration), and
+    log_checkpoint_artifact=false keeps its copy out of the MLflow artifacts."""
     from src.utils import precision_choice
 
     monkeypatch.setenv(precision_choice.ENV_VAR, "")  # probe here (restored afterwards)
     cfg = _cfg(tmp_path, "algorithm=grpo", "memory=none", "trainer.max_epochs=2", "trainer.precision=auto",
-               "trainer.check_val_every_n_epoch=2")
+               "trainer.check_val_every_n_epoch=2", "log_checkpoint_artifact=false")
     objs = train(cfg)
     chosen = os.environ[precision_choice.ENV_VAR].split("|")[1]
     assert chosen in ("32-true", "bf16-mixed") and objs["trainer"].precision == chosen
     client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
     assert client.get_run(objs["loggers"][0].run_id).data.tags["precision_used"] == chosen
     assert sorted(p.name for p in Path(objs["last_checkpoint"]).parent.iterdir()) == ["last.ckpt"]
+    assert [a.path for a in client.list_artifacts(objs["loggers"][0].run_id) if a.path == "checkpoints"] == []
 
 
 def test_memory_mode_without_memory_is_refused(tmp_path):

@@ -161,5 +161,6 @@ def resolve_precision(cfg: DictConfig) -> str | None:
         os.environ[ENV_VAR] = f"{kind}|{choice}|{reason}"
     with open_dict(cfg):
         trainer.precision = choice
+    _announced.add(choice)
     log.info("Precision: %s (%s; trainer.precision=auto, override with e.g. trainer.precision=32-true)", choice, reason)
     return choice
