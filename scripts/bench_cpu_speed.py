@@ -75,12 +75,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import lightning as L
     import torch
-    from omegaconf import OmegaConf
 
-    from src.data.demonstrations import make_dataloader
-    from src.models.sft_module import response_nll
     from src.utils.precision_choice import cpu_features, decide_precision, probe_cpu_matmul
-    from src.warm_start import _prepare
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -89,79 +85,102 @@ def main(argv: list[str] | None = None) -> None:
           f"{torch.get_num_threads()} threads")
     print(f"matmul probe {probe.n}^2: fp32 {probe.fp32_gflops:.0f} GFLOP/s, bf16 {probe.bf16_gflops:.1f} GFLOP/s -> "
           f"trainer.precision=auto picks {decide_precision('cpu', probe=probe)[0]}")
-
-    cfg = compose(args.experiment)
-    ws = OmegaConf.to_container(cfg.model.warm_start, resolve=True)
-    prep = _prepare(cfg, ws)
-    policy, examples = prep["policy"], prep["examples"]
-    batch = next(iter(make_dataloader(examples, int(ws["batch_size"]), 0)))
-    tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in batch)
-    policy.model.gradient_checkpointing_disable()
-    shared = policy.shared_prefix_length([e.prompt_ids for e in batch])
-    data = cfg.data
-    n_prompts = int(data.tasks_per_iteration) * int(data.group_size)
-    prompts = [e.prompt_ids for e in examples[:n_prompts]]
-    print(f"warm-start batch: {len(batch)} examples, {tokens} tokens ({shared} shared prompt-prefix tokens); "
-          f"rollout step: {n_prompts} prompts of {sum(map(len, prompts)) / n_prompts:.0f} tokens on average")
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-7)
-
-    def sft_step(share: bool):
-        optimizer.zero_grad()
-        nll, target_tokens = response_nll(policy, batch, share_prefix=share)
-        (nll / target_tokens).backward()
-        optimizer.step()
-
-    rows: list[tuple[str, str, float, float]] = []
+    bench = Bench(compose(args.experiment), args.batches)
     print(f"\n{'precision':<11} {'what':<66} {'s/call':>8} {'tokens/s':>9}")
     for precision in args.precisions:
         autocast = L.Fabric(accelerator="cpu", devices=1, precision=precision).autocast
-        policy.train()
+        bench.warm_start_steps(precision, autocast)
+        update = bench.generation_and_update(precision, autocast)
+        if args.profile:
+            profile_top(precision, autocast, {"warm-start step": lambda: bench.sft_step(True), "update": update})
+
+
+class Bench:
+    """The experiment's warm-start batch, rollout prompts and an optimizer over the real SmolLM2 policy."""
+
+    def __init__(self, cfg, repeats: int):
+        import torch
+        from omegaconf import OmegaConf
+
+        from src.data.demonstrations import make_dataloader
+        from src.warm_start import _prepare
+
+        ws = OmegaConf.to_container(cfg.model.warm_start, resolve=True)
+        prep = _prepare(cfg, ws)
+        self.policy, examples, self.data, self.repeats = prep["policy"], prep["examples"], cfg.data, repeats
+        self.batch = next(iter(make_dataloader(examples, int(ws["batch_size"]), 0)))
+        self.tokens = sum(len(e.prompt_ids) + len(e.response_ids) for e in self.batch)
+        self.set_checkpointing(False)
+        shared = self.policy.shared_prefix_length([e.prompt_ids for e in self.batch])
+        self.n_prompts = int(self.data.tasks_per_iteration) * int(self.data.group_size)
+        self.prompts = [e.prompt_ids for e in examples[:self.n_prompts]]
+        print(f"warm-start batch: {len(self.batch)} examples, {self.tokens} tokens ({shared} shared prompt-prefix "
+              f"tokens); rollout step: {self.n_prompts} prompts of "
+              f"{sum(map(len, self.prompts)) / self.n_prompts:.0f} tokens on average")
+        self.optimizer = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad], lr=1e-7)
+        self.policy.train()
+
+    def set_checkpointing(self, on: bool) -> None:
+        if on:
+            self.policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.policy.model.gradient_checkpointing_disable()
+
+    def sft_step(self, share: bool) -> None:
+        from src.models.sft_module import response_nll
+
+        self.optimizer.zero_grad()
+        nll, target_tokens = response_nll(self.policy, self.batch, share_prefix=share)
+        (nll / target_tokens).backward()
+        self.optimizer.step()
+
+    def warm_start_steps(self, precision: str, autocast) -> None:
         for checkpointing in (True, False):
-            if checkpointing:
-                policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                policy.model.gradient_checkpointing_disable()
+            self.set_checkpointing(checkpointing)
             for share in (False, True) if not checkpointing else (False,):
                 with autocast():
-                    seconds = timed(lambda: sft_step(share), args.batches)
-                rows.append((precision, f"warm-start step (checkpointing {'on' if checkpointing else 'off'}, "
-                                        f"shared prefix {'on' if share else 'off'})", seconds, tokens / seconds))
-                report(rows[-1])
+                    seconds = timed(lambda: self.sft_step(share), self.repeats)
+                report((precision, f"warm-start step (checkpointing {'on' if checkpointing else 'off'}, shared "
+                                   f"prefix {'on' if share else 'off'})", seconds, self.tokens / seconds))
+
+    def generation_and_update(self, precision: str, autocast):
+        """Time a rollout generation step and an update on its replies; return the update (for profiling)."""
+        import torch
+
+        new_tokens = int(self.data.max_response_tokens)
         with autocast(), torch.no_grad():
-            generation = policy.generate(prompts, max_new_tokens=int(data.max_response_tokens), temperature=1.0)
-            new_tokens = sum(map(len, generation.response_ids))
-            seconds = timed(lambda: policy.generate(prompts, max_new_tokens=int(data.max_response_tokens),
-                                                    temperature=1.0), args.batches)
-        rows.append((precision, f"generate ({n_prompts} prompts, <= {data.max_response_tokens} new tokens)", seconds,
-                     new_tokens / seconds))
-        report(rows[-1])
-        k = int(data.micro_batch_size)
+            generation = self.policy.generate(self.prompts, max_new_tokens=new_tokens, temperature=1.0)
+            seconds = timed(lambda: self.policy.generate(self.prompts, max_new_tokens=new_tokens, temperature=1.0),
+                            self.repeats)
+        report((precision, f"generate ({self.n_prompts} prompts, <= {new_tokens} new tokens)", seconds,
+                sum(map(len, generation.response_ids)) / seconds))
+        k = int(self.data.micro_batch_size)
+        update_tokens = sum(len(p) for p in self.prompts[:k]) + sum(len(r) for r in generation.response_ids[:k])
 
         def update():
-            optimizer.zero_grad()
-            out = policy.log_probs(prompts[:k], generation.response_ids[:k], with_entropy=True)
+            self.optimizer.zero_grad()
+            out = self.policy.log_probs(self.prompts[:k], generation.response_ids[:k], with_entropy=True)
             (-(out["log_probs"].sum()) / out["response_mask"].sum()).backward()
-            optimizer.step()
+            self.optimizer.step()
 
         for checkpointing in (True, False):
-            if checkpointing:
-                policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                policy.model.gradient_checkpointing_disable()
+            self.set_checkpointing(checkpointing)
             with autocast():
-                seconds = timed(update, args.batches)
-            update_tokens = sum(len(p) for p in prompts[:k]) + sum(len(r) for r in generation.response_ids[:k])
-            rows.append((precision, f"update (micro-batch {k}, checkpointing {'on' if checkpointing else 'off'})",
-                         seconds, update_tokens / seconds))
-            report(rows[-1])
-        if args.profile:
-            from torch.profiler import ProfilerActivity, profile
+                seconds = timed(update, self.repeats)
+            report((precision, f"update (micro-batch {k}, checkpointing {'on' if checkpointing else 'off'})",
+                    seconds, update_tokens / seconds))
+        return update
 
-            for name, fn in (("warm-start step", lambda: sft_step(True)), ("update", update)):
-                with autocast(), profile(activities=[ProfilerActivity.CPU]) as prof:
-                    fn()
-                print(f"\n[{precision}] top operators of one {name} (self CPU time):")
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=40))
+
+def profile_top(precision: str, autocast, steps: dict) -> None:
+    """Print the top operators (self CPU time) of one call of each step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in steps.items():
+        with autocast(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        print(f"\n[{precision}] top operators of one {name} (self CPU time):")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=40))
 
 
 def report(row: tuple[str, str, float, float]) -> None:

@@ -353,5 +353,4 @@ class ScienceWorldEnv:
             self.close()
 
 
-__all__ = ["ScienceWorldEnv", "PAPER_IDS", "TASK_NAMES", "DEFAULT_MAX_STEPS", "MAX_STEPS_OVERRIDES",
-           "resolve_task", "default_max_steps", "parse_action", "start_jvm"]
+__all__ = ["ScienceWorldEnv", "resolve_task", "default_max_steps", "parse_action", "start_jvm"]

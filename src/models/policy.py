@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache, LogitsProcessorList, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
+from src.models.dropout import zero_config_dropout, zero_module_dropout
 from src.models.hub import (adapter_base_model, base_model_setting, load_causal_lm, load_config, load_tokenizer,
                             resolve_name_or_path)
 from src.models.logprobs import entropy_from_logits, log_probs_from_logits
@@ -305,41 +306,6 @@ class Policy(nn.Module):
         layers = [(layer.keys.expand(batch_size, -1, -1, -1), layer.values.expand(batch_size, -1, -1, -1))
                   for layer in out.cache.layers]
         return DynamicCache(ddp_cache_data=layers, config=self.model.config)
-
-
-def zero_config_dropout(config: PretrainedConfig, prefix: str = "") -> dict[str, float]:
-    """Set every non-zero dropout probability of a model config to 0, in place, nested configs included.
-
-    Dropout fields are the numeric ones whose name contains ``dropout`` or ends in ``pdrop`` (``attention_dropout``,
-    ``hidden_dropout_prob``, ``resid_pdrop`` ...). Returns ``{field: old value}`` of the fields changed.
-    """
-    zeroed = {}
-    for key, value in list(vars(config).items()):
-        if isinstance(value, PretrainedConfig):
-            zeroed.update(zero_config_dropout(value, f"{prefix}{key}."))
-        elif ("dropout" in key or key.endswith("pdrop")) and isinstance(value, (int, float)) \
-                and not isinstance(value, bool) and value != 0:
-            setattr(config, key, 0.0)
-            zeroed[prefix + key] = value
-    return zeroed
-
-
-def zero_module_dropout(model: nn.Module) -> dict[float, int]:
-    """Set ``p`` of every dropout module (``nn.Dropout`` and its relatives) and every float module attribute named
-    ``*dropout*`` (some layers copy the config's value at construction) to 0, in place.
-
-    Returns ``{old probability: number of modules or attributes}`` of what was changed.
-    """
-    zeroed: dict[float, int] = {}
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            zeroed[module.p] = zeroed.get(module.p, 0) + 1
-            module.p = 0.0
-        for key, value in list(vars(module).items()):
-            if "dropout" in key and isinstance(value, float) and value > 0:
-                zeroed[value] = zeroed.get(value, 0) + 1
-                setattr(module, key, 0.0)
-    return zeroed
 
 
 def reference_is_a_copy(policy: dict[str, Any]) -> bool:
