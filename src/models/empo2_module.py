@@ -21,6 +21,8 @@ import lightning as L
 import torch
 
 from src.models.algorithm_config import AlgorithmConfig
+from src.models.checkpoint_state import (BASE_KEY, VALIDATION_KEY, base_record, check_adapter_checkpoint, check_finite,
+                                         keep_trainable, lora_enabled)
 from src.models.core_algos import (UPDATE_MODES, aggregate_loss, compute_kl_loss, compute_policy_loss,
                                    low_prob_token_mask, rollout_is_weights)
 from src.models.policy import build_policy, reference_is_a_copy
@@ -73,6 +75,9 @@ class EMPO2Module(L.LightningModule):
         self._train_time = 0.0
         self._nonfinite_streak = 0  # consecutive optimizer steps skipped for a NaN/inf gradient norm
         self._iteration = 0  # iteration of the last micro-batch trained on (named by errors)
+        self._val_iteration: int | None = None  # iteration of the last validation
+        self._validation: dict[str, Any] | None = None  # its metrics, saved with each checkpoint
+        self._base: dict[str, Any] | None = None  # the LoRA base model's record (adapter-only checkpoints)
 
     def configure_model(self) -> None:
         """FSDP2 (``trainer=fsdp``: Lightning's ``ModelParallelStrategy``): shard each decoder layer and the root.
@@ -328,7 +333,9 @@ class EMPO2Module(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpointing
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse to write a checkpoint from non-finite weights; keep the non-finite-gradient streak (exact resume).
+        """Refuse to write a checkpoint from non-finite weights; with LoRA keep only the adapters and record the base
+        model (``src/models/checkpoint_state.py``); keep the non-finite-gradient streak (exact resume) and the last
+        validation's metrics.
 
         Every rank checks its own parameters (its shard under FSDP) and the counts are summed over ranks, so all
         ranks refuse together.
@@ -337,12 +344,7 @@ class EMPO2Module(L.LightningModule):
             RuntimeError: a policy parameter holds NaN or inf; the message names the iteration, the global step
                 and the first such parameters of this rank. Nothing is written.
         """
-        bad = []
-        for name, p in self.policy.named_parameters():
-            t = p.detach()
-            t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard
-            if not bool(torch.isfinite(t).all()):
-                bad.append(name)
+        bad = check_finite(self.policy)
         total = int(all_reduce([float(len(bad))])[0])
         if total:
             raise RuntimeError(
@@ -351,11 +353,36 @@ class EMPO2Module(L.LightningModule):
                 f"{', ...' if len(bad) > 5 else ''}). The earlier checkpoints are kept; resume from the last one "
                 "(ckpt_path=<run dir>/checkpoints/last.ckpt), e.g. with a lower model.optimizer.lr.")
         checkpoint["nonfinite_grad_streak"] = self._nonfinite_streak
+        checkpoint["iteration"] = self._iteration  # last iteration trained (Lightning's `epoch` depends on the hook)
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
+        if metrics:
+            self._validation = {"iteration": self._val_iteration, "metrics": metrics}
+        checkpoint[VALIDATION_KEY] = self._validation
+        strategy = type(self.trainer.strategy).__name__
+        if lora_enabled(self.hparams.policy) and strategy not in ("ModelParallelStrategy", "FSDPStrategy"):
+            stored = keep_trainable(checkpoint, self.policy)
+            if self._base is None:  # the base is frozen: hashed once
+                self._base = base_record(self.policy, dict(self.hparams.policy), stored)
+            checkpoint[BASE_KEY] = self._base
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the streak and the validation record; an adapter-only checkpoint must fit this policy's base.
+
+        Raises:
+            ValueError: the adapters were trained on another base model (``check_adapter_checkpoint``).
+        """
         self._nonfinite_streak = int(checkpoint.get("nonfinite_grad_streak", 0))
+        self._validation = checkpoint.get(VALIDATION_KEY)
+        if BASE_KEY in checkpoint:
+            check_adapter_checkpoint(self.policy, checkpoint, self.hparams.policy["name_or_path"])
+            self._base = checkpoint[BASE_KEY]
+            self.strict_loading = False  # the frozen base weights are not in the checkpoint
 
     # ------------------------------------------------------------------ validation
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self._val_iteration = self.current_epoch
+
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         # already summarised over all ranks' episodes by `evaluate`
         self.log_dict({f"val/{k}": v for k, v in batch["metrics"].items()}, on_step=False, on_epoch=True,
