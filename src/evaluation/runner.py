@@ -156,20 +156,34 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         "weights_sha256": hash_after,
         "weights_unchanged": True,
     }
-    if memory_source == "checkpoint" and not summary["memory_hit_rate"]:
-        log.warning("the checkpoint's memory gave no tips on these tasks (partition=%s: the training "
+    if memory_source in ("checkpoint", "file") and not summary["memory_hit_rate"]:
+        log.warning("the trained memory gave no tips on these tasks (partition=%s: the training "
                     "partitions do not cover the evaluation tasks)", memory.partition)
     _write_and_log(cfg, summary)
     return summary
 
 
 def _eval_memory(cfg: DictConfig, b: dict[str, Any]):
-    """(memory or None, where it comes from: ``none`` / ``checkpoint`` / ``built``, whether reflections are written
-    during the evaluation), attached to the datamodule."""
+    """(memory or None, where it comes from: ``none`` / ``file`` / ``checkpoint`` / ``built``, whether reflections
+    are written during the evaluation), attached to the datamodule.
+
+    Raises:
+        ValueError: ``eval.memory_file`` stored with another partition setting or embedder than the memory group's.
+    """
     ev = cfg.eval
     memory, memory_source, write_tips = None, "none", False
     if ev.protocol == "adaptation":
         memory, memory_source, write_tips = _build_memory(cfg), "built", True
+    elif ev.get("memory_file"):
+        from src.memory.memory_file import read_memory_files
+
+        memory, memory_source = _build_memory(cfg), "file"
+        state, info = read_memory_files(hydra.utils.to_absolute_path(str(ev.memory_file)))
+        if info["partition"] != memory.partition:
+            raise ValueError(f"eval.memory_file={ev.memory_file!r} was written with memory.partition="
+                             f"{info['partition']!r}, but memory.partition={memory.partition!r}: its tips would never "
+                             f"be retrieved; set memory.partition={info['partition']}")
+        memory.tips.load_state_dict(state)
     elif ev.memory:
         memory = _build_memory(cfg)
         if b["memory_state"] is not None:
