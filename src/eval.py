@@ -4,6 +4,8 @@
     python src/eval.py experiment=scienceworld ckpt_path=null eval.seeds=[0,1,2]        # the untrained base model
     python src/eval.py experiment=webshop ckpt_path=... eval.memory=true                # tips at evaluation time
     python src/eval.py experiment=transfer_power_to_paint ckpt_path=... eval.trials=10  # OOD adaptation
+    python src/eval.py experiment=scienceworld ckpt_path=null model.policy.name_or_path=agent \
+        eval.memory_file=agent/memory                                                   # an exported agent
 
 Protocols (``eval.protocol``):
 
@@ -13,6 +15,7 @@ Protocols (``eval.protocol``):
   memory stored in the checkpoint (read only), or, when the checkpoint has none or ``ckpt_path=null``, from a memory
   built during the evaluation: the episodes then run in rounds of one episode per task, and after each round every
   finished episode's reflection is written (``MemoryCallback.write_tips``), so later rounds can retrieve it.
+  ``eval.memory_file`` (a memory exported by ``src/export.py``) is read instead of the checkpoint's (read only).
 - ``adaptation`` (the paper's out-of-distribution, "OOD", adaptation; docs/evaluation.md#the-adaptation-protocol): the
   policy plays a new task (``eval.task``, e.g. from the ``transfer_*`` experiments) for ``eval.trials`` + 1 trials, each
   trial = all tasks × ``eval.episodes_per_task`` episodes. Trial 0 runs without retrieval (the baseline score); every

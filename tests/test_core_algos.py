@@ -1,5 +1,6 @@
-"""Known-answer tests for src/models/core_algos.py (docs/method.md#one-iteration, steps 4–5). Expected values are worked
-out by hand in the comments; float64 is used where the arithmetic is compared tightly."""
+"""Known-answer tests for src/models/advantages.py and src/models/core_algos.py (docs/method.md#one-iteration, steps
+4–5; the rollout importance weights). Expected values are worked out by hand in the comments; float64 is used where
+the arithmetic is compared tightly."""
 from __future__ import annotations
 
 import math
@@ -7,14 +8,15 @@ import math
 import pytest
 import torch
 
+from src.models.advantages import compute_grpo_advantages
 from src.models.core_algos import (
     aggregate_loss,
-    compute_grpo_advantages,
     compute_kl_loss,
     compute_policy_loss,
     kl_penalty,
     loss_denominators,
     low_prob_token_mask,
+    rollout_is_weights,
 )
 
 EPS = 1e-6
@@ -329,3 +331,68 @@ def test_algorithm_config_one_default_per_field():
 
     a = AlgorithmConfig.from_dict({"kl_coef": 0, "mask_modes": None})
     assert (a.kl_coef, type(a.kl_coef), a.mask_modes, a.clip_ratio_high, a.memory_rollout_prob) == (0.0, float, [], 0.3, 0.0)
+
+
+# ------------------------------------------------------------------------------ rollout importance weights
+# Δ = old − rollout per token: row 0 [0.5, −1, 0], row 1 [1, −0.5, (padding)]
+IS_OLD = [[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]]
+IS_ROLLOUT = [[-1.5, -1.0, -0.5], [-2.0, -0.5, -9.0]]
+IS_MASK = [[1, 1, 1], [1, 1, 0]]
+
+
+def test_rollout_is_token_weights_known_values():
+    w, m = rollout_is_weights(t(IS_OLD), t(IS_ROLLOUT), t(IS_MASK), level="token", cap=2.0)
+    e = math.exp
+    # min(e^Δ, 2): e^1 = 2.718 is truncated to 2; padding gets 1
+    torch.testing.assert_close(w, t([[e(0.5), e(-1.0), 1.0], [2.0, e(-0.5), 1.0]]), atol=1e-12, rtol=0)
+    assert m["rollout_is_weight_mean"] == pytest.approx((e(0.5) + e(-1.0) + 1.0 + 2.0 + e(-0.5)) / 5, abs=1e-12)
+    assert m["rollout_is_weight_max"] == 2.0
+    assert m["rollout_is_truncated_frac"] == pytest.approx(1 / 5)
+    assert m["rollout_logprob_diff"] == pytest.approx((0.5 + 1.0 + 0.0 + 1.0 + 0.5) / 5)  # mean |Δ|
+    assert m["rollout_logprob_diff_max"] == 1.0
+    assert not w.requires_grad
+
+
+def test_rollout_is_sequence_weights_known_values():
+    e = math.exp
+    # row sums of Δ: −0.5 and 0.5 → e^−0.5 and e^0.5 on every real token of the row
+    w, m = rollout_is_weights(t(IS_OLD), t(IS_ROLLOUT), t(IS_MASK), level="sequence", cap=2.0)
+    torch.testing.assert_close(w, t([[e(-0.5)] * 3, [e(0.5), e(0.5), 1.0]]), atol=1e-12, rtol=0)
+    assert m["rollout_is_weight_mean"] == pytest.approx((3 * e(-0.5) + 2 * e(0.5)) / 5, abs=1e-12)
+    assert m["rollout_is_weight_max"] == pytest.approx(e(0.5), abs=1e-12)
+    assert m["rollout_is_truncated_frac"] == 0.0
+    # cap 1.5 < e^0.5: row 1 is truncated to exactly 1.5
+    w, m = rollout_is_weights(t(IS_OLD), t(IS_ROLLOUT), t(IS_MASK), level="sequence", cap=1.5)
+    assert w[1, :2].tolist() == [1.5, 1.5] and m["rollout_is_truncated_frac"] == pytest.approx(2 / 5)
+
+
+def test_rollout_is_weights_are_exactly_one_for_equal_log_probs_and_never_overflow():
+    lp = torch.randn(3, 5, dtype=torch.float32)
+    for level in ("token", "sequence"):
+        w, m = rollout_is_weights(lp, lp.clone(), torch.ones(3, 5), level=level, cap=1.0)
+        assert torch.equal(w, torch.ones(3, 5)) and m["rollout_logprob_diff_max"] == 0.0
+        assert m["rollout_is_truncated_frac"] == 0.0
+    # Δ = 500 nats: e^500 overflows float32, the weight is the cap
+    w, _ = rollout_is_weights(t([[0.0, 0.0]], torch.float32), t([[-500.0, 0.0]], torch.float32), torch.ones(1, 2),
+                              level="sequence", cap=3.0)
+    assert w.tolist() == [[3.0, 3.0]]
+    _, m = rollout_is_weights(torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(2, 2))
+    assert set(m.values()) == {0.0}  # no compared token
+
+
+@pytest.mark.parametrize("kwargs, match", [({"level": "none"}, "unknown rollout importance-sampling level"),
+                                           ({"cap": 0.5}, "cap must be >= 1")])
+def test_rollout_is_weights_refuse_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rollout_is_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), **kwargs)
+
+
+def test_policy_loss_with_token_weights_known_values():
+    # ρ = 1 (log_prob = old), A = 1: L_t = −w_t; token-mean over 2 tokens: −(2 + 0.5) / 2 = −1.25;
+    # dL/dlogπ_t = −w_t · A · ρ / 2 = [−1, −0.25]
+    log_prob = t([[-1.0, -2.0]]).requires_grad_()
+    loss, _ = compute_policy_loss(old_log_prob=t([[-1.0, -2.0]]), log_prob=log_prob, advantages=t([1.0]),
+                                  response_mask=t([[1, 1]]), token_weights=t([[2.0, 0.5]]), **CLIP)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(-1.25)
+    torch.testing.assert_close(log_prob.grad, t([[-1.0, -0.25]]))

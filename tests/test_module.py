@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from src.data.rollout_datamodule import RolloutDataModule
 from src.data.samples import MicroBatch, StepSample
+from src.models.algorithm_config import AlgorithmConfig
 from src.models.empo2_module import EMPO2Module, _pad_rows
 from src.models.memory_estimate import count_parameters
 from src.models.policy import build_policy
@@ -163,6 +164,61 @@ def test_low_prob_masking_runs_only_in_mask_modes(tiny_model_dir, model_cache_di
     _fit(module, _micro_batches(_samples(module), 4, mode))
     moved = any(not torch.equal(p.detach(), start[n]) for n, p in module.policy.named_parameters())
     assert moved == (mode not in mask_modes)
+
+
+def _loss_and_grads(module: EMPO2Module, batch: MicroBatch):
+    module.policy.zero_grad(set_to_none=True)
+    loss, metrics, _ = module._loss(batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, metrics
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_is_with_equal_log_probs_leaves_the_update_unchanged_bit_for_bit(tiny_model_dir, model_cache_dir,
+                                                                                  level):
+    """Sampling and scoring log-probs identical (as with recompute_old_log_probs=false): every weight is exactly 1,
+    so the loss and every gradient are the same, bit for bit, with the correction on and off."""
+    module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.SGD, lr=1.0))
+    batch = _micro_batches(_samples(module), 4)[0]
+    loss_off, grads_off, metrics = _loss_and_grads(module, batch)
+    assert metrics["rollout_is_weight_mean"] == (1.0, 10.0) and metrics["rollout_logprob_diff_max"] == (0.0, 10.0)
+    module.algorithm = AlgorithmConfig.from_dict({**ALGORITHM, "rollout_is": level, "rollout_is_cap": 1.0})
+    loss_on, grads_on, _ = _loss_and_grads(module, batch)
+    assert torch.equal(loss_on, loss_off)
+    assert grads_on.keys() == grads_off.keys() and grads_on
+    assert all(torch.equal(grads_on[n], g) for n, g in grads_off.items())
+
+
+def test_rollout_is_weights_a_mismatched_step_and_logs_the_mismatch(tiny_model_dir, model_cache_dir):
+    """Sample 0's rollout log-probs 0.3 nats above π_old (weight e^-0.3 on its 3 tokens); sample 1's π_old is taken
+    under another prompt (tips stripped), so it is not compared. Logged over the 8 compared tokens: mean |Δ| =
+    3 · 0.3 / 8, weight mean (3 e^-0.3 + 5) / 8. The correction changes the update only when it is on."""
+    import math
+
+    module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.SGD, lr=1.0))
+    samples = _samples(module)
+    samples[0].rollout_log_probs = [x + 0.3 for x in samples[0].rollout_log_probs]
+    samples[1].old_prompt_ids = samples[1].old_prompt_ids[1:]
+    samples[1].rollout_log_probs = [x - 5.0 for x in samples[1].rollout_log_probs]
+    batch = _micro_batches(samples, 4)[0]
+    _, grads_off, _ = _loss_and_grads(module, batch)
+    module.algorithm = AlgorithmConfig.from_dict({**ALGORITHM, "rollout_is": "token"})
+    _, grads_on, _ = _loss_and_grads(module, batch)
+    assert any(not torch.equal(grads_on[n], g) for n, g in grads_off.items())
+    logger = _fit_logged(module, [batch])
+    [diff] = logger.series("train/rollout_logprob_diff")
+    assert diff == pytest.approx(3 * 0.3 / 8, abs=1e-6)
+    assert logger.series("train/rollout_logprob_diff_max") == [pytest.approx(0.3, abs=1e-6)]
+    assert logger.series("train/rollout_is_weight_mean") == [pytest.approx((3 * math.exp(-0.3) + 5) / 8, abs=1e-6)]
+    assert logger.series("train/rollout_is_weight_max") == [1.0]
+
+
+@pytest.mark.parametrize("setting, match", [({"rollout_is": "tis"}, "algorithm.rollout_is='tis'"),
+                                            ({"rollout_is_cap": 0.5}, "algorithm.rollout_is_cap=0.5")])
+def test_bad_rollout_is_settings_are_refused(setting, match):
+    with pytest.raises(ValueError, match=match):
+        AlgorithmConfig.from_dict(setting)
 
 
 def test_a_mini_batch_without_samples_leaves_the_policy_alone(tiny_model_dir, model_cache_dir):

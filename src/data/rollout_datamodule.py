@@ -1,10 +1,9 @@
 """Fresh rollouts as a Lightning data stream: one epoch = one training iteration (docs/method.md#one-iteration).
 
-Each epoch the iterable dataset draws the iteration's update mode and tasks, runs groups of episodes with the
-*current* policy through the environment worker pool, writes tips, computes returns, GRPO advantages and old
-log-probs, and then yields the iteration's micro-batches: ``ppo_epochs`` passes, each split into
-``num_mini_batches`` mini-batches (one optimizer step each), each split into micro-batches of at most
-``micro_batch_size`` samples (one forward/backward each).
+Each epoch the iterable dataset draws the iteration's update mode and tasks, runs groups of episodes with the *current*
+policy through the environment worker pool, writes tips, computes returns, GRPO advantages and old log-probs, and then
+yields the iteration's micro-batches: ``ppo_epochs`` passes, each split into ``num_mini_batches`` mini-batches (one
+optimizer step each), each split into micro-batches of at most ``micro_batch_size`` samples (one forward/backward each).
 
 Why epoch = iteration: Lightning re-creates the iterator at the start of every epoch, after the previous
 epoch's last optimizer step, so every rollout is generated with the latest weights (Lightning prefetches one
@@ -31,7 +30,8 @@ from src.data.rollout_config import RolloutConfig
 from src.data.samples import MicroBatch, StepSample
 from src.envs.pool import EnvPool
 from src.models.algorithm_config import AlgorithmConfig
-from src.models.core_algos import compute_grpo_advantages, loss_denominators
+from src.models.advantages import compute_grpo_advantages
+from src.models.core_algos import loss_denominators
 from src.utils.distributed import all_reduce, gather_lists, rank_and_world
 from src.utils.rng import (MODE, PERMUTATION, SAMPLING, TASKS, VALIDATION, global_rng_state, seed_torch,
                            set_global_rng_state)

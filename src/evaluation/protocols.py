@@ -21,7 +21,8 @@ def check_eval_config(ev: DictConfig | dict) -> None:
     """Validate the ``eval`` group before anything heavy is built.
 
     Raises:
-        ValueError: an unknown protocol, empty or non-integer seeds, or counts below 1 — naming the bad value.
+        ValueError: an unknown protocol, empty or non-integer seeds, counts below 1, or a memory file with the
+            adaptation protocol — naming the bad value.
     """
     protocol = ev.get("protocol")
     if protocol not in PROTOCOLS:
@@ -36,6 +37,9 @@ def check_eval_config(ev: DictConfig | dict) -> None:
             raise ValueError(f"eval.{name}={value!r}: expected an int >= 1")
     if not float(ev.get("temperature")) > 0:
         raise ValueError(f"eval.temperature={ev.get('temperature')!r}: expected > 0 (sampling)")
+    if ev.get("memory_file") and protocol == "adaptation":
+        raise ValueError(f"eval.memory_file={ev.get('memory_file')!r} with eval.protocol=adaptation: the adaptation "
+                         "protocol starts from an empty memory; set eval.memory_file=null or eval.protocol=standard")
 
 
 def run_standard(cfg, b, pool, tasks, memory, write_tips: bool) -> dict[str, Any]:

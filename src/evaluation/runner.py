@@ -16,31 +16,40 @@ from src.evaluation.stats import weights_sha256
 log = logging.getLogger(__name__)
 
 
-def load_checkpoint(module, ckpt_path: str) -> dict[str, Any] | None:
-    """Load the policy weights (``policy.*`` keys) of a Lightning checkpoint into ``module.policy``.
+def read_checkpoint(ckpt_path: str) -> dict[str, Any]:
+    """The contents of a ``src/train.py`` checkpoint as one dict, as ``torch.load`` of a single file gives them.
 
-    Returns the checkpoint's ``MemoryCallback`` state, or None when it has none (GRPO, ``memory=none``).
+    Reads single-file checkpoints (one process, DDP). The one place that reads a checkpoint for evaluation and
+    export: to be replaced by a reader of FSDP2 distributed-checkpoint directories as well.
 
     Raises:
-        FileNotFoundError: no file at ``ckpt_path``.
-        ValueError: no policy weights, or weights that do not fit the configured model (a different ``model=``).
+        FileNotFoundError: nothing at ``ckpt_path``.
+        ValueError: a directory (an FSDP2 distributed checkpoint), which is not read here yet.
     """
     import torch
 
     path = Path(hydra.utils.to_absolute_path(str(ckpt_path)))  # relative to the launch dir (hydra.job.chdir)
+    if path.is_dir():
+        raise ValueError(f"ckpt_path={ckpt_path!r} is a directory (an FSDP2 distributed checkpoint); only "
+                         "single-file checkpoints (one process, DDP) are read here")
     if not path.is_file():
         raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    prefix = "policy."
-    state = {k[len(prefix):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith(prefix)}
-    if not state:
-        raise ValueError(f"checkpoint {ckpt_path!r} holds no 'policy.*' weights: not a src/train.py checkpoint?")
-    try:
-        module.policy.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        raise ValueError(f"checkpoint {ckpt_path!r} does not fit the configured model "
-                         f"({module.hparams.get('policy', {}).get('name_or_path')!r}); evaluate with the "
-                         f"model=... (and LoRA settings) it was trained with. {exc}") from exc
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_checkpoint(module, ckpt: dict[str, Any], ckpt_path: str) -> dict[str, Any] | None:
+    """Load the policy weights of a checkpoint (``read_checkpoint``) into ``module.policy``: all of them, or the LoRA
+    adapters of an adapter-only checkpoint (``load_policy_weights``).
+
+    Returns the checkpoint's ``MemoryCallback`` state, or None when it has none (GRPO, ``memory=none``).
+
+    Raises:
+        ValueError: no policy weights, weights that do not fit the configured model (a different ``model=``), or
+            adapters trained on another base model.
+    """
+    from src.models.checkpoint_state import load_policy_weights
+
+    load_policy_weights(module.policy, ckpt, str(ckpt_path), module.hparams.policy["name_or_path"])
     log.info("Loaded policy weights from %s (global step %s)", ckpt_path, ckpt.get("global_step"))
     return (ckpt.get("callbacks") or {}).get("MemoryCallback")
 
@@ -54,11 +63,16 @@ def _build(cfg: DictConfig) -> dict[str, Any]:
     # No update happens here, so no frozen reference copy is needed even when the run used a KL term.
     from src.warm_start import warm_start_model_config
 
+    from src.models.checkpoint_state import rebuild_policy_config
+
+    ckpt = read_checkpoint(cfg.ckpt_path) if cfg.get("ckpt_path") else None
     # Checkpoint weights replace the warm start's, so it is only built/loaded when there is no checkpoint.
-    model_cfg, _ = warm_start_model_config(cfg, build=not cfg.get("ckpt_path"))
+    model_cfg, _ = warm_start_model_config(cfg, build=ckpt is None)
+    if ckpt is not None:  # an adapter-only checkpoint names its base model
+        model_cfg.policy = rebuild_policy_config(ckpt, OmegaConf.to_container(model_cfg.policy))
     module = hydra.utils.instantiate(model_cfg, algorithm={**algorithm, "kl_coef": 0.0})
+    memory_state = load_checkpoint(module, ckpt, cfg.ckpt_path) if ckpt is not None else None
     module.policy.requires_grad_(False)
-    memory_state = load_checkpoint(module, cfg.ckpt_path) if cfg.get("ckpt_path") else None
     # One device, the trainer group's accelerator and precision (autocast under bf16-mixed); no strategy.
     fabric = L.Fabric(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision)
     module.to(fabric.device)
@@ -142,20 +156,34 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         "weights_sha256": hash_after,
         "weights_unchanged": True,
     }
-    if memory_source == "checkpoint" and not summary["memory_hit_rate"]:
-        log.warning("the checkpoint's memory gave no tips on these tasks (partition=%s: the training "
+    if memory_source in ("checkpoint", "file") and not summary["memory_hit_rate"]:
+        log.warning("the trained memory gave no tips on these tasks (partition=%s: the training "
                     "partitions do not cover the evaluation tasks)", memory.partition)
     _write_and_log(cfg, summary)
     return summary
 
 
 def _eval_memory(cfg: DictConfig, b: dict[str, Any]):
-    """(memory or None, where it comes from: ``none`` / ``checkpoint`` / ``built``, whether reflections are written
-    during the evaluation), attached to the datamodule."""
+    """(memory or None, where it comes from: ``none`` / ``file`` / ``checkpoint`` / ``built``, whether reflections
+    are written during the evaluation), attached to the datamodule.
+
+    Raises:
+        ValueError: ``eval.memory_file`` stored with another partition setting or embedder than the memory group's.
+    """
     ev = cfg.eval
     memory, memory_source, write_tips = None, "none", False
     if ev.protocol == "adaptation":
         memory, memory_source, write_tips = _build_memory(cfg), "built", True
+    elif ev.get("memory_file"):
+        from src.memory.memory_file import read_memory_files
+
+        memory, memory_source = _build_memory(cfg), "file"
+        state, info = read_memory_files(hydra.utils.to_absolute_path(str(ev.memory_file)))
+        if info["partition"] != memory.partition:
+            raise ValueError(f"eval.memory_file={ev.memory_file!r} was written with memory.partition="
+                             f"{info['partition']!r}, but memory.partition={memory.partition!r}: its tips would never "
+                             f"be retrieved; set memory.partition={info['partition']}")
+        memory.tips.load_state_dict(state)
     elif ev.memory:
         memory = _build_memory(cfg)
         if b["memory_state"] is not None:

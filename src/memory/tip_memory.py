@@ -27,7 +27,7 @@ from src.memory.embedder import check_unit_rows
 from src.memory.tip_entry import TipEntry
 from src.memory.tip_partition import Partition, float32_below, one_blas_thread, stored_keys
 
-_FORMAT = "empo2.tip_memory.v1"
+STATE_FORMAT = "empo2.tip_memory.v1"
 _RANK_BY = ("score", "similarity")
 
 
@@ -298,7 +298,7 @@ class TipMemory:
         import torch
 
         return {
-            "format": _FORMAT,
+            "format": STATE_FORMAT,
             "embedder_name": self.embedder_name,
             "dim": self.dim,
             "counters": dict(self._counters),
@@ -318,8 +318,8 @@ class TipMemory:
         Raises:
             ValueError: wrong format, or embedder name / dim different from this memory's (naming both).
         """
-        if state.get("format") != _FORMAT:
-            raise ValueError(f"not a tip-memory state (format {state.get('format')!r}, expected {_FORMAT!r})")
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a tip-memory state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
         self._check_compatible(state["embedder_name"], int(state["dim"]), self.embedder_name, self.dim)
         parts: dict[str, Partition] = {}
         for name, p in state["partitions"].items():

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from src.models.core_algos import KL_KINDS, LOSS_AGG_MODES, MASK_LEVELS, UPDATE_MODES
+from src.models.core_algos import KL_KINDS, LOSS_AGG_MODES, MASK_LEVELS, ROLLOUT_IS_LEVELS, UPDATE_MODES
 
 OFFPOLICY_OLD_LOGPROB = ("with_tips", "without_tips")  # the prompt π_old of an off-policy step is taken under
 
@@ -71,6 +71,12 @@ class AlgorithmConfig:
     step is skipped (weights and optimizer state untouched)."""
     temperature: float = 1.0
     """Temperature the log-probs are taken at: the rollout temperature (> 0)."""
+    rollout_is: str = "none"
+    """Rollout importance-sampling correction (TIS): ``none``, ``token`` or ``sequence``. Each token's
+    policy-gradient term is weighted by min(π_old / π_rollout, C), per token or per response; the mismatch metrics
+    are logged whatever the setting (docs/method.md#rollout-importance-sampling-correction)."""
+    rollout_is_cap: float = 2.0
+    """C, the truncation of the rollout importance weight (>= 1)."""
 
     @classmethod
     def from_dict(cls, algorithm: Mapping[str, Any] | AlgorithmConfig | None) -> AlgorithmConfig:
@@ -95,7 +101,7 @@ class AlgorithmConfig:
             if f.type in ("float", "int"):
                 setattr(self, f.name, (float if f.type == "float" else int)(getattr(self, f.name)))
         choices = {"loss_agg_mode": LOSS_AGG_MODES, "mask_level": MASK_LEVELS, "kl_type": KL_KINDS,
-                   "offpolicy_old_logprob": OFFPOLICY_OLD_LOGPROB}
+                   "offpolicy_old_logprob": OFFPOLICY_OLD_LOGPROB, "rollout_is": ROLLOUT_IS_LEVELS}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 raise ValueError(f"algorithm.{key}={getattr(self, key)!r}: expected one of {valid}")
@@ -112,6 +118,8 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.no_signal_patience={self.no_signal_patience!r}: expected an int >= 1")
         if int(self.max_nonfinite_steps) < 1:
             raise ValueError(f"algorithm.max_nonfinite_steps={self.max_nonfinite_steps!r}: expected an int >= 1")
+        if not self.rollout_is_cap >= 1.0:
+            raise ValueError(f"algorithm.rollout_is_cap={self.rollout_is_cap!r}: expected a cap >= 1")
         if not float(self.temperature) > 0:
             raise ValueError(f"algorithm.temperature={self.temperature!r}: expected > 0")
         # Skipping a zero-advantage step drops its KL term too (the step never reaches the loss), so the KL

@@ -1,8 +1,9 @@
-"""Pure advantage and loss functions for GRPO / EMPO² (docs/method.md#one-iteration, steps 4–5;
-docs/method.md#low-probability-token-masking).
+"""Pure loss functions for GRPO / EMPO² (docs/method.md#one-iteration, step 5;
+docs/method.md#low-probability-token-masking; docs/method.md#rollout-importance-sampling-correction). The advantages
+of step 4 are in ``src/models/advantages.py``.
 
 Plain torch, no Lightning: every function takes tensors and returns tensors (losses also return a
-``metrics`` dict of python floats for logging). Shapes: ``E`` episodes, ``B`` responses (rows) in a
+``metrics`` dict of python floats for logging). Shapes: ``B`` responses (rows) in a
 (micro-)batch, ``T`` response tokens per row (right-padded, ``response_mask`` marks real tokens), ``V`` vocab.
 
 Loss aggregation contract (docs/design.md#why-it-is-shaped-this-way, "The loss is a partial sum"): the same global batch
@@ -20,6 +21,7 @@ from torch import Tensor
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
 MASK_LEVELS = ("token", "sequence")
+ROLLOUT_IS_LEVELS = ("none", "token", "sequence")  # rollout importance-sampling correction (TIS)
 UPDATE_MODES = ("on_policy", "on_policy_with_tips", "off_policy")
 
 
@@ -38,83 +40,6 @@ def _check_count(name: str, count: int | float | Tensor | None) -> None:
     # Tensors (e.g. all-reduced counts) are not checked here, to avoid a device sync.
     if count is not None and not isinstance(count, Tensor) and count <= 0:
         raise ValueError(f"{name} must be > 0, got {count}")
-
-
-# ----------------------------------------------------------------------------------------------- advantages
-
-
-def compute_grpo_advantages(
-    returns: Tensor,
-    group_index: Tensor,
-    norm_adv_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[Tensor, dict[str, float]]:
-    """Trajectory-level GRPO advantages, normalised within each group (docs/method.md#one-iteration, step 4).
-
-    ``A_i = (R_i - mean_g) / (std_g + eps)`` with the Bessel-corrected std over the group's valid
-    episodes; ``norm_adv_by_std=False`` gives the Dr.GRPO form ``A_i = R_i - mean_g``.
-
-    Degenerate cases give exactly 0, never NaN/inf: a group whose valid returns are all equal (e.g. all
-    -100), and a group with fewer than two valid episodes. A non-finite return (NaN = failed episode; ±inf
-    is treated the same way) is left out of its group's mean/std and gets advantage 0.
-
-    Args:
-        returns: ``[E]`` float, the episode returns R_i (environment reward units).
-        group_index: ``[E]`` integer, the group (task instance) of each episode; any integer ids, need
-            not be contiguous or sorted.
-        norm_adv_by_std: divide by the group std (GRPO) or not (Dr.GRPO).
-        eps: added to the std.
-
-    Returns:
-        ``(advantages [E] in the dtype of returns, metrics)``; metrics: ``adv_mean`` / ``adv_std`` (over
-        valid episodes), ``return_mean`` (valid episodes), ``zero_var_group_frac`` (fraction of groups whose
-        advantages are all 0: equal returns or < 2 valid episodes), ``num_failed_episodes``, ``num_groups``.
-
-    Raises:
-        ValueError: ``returns`` not 1-D, ``group_index`` of another shape or not an integer tensor.
-    """
-    if returns.ndim != 1:
-        raise ValueError(f"returns must be 1-D [E], got shape {tuple(returns.shape)}")
-    check_shape("group_index", group_index, returns.shape)
-    if group_index.is_floating_point() or group_index.is_complex() or group_index.dtype == torch.bool:
-        raise ValueError(f"group_index must be an integer tensor, got dtype {group_index.dtype}")
-    out_dtype = returns.dtype if returns.is_floating_point() else torch.float32
-    if returns.numel() == 0:
-        metrics = dict(adv_mean=0.0, adv_std=0.0, return_mean=0.0, zero_var_group_frac=0.0,
-                       num_failed_episodes=0.0, num_groups=0.0)
-        return returns.new_zeros(0, dtype=out_dtype), metrics
-
-    _, gid = torch.unique(group_index, return_inverse=True)
-    num_groups = int(gid.max()) + 1
-    # float64 so that group sums of large returns keep their precision.
-    r = returns.double()
-    valid = torch.isfinite(r)
-    zeros = r.new_zeros(num_groups)
-    n = zeros.index_add(0, gid, valid.double())
-    mean = zeros.index_add(0, gid, torch.where(valid, r, 0.0)) / n.clamp(min=1)
-    dev = torch.where(valid, r - mean[gid], 0.0)
-    std = (zeros.index_add(0, gid, dev.square()) / (n - 1).clamp(min=1)).sqrt()
-    # Equality is tested on the raw returns: mean([3.7]*3) need not round back to 3.7, so R - mean
-    # alone would give a tiny non-zero advantage (and, divided by std + eps, a large one).
-    r_max = r.new_full((num_groups,), -torch.inf).scatter_reduce(
-        0, gid, torch.where(valid, r, -torch.inf), "amax")
-    r_min = r.new_full((num_groups,), torch.inf).scatter_reduce(
-        0, gid, torch.where(valid, r, torch.inf), "amin")
-    degenerate = (n < 2) | (r_max == r_min)
-    adv = dev / (std[gid] + eps) if norm_adv_by_std else dev
-    adv = torch.where(valid & ~degenerate[gid], adv, 0.0)
-
-    n_valid = int(valid.sum())
-    adv_valid, r_valid = adv[valid], r[valid]
-    metrics = dict(
-        adv_mean=float(adv_valid.mean()) if n_valid else 0.0,
-        adv_std=float(adv_valid.std()) if n_valid > 1 else 0.0,
-        return_mean=float(r_valid.mean()) if n_valid else 0.0,
-        zero_var_group_frac=float(degenerate.double().mean()),
-        num_failed_episodes=float(returns.numel() - n_valid),
-        num_groups=float(num_groups),
-    )
-    return adv.to(out_dtype), metrics
 
 
 # ---------------------------------------------------------------------------------------- masks and counts
@@ -232,6 +157,7 @@ def compute_policy_loss(
     clip_ratio_c: float,
     loss_agg_mode: str = "token-mean",
     keep_mask: Tensor | None = None,
+    token_weights: Tensor | None = None,
     batch_num_tokens: int | float | Tensor | None = None,
     global_batch_size: int | float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -253,6 +179,8 @@ def compute_policy_loss(
         clip_ratio_c: dual-clip constant c > 1.
         loss_agg_mode, batch_num_tokens, global_batch_size: see :func:`aggregate_loss`.
         keep_mask: ``[B, T]`` bool from :func:`low_prob_token_mask`, or None (keep all).
+        token_weights: ``[B, T]`` non-negative factors of each token's loss ``L`` (detached here), e.g. the rollout
+            importance weights of :func:`rollout_is_weights`; None multiplies by nothing (not even by 1).
 
     Returns:
         ``(loss [], metrics)``; metrics over response tokens: ``pg_loss``, ``clip_frac`` (the clipped
@@ -288,6 +216,9 @@ def compute_policy_loss(
     negative = advantages < 0
     pg_losses = torch.where(negative, torch.minimum(pg, pg_dual_bound), pg)
 
+    if token_weights is not None:
+        check_shape("token_weights", token_weights, log_prob.shape)
+        pg_losses = pg_losses * token_weights.detach()
     if keep_mask is not None:
         check_shape("keep_mask", keep_mask, log_prob.shape)
     keep = resp if keep_mask is None else resp & keep_mask.bool()
@@ -324,6 +255,64 @@ def _policy_loss_metrics(loss: Tensor, ratio: Tensor, log_ratio: Tensor, pg: Ten
     ]).tolist()
     names = ("pg_loss", "clip_frac", "dual_clip_frac", "approx_kl", "ratio_mean", "ratio_max", "masked_frac")
     return dict(zip(names, values))
+
+
+@torch.no_grad()
+def rollout_is_weights(
+    old_log_prob: Tensor,
+    rollout_log_prob: Tensor,
+    response_mask: Tensor,
+    level: str = "token",
+    cap: float = 2.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """Truncated importance weights of the trainer's π_old against the distribution that sampled the tokens (TIS;
+    docs/method.md#rollout-importance-sampling-correction).
+
+    The rollout draws tokens with one forward implementation (generation with a KV cache, its precision and
+    kernels) and the trainer scores them with another, so the two log-probs of a token differ by
+    ``Δ = old_log_prob − rollout_log_prob``. ``token``: ``w_t = min(exp(Δ_t), C)``; ``sequence``:
+    ``w = min(exp(Σ_t Δ_t), C)`` for every token of the row (sum over its masked tokens). The exponent is
+    clamped at 20 first, so it never overflows (a cap above e^20 ≈ 4.9e8 acts as e^20); ``Δ = 0`` gives exactly 1,
+    and a truncated weight is exactly C.
+
+    Args:
+        old_log_prob: ``[B, T]`` trainer log-probs of the response tokens under π_old (nats).
+        rollout_log_prob: ``[B, T]`` log-probs of the same tokens as they were sampled (nats).
+        response_mask: ``[B, T]`` 0/1 or bool, the tokens that get a weight and count in the metrics.
+        level: ``"token"`` or ``"sequence"``.
+        cap: C >= 1, the truncation of the weight.
+
+    Returns:
+        ``(weights [B, T], metrics)``; weights in the promoted dtype of the inputs (at least float32), 1 outside
+        ``response_mask``, no gradient. Metrics over the masked tokens (0 when there is none):
+        ``rollout_is_weight_mean``, ``rollout_is_weight_max``, ``rollout_is_truncated_frac`` (tokens whose
+        untruncated weight is above C), ``rollout_logprob_diff`` (mean |Δ|, nats), ``rollout_logprob_diff_max``
+        (max |Δ|).
+
+    Raises:
+        ValueError: unknown ``level``, ``cap < 1``, shapes differ.
+    """
+    if level not in ROLLOUT_IS_LEVELS[1:]:
+        raise ValueError(f"unknown rollout importance-sampling level {level!r}; expected one of "
+                         f"{ROLLOUT_IS_LEVELS[1:]}")
+    if not cap >= 1.0:
+        raise ValueError(f"the rollout importance-weight cap must be >= 1, got {cap!r}")
+    check_shape("rollout_log_prob", rollout_log_prob, old_log_prob.shape)
+    check_shape("response_mask", response_mask, old_log_prob.shape)
+    dtype = torch.promote_types(torch.promote_types(old_log_prob.dtype, rollout_log_prob.dtype), torch.float32)
+    m = response_mask.bool()
+    diff = torch.where(m, old_log_prob.to(dtype) - rollout_log_prob.to(dtype), 0.0)
+    log_w = diff if level == "token" else diff.sum(dim=-1, keepdim=True).expand_as(diff)
+    raw = torch.exp(log_w.clamp(max=_MAX_LOG_RATIO))  # the clamp only keeps exp finite: e^20 is far above any cap
+    weights = torch.where(m, raw.clamp(max=cap), 1.0)
+    names = ("rollout_is_weight_mean", "rollout_is_weight_max", "rollout_is_truncated_frac", "rollout_logprob_diff",
+             "rollout_logprob_diff_max")
+    if not bool(m.any()):
+        return weights, dict.fromkeys(names, 0.0)
+    w, d = weights[m], diff[m].abs()
+    # one .tolist(): a single device sync for all metrics
+    values = torch.stack([w.mean(), w.amax(), (raw[m] > cap).to(dtype).mean(), d.mean(), d.amax()]).tolist()
+    return weights, dict(zip(names, values))
 
 
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl") -> Tensor:

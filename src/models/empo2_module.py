@@ -3,9 +3,9 @@
 One training batch is one micro-batch of step samples from ``RolloutDataModule`` (update prompt ids, response
 ids, old log-probs, advantage). The update reads top to bottom in the paper's terms:
 
-    log π_θ(a|s)  →  low-probability mask (modes in ``mask_modes``)  →  PPO-clip + dual clip (+ KL)
-    →  aggregation with the mini-batch's global token count  →  backward; optimizer step after the
-    mini-batch's last micro-batch.
+    log π_θ(a|s)  →  low-probability mask (modes in ``mask_modes``)  →  PPO-clip + dual clip
+    (× rollout importance weight with ``rollout_is``) (+ KL)  →  aggregation with the mini-batch's global token
+    count  →  backward; optimizer step after the mini-batch's last micro-batch.
 
 Optimization is manual because a mini-batch is a variable number of micro-batches (episode lengths vary).
 """
@@ -21,9 +21,13 @@ import lightning as L
 import torch
 
 from src.models.algorithm_config import AlgorithmConfig
-from src.models.core_algos import UPDATE_MODES, aggregate_loss, compute_kl_loss, compute_policy_loss, low_prob_token_mask
+from src.models.checkpoint_state import (BASE_KEY, VALIDATION_KEY, base_record, check_adapter_checkpoint, check_finite,
+                                         keep_trainable, lora_enabled)
+from src.models.core_algos import (UPDATE_MODES, aggregate_loss, compute_kl_loss, compute_policy_loss,
+                                   low_prob_token_mask, rollout_is_weights)
 from src.models.policy import build_policy, reference_is_a_copy
 from src.models.precision import check_trainable_dtype, fsdp_mixed_precision, torch_dtype
+from src.models.update_metrics import MiniBatchMetrics
 from src.utils.distributed import all_reduce
 
 if TYPE_CHECKING:  # the module reads these types; it builds none of them (the datamodule does)
@@ -31,8 +35,6 @@ if TYPE_CHECKING:  # the module reads these types; it builds none of them (the d
 
 log = logging.getLogger(__name__)
 
-# Metrics aggregated with the mini-batch's global counts: their micro-batch values add up to the mini-batch value.
-PARTIAL_SUMS = ("pg_loss", "kl_loss", "entropy")
 PROGRESS_BAR_KEYS = ("rollout/return", "rollout/score", "rollout/success_rate", "train/pg_loss")
 
 
@@ -68,11 +70,14 @@ class EMPO2Module(L.LightningModule):
             # the model as loaded: an adapter directory is merged into its base (lora off)
             self.ref_policy = build_policy(**{**policy, "gradient_checkpointing": False, "trainable": False,
                                               "lora": None})
-        self._step_stats: dict[str, float] = {}
+        self._step_stats = MiniBatchMetrics()
         self._train_tokens = 0
         self._train_time = 0.0
         self._nonfinite_streak = 0  # consecutive optimizer steps skipped for a NaN/inf gradient norm
         self._iteration = 0  # iteration of the last micro-batch trained on (named by errors)
+        self._val_iteration: int | None = None  # iteration of the last validation
+        self._validation: dict[str, Any] | None = None  # its metrics, saved with each checkpoint
+        self._base: dict[str, Any] | None = None  # the LoRA base model's record (adapter-only checkpoints)
 
     def configure_model(self) -> None:
         """FSDP2 (``trainer=fsdp``: Lightning's ``ModelParallelStrategy``): shard each decoder layer and the root.
@@ -185,7 +190,7 @@ class EMPO2Module(L.LightningModule):
         world = self.trainer.world_size if self._trainer is not None else 1
         self.manual_backward(loss * world * batch.loss_scale)
         if batch.loss_scale > 0:  # padding micro-batches (DDP/FSDP alignment) are not data
-            self._accumulate(metrics, num_tokens)
+            self._step_stats.add(metrics, num_tokens)
         self._train_tokens += sum(s.num_tokens for s in batch.samples)
         if batch.last_micro:
             self._optimizer_step(batch)
@@ -208,10 +213,12 @@ class EMPO2Module(L.LightningModule):
             keep = low_prob_token_mask(log_prob.detach(), mask, algo.lowprob_log_threshold, algo.mask_level)
         agg = dict(loss_agg_mode=algo.loss_agg_mode, batch_num_tokens=batch.batch_num_tokens,
                    global_batch_size=batch.global_batch_size)
+        is_weights, is_metrics = self._rollout_is_weights(samples, old_log_prob, mask)
         loss, metrics = compute_policy_loss(
             old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=mask,
             clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
-            clip_ratio_c=algo.clip_ratio_c, keep_mask=keep, **agg)
+            clip_ratio_c=algo.clip_ratio_c, keep_mask=keep, token_weights=is_weights, **agg)
+        metrics.update(is_metrics)
         if algo.kl_coef > 0:
             ref = _pad_rows([s.ref_log_probs for s in samples], width).to(log_prob.device)
             kl_loss, kl_metrics = compute_kl_loss(log_prob, ref, mask, kind=algo.kl_type, **agg)
@@ -222,6 +229,25 @@ class EMPO2Module(L.LightningModule):
             loss = loss - algo.entropy_coef * entropy
         metrics["entropy"] = float(entropy.detach())
         return loss, metrics, float(mask.sum())
+
+    def _rollout_is_weights(self, samples: list[StepSample], old_log_prob: torch.Tensor,
+                            mask: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, tuple[float, float]]]:
+        """(rollout importance weights ``[B, T]`` or None when ``algorithm.rollout_is`` is ``none``, the mismatch
+        metrics as ``{name: (value, weight)}``; docs/method.md#rollout-importance-sampling-correction).
+
+        Only samples whose π_old is taken under the rollout prompt are compared (an off-policy step under
+        ``offpolicy_old_logprob: without_tips`` differs by its tips, not by the sampler): the others get weight 1
+        and stay out of the metrics. With the correction off the metrics show the token-level weights.
+        """
+        algo = self.algorithm
+        same = torch.tensor([s.old_prompt_ids == s.rollout_prompt_ids for s in samples], device=mask.device)
+        compared = mask.bool() & same[:, None]
+        rollout = _pad_rows([torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples],
+                            mask.shape[1]).to(mask.device)
+        level = "token" if algo.rollout_is == "none" else algo.rollout_is
+        weights, metrics = rollout_is_weights(old_log_prob, rollout, compared, level, algo.rollout_is_cap)
+        n = float(compared.sum())
+        return (None if algo.rollout_is == "none" else weights), {k: (v, n) for k, v in metrics.items()}
 
     def _optimizer_step(self, batch: MicroBatch) -> None:
         """Clip and apply the mini-batch's gradients; skip the step when their norm is NaN or inf.
@@ -292,23 +318,8 @@ class EMPO2Module(L.LightningModule):
         for logger in self.loggers:
             logger.log_metrics(metrics, step=step)
 
-    def _accumulate(self, metrics: dict[str, float], weight: float) -> None:
-        s = self._step_stats
-        s["_w"] = s.get("_w", 0.0) + weight
-        for k, v in metrics.items():
-            if k in PARTIAL_SUMS:
-                s[k] = s.get(k, 0.0) + v  # partial sums of the mini-batch aggregate
-            elif k == "ratio_max":
-                s[k] = max(s.get(k, 0.0), v)
-            else:
-                s[k] = s.get(k, 0.0) + v * weight
-
     def _log_update(self, batch: MicroBatch, grad_norm: float, skipped: bool) -> None:
-        s, self._step_stats = self._step_stats, {}
-        w = max(s.pop("_w", 0.0), 1e-9)
-        out = {}
-        for k, v in s.items():
-            out[f"train/{k}"] = v if k in PARTIAL_SUMS or k == "ratio_max" else v / w
+        out = self._step_stats.pop()
         out["train/grad_norm"] = grad_norm
         out["train/update_skipped"] = float(skipped)
         out["train/nonfinite_grad_steps"] = float(self._nonfinite_streak)
@@ -322,7 +333,9 @@ class EMPO2Module(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpointing
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse to write a checkpoint from non-finite weights; keep the non-finite-gradient streak (exact resume).
+        """Refuse to write a checkpoint from non-finite weights; with LoRA keep only the adapters and record the base
+        model (``src/models/checkpoint_state.py``); keep the non-finite-gradient streak (exact resume) and the last
+        validation's metrics.
 
         Every rank checks its own parameters (its shard under FSDP) and the counts are summed over ranks, so all
         ranks refuse together.
@@ -331,12 +344,7 @@ class EMPO2Module(L.LightningModule):
             RuntimeError: a policy parameter holds NaN or inf; the message names the iteration, the global step
                 and the first such parameters of this rank. Nothing is written.
         """
-        bad = []
-        for name, p in self.policy.named_parameters():
-            t = p.detach()
-            t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2 DTensor: this rank's shard
-            if not bool(torch.isfinite(t).all()):
-                bad.append(name)
+        bad = check_finite(self.policy)
         total = int(all_reduce([float(len(bad))])[0])
         if total:
             raise RuntimeError(
@@ -345,11 +353,36 @@ class EMPO2Module(L.LightningModule):
                 f"{', ...' if len(bad) > 5 else ''}). The earlier checkpoints are kept; resume from the last one "
                 "(ckpt_path=<run dir>/checkpoints/last.ckpt), e.g. with a lower model.optimizer.lr.")
         checkpoint["nonfinite_grad_streak"] = self._nonfinite_streak
+        checkpoint["iteration"] = self._iteration  # last iteration trained (Lightning's `epoch` depends on the hook)
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
+        if metrics:
+            self._validation = {"iteration": self._val_iteration, "metrics": metrics}
+        checkpoint[VALIDATION_KEY] = self._validation
+        strategy = type(self.trainer.strategy).__name__
+        if lora_enabled(self.hparams.policy) and strategy not in ("ModelParallelStrategy", "FSDPStrategy"):
+            stored = keep_trainable(checkpoint, self.policy)
+            if self._base is None:  # the base is frozen: hashed once
+                self._base = base_record(self.policy, dict(self.hparams.policy), stored)
+            checkpoint[BASE_KEY] = self._base
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the streak and the validation record; an adapter-only checkpoint must fit this policy's base.
+
+        Raises:
+            ValueError: the adapters were trained on another base model (``check_adapter_checkpoint``).
+        """
         self._nonfinite_streak = int(checkpoint.get("nonfinite_grad_streak", 0))
+        self._validation = checkpoint.get(VALIDATION_KEY)
+        if BASE_KEY in checkpoint:
+            check_adapter_checkpoint(self.policy, checkpoint, self.hparams.policy["name_or_path"])
+            self._base = checkpoint[BASE_KEY]
+            self.strict_loading = False  # the frozen base weights are not in the checkpoint
 
     # ------------------------------------------------------------------ validation
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self._val_iteration = self.current_epoch
+
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         # already summarised over all ranks' episodes by `evaluate`
         self.log_dict({f"val/{k}": v for k, v in batch["metrics"].items()}, on_step=False, on_epoch=True,

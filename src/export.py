@@ -1,0 +1,30 @@
+"""Export a trained agent: a Hugging Face directory with its memory (docs/export.md).
+
+    python src/export.py experiment=scienceworld ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt \
+        export.out_dir=agents/scienceworld
+    python src/export.py experiment=webshop ckpt_path=... export.out_dir=... export.adapter_only=true   # LoRA runs
+
+The directory loads with ``AutoModelForCausalLM.from_pretrained`` (or, with ``export.adapter_only=true``, as a PEFT
+adapter); its ``memory/`` is read by ``python src/eval.py ... eval.memory_file=<dir>/memory``. What is written:
+``src/model_export.py``.
+"""
+from __future__ import annotations
+
+import hydra
+import rootutils
+from omegaconf import DictConfig
+
+rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True)
+from src.utils.entrypoint import start_run  # noqa: E402 - also registers the config resolvers
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="export.yaml")
+def main(cfg: DictConfig) -> None:
+    start_run(cfg)
+    from src.model_export import run_export
+
+    run_export(cfg)
+
+
+if __name__ == "__main__":
+    main()

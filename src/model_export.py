@@ -1,0 +1,200 @@
+"""Take a trained agent out of a run: a Hugging Face directory and its memory (docs/export.md).
+
+``run_export`` reads a ``src/train.py`` checkpoint (``read_checkpoint``), rebuilds the policy it was trained as
+(an adapter-only LoRA checkpoint names its base model), loads the checkpoint's weights and writes ``export.out_dir``
+atomically:
+
+- the model: LoRA merged into the base weights (``from_pretrained`` loads it as a plain model), or with
+  ``export.adapter_only=true`` the PEFT adapter alone (``adapter_config.json``, ``adapter_model.safetensors``);
+- the tokenizer with its chat template;
+- ``generation_config.json``: plain sampling from ``softmax(logits / T)`` at the run's rollout temperature (top-k
+  0, top-p 1, no repetition penalty), the distribution the run trained on (``src/models/sampling.py``);
+- ``README.md``, a model card: base model, algorithm, environment, iteration, global step, the last validation's
+  metrics, how to load it, and the run's config;
+- ``memory/`` (when the checkpoint holds a memory): the tips and their keys (``src/memory/memory_file.py``), which
+  ``src/eval.py`` reads with ``eval.memory_file=<out_dir>/memory``;
+- ``export_info.json``: the same facts for programs.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+INFO_FILE = "export_info.json"
+MEMORY_DIR = "memory"
+
+
+def generation_config_dict(temperature: float, eos_token_ids: list[int], pad_token_id: int,
+                           max_new_tokens: int) -> dict[str, Any]:
+    """The exported ``generation_config.json``: sampling from exactly ``softmax(logits / temperature)``, every
+    setting that could change the distribution spelled out (unset fields would be filled with transformers'
+    defaults, e.g. top_k 50), and the run's cap on response tokens."""
+    return {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0, "min_p": None,
+            "typical_p": 1.0, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+            "max_new_tokens": int(max_new_tokens), "eos_token_id": list(eos_token_ids),
+            "pad_token_id": int(pad_token_id)}
+
+
+def run_export(cfg: DictConfig) -> dict[str, Any]:
+    """Export ``cfg.ckpt_path`` to ``cfg.export.out_dir``; returns what ``export_info.json`` holds.
+
+    Raises:
+        ValueError: no ``ckpt_path`` or ``export.out_dir``, an existing ``out_dir`` without ``export.overwrite``,
+            ``export.adapter_only`` for a checkpoint without LoRA, a bad ``export.dtype``, or a checkpoint that does
+            not fit the model (see ``load_policy_weights``).
+        FileNotFoundError: no checkpoint at ``ckpt_path``.
+    """
+    from src.evaluation.runner import read_checkpoint
+    from src.models.checkpoint_state import load_policy_weights, rebuild_policy_config
+    from src.models.policy import build_policy
+    from src.utils.io import atomic_dir
+    from src.warm_start import warm_start_model_config
+
+    ex = cfg.export
+    if not cfg.get("ckpt_path") or not ex.get("out_dir"):
+        raise ValueError(f"ckpt_path={cfg.get('ckpt_path')!r}, export.out_dir={ex.get('out_dir')!r}: both are "
+                         "needed, e.g. ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt export.out_dir=agent")
+    out_dir = Path(hydra.utils.to_absolute_path(str(ex.out_dir)))
+    if out_dir.exists() and not ex.overwrite:
+        raise ValueError(f"export.out_dir={str(ex.out_dir)!r} exists; choose another or set export.overwrite=true")
+    ckpt = read_checkpoint(cfg.ckpt_path)
+    model_cfg, _ = warm_start_model_config(cfg, build=False)  # the checkpoint's weights replace the warm start's
+    policy_cfg = rebuild_policy_config(ckpt, OmegaConf.to_container(model_cfg.policy))
+    policy = build_policy(**{**policy_cfg, "gradient_checkpointing": False})
+    load_policy_weights(policy, ckpt, str(cfg.ckpt_path), policy_cfg["name_or_path"])
+    temperature = float(_trained(ckpt, "algorithm", "temperature", float(cfg.algorithm.temperature)))
+    max_new_tokens = int(_trained(ckpt, "policy", "max_response_tokens", policy.max_response_tokens))
+    info = {**_info(cfg, ckpt, policy_cfg, temperature), "max_response_tokens": max_new_tokens}
+    with atomic_dir(out_dir, replace=bool(ex.overwrite)) as tmp:
+        info["weights"] = _write_model(policy, tmp, bool(ex.adapter_only), ex.get("dtype"))
+        policy.tokenizer.save_pretrained(tmp)
+        gen = generation_config_dict(temperature, policy.eos_token_ids, policy.tokenizer.pad_token_id, max_new_tokens)
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=1) + "\n")
+        info["memory"] = _write_memory(cfg, ckpt, tmp) if ex.memory else None
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=1, default=str) + "\n")
+        (tmp / "README.md").write_text(model_card(info, *_run_config(cfg)))
+    log.info("Exported %s to %s (%s weights%s)", cfg.ckpt_path, out_dir, info["weights"]["kind"],
+             f", {info['memory']['num_entries']} memory entries" if info["memory"] else "")
+    print(f"Exported the agent to {out_dir}", flush=True)
+    return info
+
+
+def _trained(ckpt: dict[str, Any], group: str, key: str, configured: Any) -> Any:
+    """A setting as the checkpoint was trained with it (its hyper-parameters ``group.key``: the rollout temperature,
+    the response cap), else the configured one; the checkpoint's wins, with a warning when they differ."""
+    trained = ((ckpt.get("hyper_parameters") or {}).get(group) or {}).get(key)
+    if trained is None:
+        return configured
+    if trained != configured:
+        log.warning("The checkpoint was trained with %s.%s=%s, the config says %s: the export uses the checkpoint's",
+                    group, key, trained, configured)
+    return trained
+
+
+def _write_model(policy, out: Path, adapter_only: bool, dtype: str | None) -> dict[str, Any]:
+    """Save the model (merged, or the adapter alone) into ``out``; returns ``{"kind", "dtype"}``."""
+    from src.models.precision import torch_dtype
+
+    model = policy.model
+    is_peft = hasattr(model, "merge_and_unload")
+    if adapter_only and not is_peft:
+        raise ValueError("export.adapter_only=true needs a LoRA checkpoint (model.policy.lora.enabled=true); this "
+                         "one holds full weights: export it without export.adapter_only")
+    if dtype:
+        model = model.to(torch_dtype(dtype))  # before merging: the merge happens in this dtype
+    if adapter_only:
+        model.save_pretrained(out)
+        adapter = next(p for n, p in model.named_parameters() if "lora_" in n)
+        return {"kind": "lora_adapter", "dtype": str(adapter.dtype).replace("torch.", ""),
+                "base_model": model.peft_config["default"].base_model_name_or_path}
+    if is_peft:
+        model = model.merge_and_unload()
+    model.save_pretrained(out)
+    return {"kind": "merged" if is_peft else "full", "dtype": str(model.dtype).replace("torch.", "")}
+
+
+def _write_memory(cfg: DictConfig, ckpt: dict[str, Any], out: Path) -> dict[str, Any] | None:
+    from src.memory.memory_file import write_memory_files
+
+    state = ((ckpt.get("callbacks") or {}).get("MemoryCallback") or {}).get("tips")
+    if state is None:
+        return None
+    partition = str((cfg.get("memory") or {}).get("partition", "variation"))
+    write_memory_files(state, out / MEMORY_DIR, partition)
+    return json.loads((out / MEMORY_DIR / "memory.json").read_text())
+
+
+def _info(cfg: DictConfig, ckpt: dict[str, Any], policy_cfg: dict[str, Any], temperature: float) -> dict[str, Any]:
+    """The facts of the export (``export_info.json``; the model card is written from them)."""
+    algorithm = (ckpt.get("hyper_parameters") or {}).get("algorithm") or {}
+    iteration = ckpt.get("iteration")  # the last iteration trained (EMPO2Module.on_save_checkpoint)
+    return {"ckpt_path": str(cfg.ckpt_path), "iteration": iteration,
+            "iterations_trained": None if iteration is None else iteration + 1,
+            "global_step": ckpt.get("global_step"), "validation": ckpt.get("validation"),
+            "algorithm": algorithm.get("name", cfg.algorithm.get("name")),
+            "env": cfg.env.get("_target_"), "task": cfg.env.get("task"), "base_model": policy_cfg["name_or_path"],
+            "lora": (policy_cfg.get("lora") or {}).get("enabled", False), "rollout_temperature": temperature,
+            "adapter_only_checkpoint": "policy_base" in ckpt}
+
+
+def _run_config(cfg: DictConfig) -> tuple[str, str]:
+    """(the run's config as YAML, where it comes from): the run directory's ``.hydra/config.yaml`` next to the
+    checkpoint's ``checkpoints/`` folder, else the config composed for the export."""
+    ckpt = Path(hydra.utils.to_absolute_path(str(cfg.ckpt_path)))
+    saved = ckpt.parent.parent / ".hydra" / "config.yaml"
+    if saved.is_file():
+        return saved.read_text(), str(saved)
+    composed = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in ("export", "eval")}
+    return OmegaConf.to_yaml(OmegaConf.create(composed)), "the config composed for the export (no .hydra/config.yaml)"
+
+
+def model_card(info: dict[str, Any], run_config: str, config_source: str) -> str:
+    """The exported directory's ``README.md`` (a Hugging Face model card) from ``export_info.json``'s facts."""
+    weights = info["weights"]
+    adapter = weights["kind"] == "lora_adapter"
+    base = str(info["base_model"])
+    hub_base = not base.startswith(("/", ".", "~", "embedded:")) and base.count("/") == 1
+    front = ["---", f"library_name: {'peft' if adapter else 'transformers'}"]
+    front += [f"base_model: {base}"] if hub_base else []
+    front += ["tags: [empo2, reinforcement-learning, llm-agent]", "---", ""]
+    validation = info.get("validation") or {}
+    metrics = sorted((k, v) for k, v in (validation.get("metrics") or {}).items() if not k.endswith("_s"))  # no timings
+    scores = ", ".join(f"{k} = {v:.4g}" for k, v in metrics) or "none"
+    val_at = "" if validation.get("iteration") is None else f" (after iteration {validation['iteration']})"
+    memory = info.get("memory")
+    lines = front + [
+        f"# {info['algorithm']} agent for {info['task'] or info['env']}", "",
+        f"Trained with `src/train.py` of the empo2 code base (algorithm `{info['algorithm']}`; EMPO²: arXiv "
+        f"2602.23008) on `{info['env']}` (task `{info['task']}`), from the base model `{base}`"
+        f"{' with LoRA' if info['lora'] else ''}; exported by `src/export.py` from `{info['ckpt_path']}`.", "",
+        "| | |", "|---|---|",
+        f"| iterations trained | {info['iterations_trained']} (last iteration {info['iteration']}) |",
+        f"| optimizer steps (global step) | {info['global_step']} |",
+        f"| validation{val_at} | {scores} |",
+        f"| weights | {weights['kind']} ({weights['dtype']}) |",
+        f"| rollout temperature | {info['rollout_temperature']} |",
+        f"| memory | {memory['num_entries'] if memory else 'none'}"
+        f"{' tips, embedder ' + memory['embedder_name'] + ', partition ' + memory['partition'] if memory else ''} |",
+        "", "## Sampling", "",
+        f"`generation_config.json` samples from exactly softmax(logits / {info['rollout_temperature']}) over the full "
+        "vocabulary (no top-k, top-p or repetition penalty): the distribution the agent was trained with. "
+        f"Responses are capped at {info['max_response_tokens']} new tokens, as in training.", "",
+        "## Use", "", "```python",
+        *(["from peft import AutoPeftModelForCausalLM", "model = AutoPeftModelForCausalLM.from_pretrained(path)"]
+          if adapter else ["from transformers import AutoModelForCausalLM",
+                           "model = AutoModelForCausalLM.from_pretrained(path)"]),
+        "```", "",
+        "Evaluate it with empo2 (`model.policy.name_or_path` takes this directory"
+        + (", the adapter's base model must be where `adapter_config.json` says" if adapter else "") + "):", "",
+        "```bash",
+        "python src/eval.py experiment=<experiment> ckpt_path=null model.warm_start=null "
+        "model.policy.name_or_path=<dir>" + (" eval.memory_file=<dir>/memory" if memory else ""),
+        "```", "", "## Training config", "", f"From {config_source}:", "", "```yaml", run_config.rstrip(), "```", ""]
+    return "\n".join(lines)

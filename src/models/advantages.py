@@ -1,0 +1,84 @@
+"""GRPO advantages: episode returns normalised within their group (docs/method.md#one-iteration, step 4).
+
+Plain torch, no Lightning, like ``src/models/core_algos.py`` (the losses of step 5). Shapes: ``E`` episodes.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from src.models.core_algos import check_shape
+
+
+def compute_grpo_advantages(
+    returns: Tensor,
+    group_index: Tensor,
+    norm_adv_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, dict[str, float]]:
+    """Trajectory-level GRPO advantages, normalised within each group (docs/method.md#one-iteration, step 4).
+
+    ``A_i = (R_i - mean_g) / (std_g + eps)`` with the Bessel-corrected std over the group's valid
+    episodes; ``norm_adv_by_std=False`` gives the Dr.GRPO form ``A_i = R_i - mean_g``.
+
+    Degenerate cases give exactly 0, never NaN/inf: a group whose valid returns are all equal (e.g. all
+    -100), and a group with fewer than two valid episodes. A non-finite return (NaN = failed episode; ±inf
+    is treated the same way) is left out of its group's mean/std and gets advantage 0.
+
+    Args:
+        returns: ``[E]`` float, the episode returns R_i (environment reward units).
+        group_index: ``[E]`` integer, the group (task instance) of each episode; any integer ids, need
+            not be contiguous or sorted.
+        norm_adv_by_std: divide by the group std (GRPO) or not (Dr.GRPO).
+        eps: added to the std.
+
+    Returns:
+        ``(advantages [E] in the dtype of returns, metrics)``; metrics: ``adv_mean`` / ``adv_std`` (over
+        valid episodes), ``return_mean`` (valid episodes), ``zero_var_group_frac`` (fraction of groups whose
+        advantages are all 0: equal returns or < 2 valid episodes), ``num_failed_episodes``, ``num_groups``.
+
+    Raises:
+        ValueError: ``returns`` not 1-D, ``group_index`` of another shape or not an integer tensor.
+    """
+    if returns.ndim != 1:
+        raise ValueError(f"returns must be 1-D [E], got shape {tuple(returns.shape)}")
+    check_shape("group_index", group_index, returns.shape)
+    if group_index.is_floating_point() or group_index.is_complex() or group_index.dtype == torch.bool:
+        raise ValueError(f"group_index must be an integer tensor, got dtype {group_index.dtype}")
+    out_dtype = returns.dtype if returns.is_floating_point() else torch.float32
+    if returns.numel() == 0:
+        metrics = dict(adv_mean=0.0, adv_std=0.0, return_mean=0.0, zero_var_group_frac=0.0,
+                       num_failed_episodes=0.0, num_groups=0.0)
+        return returns.new_zeros(0, dtype=out_dtype), metrics
+
+    _, gid = torch.unique(group_index, return_inverse=True)
+    num_groups = int(gid.max()) + 1
+    # float64 so that group sums of large returns keep their precision.
+    r = returns.double()
+    valid = torch.isfinite(r)
+    zeros = r.new_zeros(num_groups)
+    n = zeros.index_add(0, gid, valid.double())
+    mean = zeros.index_add(0, gid, torch.where(valid, r, 0.0)) / n.clamp(min=1)
+    dev = torch.where(valid, r - mean[gid], 0.0)
+    std = (zeros.index_add(0, gid, dev.square()) / (n - 1).clamp(min=1)).sqrt()
+    # Equality is tested on the raw returns: mean([3.7]*3) need not round back to 3.7, so R - mean
+    # alone would give a tiny non-zero advantage (and, divided by std + eps, a large one).
+    r_max = r.new_full((num_groups,), -torch.inf).scatter_reduce(
+        0, gid, torch.where(valid, r, -torch.inf), "amax")
+    r_min = r.new_full((num_groups,), torch.inf).scatter_reduce(
+        0, gid, torch.where(valid, r, torch.inf), "amin")
+    degenerate = (n < 2) | (r_max == r_min)
+    adv = dev / (std[gid] + eps) if norm_adv_by_std else dev
+    adv = torch.where(valid & ~degenerate[gid], adv, 0.0)
+
+    n_valid = int(valid.sum())
+    adv_valid, r_valid = adv[valid], r[valid]
+    metrics = dict(
+        adv_mean=float(adv_valid.mean()) if n_valid else 0.0,
+        adv_std=float(adv_valid.std()) if n_valid > 1 else 0.0,
+        return_mean=float(r_valid.mean()) if n_valid else 0.0,
+        zero_var_group_frac=float(degenerate.double().mean()),
+        num_failed_episodes=float(returns.numel() - n_valid),
+        num_groups=float(num_groups),
+    )
+    return adv.to(out_dtype), metrics
