@@ -32,9 +32,9 @@ from src.data.samples import MicroBatch, StepSample
 from src.envs.pool import EnvPool
 from src.models.algorithm_config import AlgorithmConfig
 from src.models.core_algos import compute_grpo_advantages, loss_denominators
-from src.utils.distributed import all_reduce, gather_lists, rank_and_world
-from src.utils.rng import (MODE, PERMUTATION, SAMPLING, TASKS, VALIDATION, global_rng_state, seed_torch,
-                           set_global_rng_state)
+from src.utils.distributed import all_reduce, combine_over_ranks, gather_lists, gather_objects, rank_and_world
+from src.utils.rng import (MODE, PERMUTATION, REFLECTION, SAMPLING, TASKS, VALIDATION, global_rng_state, seed_torch,
+                           set_global_rng_state, stream_seed)
 from src.utils.timing import timed
 
 log = logging.getLogger(__name__)
@@ -106,10 +106,15 @@ class RolloutDataModule(L.LightningDataModule):
         val: ``{"split", "num_tasks", "episodes_per_task", "temperature"}`` for in-training validation
             (no memory, docs/evaluation.md#evaluating-a-policy), or null.
         seed: seeds every iteration's random streams: mode, tasks and micro-batch permutation from
-            (seed, iteration), the same on every rank; generation sampling from (seed, iteration, rank).
+            (seed, iteration); the tokens of each episode (rollout and reflection) from (seed, iteration, episode
+            id, step), the episode id counting all ranks' episodes. None of them depends on the rank, so 1 process
+            and N ranks play the same episodes.
 
-    Exact resume: nothing random depends on the generators' state at a checkpoint; ``state_dict`` also saves the
-    global generators and the no-signal guard's counter.
+    Under DDP/FSDP every logged number is over all ranks' episodes and samples (counts summed, durations the
+    slowest rank's, means over all episodes).
+
+    Exact resume: nothing random depends on the generators' state at a checkpoint; ``state_dict`` also saves every
+    rank's global generators and the no-signal guard's counter (the same on every rank: it counts over all ranks).
     """
 
     def __init__(self, env: DictConfig | dict, algorithm: DictConfig | dict, tasks_per_iteration: int = 2,
@@ -151,14 +156,14 @@ class RolloutDataModule(L.LightningDataModule):
         self.no_signal_iterations = 0  # consecutive iterations without a policy-gradient signal
 
     def rollout_config(self, use_tips: bool, temperature: float | None = None, strip_tips_for_update: bool = False,
-                       novelty: bool = False) -> RolloutConfig:
+                       sample_seed: int | None = None) -> RolloutConfig:
         """How episodes are run; training uses the rollout temperature, validation/evaluation their own."""
         return RolloutConfig(
             temperature=self.temperature if temperature is None else float(temperature),
             max_response_tokens=self.max_response_tokens, history_length=self.history_length,
             history_obs_chars=self.history_obs_chars, use_tips=use_tips, strip_tips_for_update=strip_tips_for_update,
-            tips_scope=getattr(self.memory, "tips_scope", "current"), novelty=novelty,
-            history_action=self.history_action)
+            tips_scope=getattr(self.memory, "tips_scope", "current"), history_action=self.history_action,
+            sample_seed=sample_seed)
 
     @property
     def steps_per_iteration(self) -> int:
@@ -197,7 +202,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ one iteration
     def draw_tasks(self, iteration: int) -> list[dict]:
-        """This rank's task instances of an iteration (drawn for all ranks, then sharded by rank)."""
+        """This rank's task instances of an iteration (drawn for all ranks, then sharded by rank: task k of the
+        draw runs on rank k mod world)."""
         rank, world = rank_and_world()
         rng = np.random.default_rng([self.seed, iteration, TASKS])
         replace = len(self.train_tasks) < self.tasks_per_iteration
@@ -216,29 +222,40 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"iteration {iteration} drew mode {mode!r} but memory is off; set "
                              "algorithm.memory_rollout_prob=0 or enable memory")
         rank, world = rank_and_world()
-        # Generation (rollout and tip writing) samples from torch's global generator: seed it for this iteration.
-        seed_torch(self.seed, iteration, SAMPLING, rank)
+        seed_torch(self.seed, iteration, SAMPLING, rank)  # anything else that draws from torch's generator
         tasks = self.draw_tasks(iteration)
         log.info("iteration %d (%s): rank %d of %d runs tasks %s", iteration, mode, rank, world, json.dumps(tasks))
         truncated_before = policy.num_prompts_truncated
+        # task k of the iteration's draw is group k; its episodes are k·G .. k·G + G-1 on whichever rank runs it
+        task_ids = range(rank, self.tasks_per_iteration, world)
         episode_tasks = [t for t in tasks for _ in range(self.group_size)]
-        groups = [rank * 10_000 + k for k in range(len(tasks)) for _ in range(self.group_size)]
+        groups = [k for k in task_ids for _ in range(self.group_size)]
+        episode_ids = [k * self.group_size + j for k in task_ids for j in range(self.group_size)]
         cfg = self.rollout_config(use_tips=mode != "on_policy", strip_tips_for_update=mode == "off_policy",
-                                  novelty=self.memory is not None and self.memory.novelty_enabled)
+                                  sample_seed=stream_seed(self.seed, iteration, SAMPLING))
         # the reflections written below continue each episode's last prompt without recomputing it
         cfg.keep_reflection_prefix = self.memory is not None and self.memory.reuse_rollout_cache
+        global_metrics: dict[str, float] = {}
         with module.rollout_context():
-            episodes, metrics = run_episodes(self.pool, policy, episode_tasks, groups, cfg, self.memory, self.max_steps)
+            episodes, metrics = run_episodes(self.pool, policy, episode_tasks, groups, cfg, self.memory,
+                                             self.max_steps, episode_ids=episode_ids)
             if self.memory is not None:
-                metrics.update(self.memory.write_tips(episodes, policy, self.pool.system_prompt))
+                if self.memory.novelty_enabled:
+                    self.memory.add_novelty_bonus(episodes)
+                global_metrics.update(self.memory.write_tips(episodes, policy, self.pool.system_prompt,
+                                                             sample_seed=stream_seed(self.seed, iteration, REFLECTION)))
             samples, adv_metrics = self.make_samples(episodes, mode)
             with timed(metrics, "old_log_prob_s"):
                 module.score_samples(self.scoring_chunks(samples, policy))
+        metrics["policy_prompts_truncated"] = float(policy.num_prompts_truncated - truncated_before)
+        # this rank's timings and counts -> the whole iteration's (durations: the slowest rank's; counts: summed)
+        metrics = combine_over_ranks(metrics)
+        metrics["rollout_tokens_per_s"] = metrics["generated_tokens"] / max(metrics["generate_s"], 1e-9)
+        metrics.update(global_metrics)
         metrics.update(adv_metrics)
-        metrics.update(episode_metrics(episodes))
+        metrics.update(episode_metrics(gather_lists([e.summary() for e in episodes])))
         if self.memory is not None:
             metrics.update(self.memory.pop_metrics())
-        metrics["policy_prompts_truncated"] = float(policy.num_prompts_truncated - truncated_before)
         metrics = {f"rollout/{k}": v for k, v in metrics.items()}
         self.check_signal(metrics, iteration)
         info = {"iteration": iteration, "mode": mode, "rollout_global_step": rollout_step}
@@ -246,11 +263,20 @@ class RolloutDataModule(L.LightningDataModule):
 
     def make_samples(self, episodes: list[Episode], mode: str) -> tuple[list[StepSample], dict[str, float]]:
         """One sample per step of every valid episode, carrying its episode's GRPO advantage
-        (docs/method.md#one-iteration, step 4)."""
+        (docs/method.md#one-iteration, step 4).
+
+        The advantages and their metrics are computed over all ranks' episodes (group ids are unique over ranks),
+        the counts summed over ranks (a collective under DDP/FSDP), so the numbers are the whole iteration's.
+        """
         algo = self.algorithm
-        returns = torch.tensor([e.discounted_return(algo.gamma) for e in episodes], dtype=torch.float64)
-        group_index = torch.tensor([e.group for e in episodes])
+        rank = rank_and_world()[0]
+        per_rank = gather_objects([(e.discounted_return(algo.gamma), e.group) for e in episodes])
+        everyone = [row for rows in per_rank for row in rows]
+        returns = torch.tensor([r for r, _ in everyone], dtype=torch.float64)
+        group_index = torch.tensor([g for _, g in everyone], dtype=torch.long)
         advantages, metrics = compute_grpo_advantages(returns, group_index, algo.norm_adv_by_std)
+        start = sum(len(rows) for rows in per_rank[:rank])
+        advantages = advantages[start:start + len(episodes)]
         old_with_tips = algo.offpolicy_old_logprob == "with_tips"
         # Optional (off by default): zero-advantage steps add no policy gradient, only cost (and token-mean
         # denominator). Dropping them is DAPO-style filtering; it rescales the loss, so it is opt-in.
@@ -267,16 +293,18 @@ class RolloutDataModule(L.LightningDataModule):
             if skip_zero and advantage == 0.0:
                 skipped += len(episode.steps)
                 continue
-            for step in episode.steps:
+            for t, step in enumerate(episode.steps):
                 samples.append(StepSample(
                     rollout_prompt_ids=step.rollout_prompt_ids, update_prompt_ids=step.update_prompt_ids,
                     # the prompt the behaviour log-prob is taken under
                     # (docs/method.md#tip-stripping-for-the-off-policy-update)
                     old_prompt_ids=step.rollout_prompt_ids if (mode != "off_policy" or old_with_tips)
                     else step.update_prompt_ids,
-                    response_ids=step.response_ids, rollout_log_probs=step.rollout_log_probs, advantage=advantage))
-        metrics.update(skipped_zero_adv_samples=float(skipped), samples=float(len(samples)), steps=float(steps),
-                       signal_samples=float(signal_samples), signal_tokens=float(signal_tokens))
+                    response_ids=step.response_ids, rollout_log_probs=step.rollout_log_probs, advantage=advantage,
+                    key=(episode.id, t)))
+        metrics.update(combine_over_ranks(dict(
+            skipped_zero_adv_samples=float(skipped), samples=float(len(samples)), steps=float(steps),
+            signal_samples=float(signal_samples), signal_tokens=float(signal_tokens))))
         return samples, {f"adv/{k}": v for k, v in metrics.items()}
 
     @staticmethod
@@ -292,7 +320,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     def check_signal(self, metrics: dict[str, float], iteration: int) -> None:
         """The no-signal guard: warn (or raise, with ``algorithm.fail_on_no_signal``) after
-        ``algorithm.no_signal_patience`` consecutive iterations without a policy-gradient signal on any rank.
+        ``algorithm.no_signal_patience`` consecutive iterations without a policy-gradient signal on any rank
+        (``metrics`` are over all ranks).
 
         A signal is a response token of a step whose advantage is non-zero (the KL and entropy terms alone
         teach nothing about the reward). Without one, the run trains nothing while looking healthy.
@@ -301,8 +330,7 @@ class RolloutDataModule(L.LightningDataModule):
             RuntimeError: ``fail_on_no_signal`` and the patience is used up; the message names the cause and
                 the metrics that show it.
         """
-        steps, signal, tokens = all_reduce([metrics["rollout/adv/steps"], metrics["rollout/adv/signal_samples"],
-                                            metrics["rollout/adv/signal_tokens"]])
+        steps, signal, tokens = (metrics[f"rollout/adv/{k}"] for k in ("steps", "signal_samples", "signal_tokens"))
         cause = no_signal_cause(steps, signal, tokens)
         self.no_signal_iterations = self.no_signal_iterations + 1 if cause else 0
         patience = self.algorithm.no_signal_patience
@@ -312,17 +340,27 @@ class RolloutDataModule(L.LightningDataModule):
         message = (f"no trainable signal for {self.no_signal_iterations} consecutive iterations (iterations "
                    f"{iteration - self.no_signal_iterations + 1}..{iteration}; this one over all ranks: {steps:g} "
                    f"steps, {signal:g} with a non-zero advantage, {tokens:g} of their tokens): {cause}. "
-                   f"Metrics of this rank: {shown}")
+                   f"Metrics over all ranks: {shown}")
         if self.algorithm.fail_on_no_signal:
             raise RuntimeError(message + " (algorithm.fail_on_no_signal=true)")
         rank_zero_warn(message + " Set algorithm.fail_on_no_signal=true to stop such runs.")
 
     # ------------------------------------------------------------------ checkpointing (exact resume)
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": global_rng_state(), "no_signal_iterations": self.no_signal_iterations}
+        """Every rank's global generators (rank order; a collective under DDP/FSDP) and the no-signal counter."""
+        return {"rng": gather_objects(global_rng_state()), "no_signal_iterations": self.no_signal_iterations}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_global_rng_state(state_dict["rng"])
+        """Each rank restores its own generators; a rank the checkpoint has none for (resumed on more ranks) keeps
+        the ones seeded at start-up (every draw of an iteration is seeded anyway)."""
+        states = state_dict["rng"]
+        states = [states] if isinstance(states, dict) else list(states)  # a single dict: before per-rank states
+        rank = rank_and_world()[0]
+        if rank < len(states):
+            set_global_rng_state(states[rank])
+        else:
+            log.info("the checkpoint holds the generators of %d rank(s); rank %d keeps its start-up generators",
+                     len(states), rank)
         self.no_signal_iterations = int(state_dict["no_signal_iterations"])
 
     def micro_batches(self, samples: list[StepSample], info: dict, metrics: dict,
@@ -335,17 +373,26 @@ class RolloutDataModule(L.LightningDataModule):
         counts, so summing micro-batch losses reproduces the full mini-batch's token-mean
         (docs/design.md#why-it-is-shaped-this-way).
 
+        The mini-batches are drawn over all ranks' samples (ordered by ``StepSample.key``), each rank training on
+        its own samples of each: a mini-batch holds the same samples whether 1 process or N ranks run the
+        iteration (a collective under DDP/FSDP).
+
         Args:
             info: ``mode``, ``iteration`` and ``rollout_global_step`` of the iteration.
         """
         rng = np.random.default_rng([self.seed, iteration, PERMUTATION])
+        rank = rank_and_world()[0]
+        keys = [s.key if s.key is not None else (rank, i) for i, s in enumerate(samples)]
+        position = {key: i for i, key in enumerate(sorted(gather_lists(keys)))}
+        place = [position[key] for key in keys]  # this rank's samples' places among all ranks' samples
         first = True
         for epoch in range(self.ppo_epochs):
-            order = rng.permutation(len(samples))
+            order = rng.permutation(len(position))
             for mb, idx in enumerate(np.array_split(order, self.num_mini_batches)):
+                chosen = set(idx.tolist())
                 # Similar lengths share a micro-batch: ~25% less padding computed, and the same gradient (the
                 # mini-batch's loss is a sum over its micro-batches).
-                minibatch = sorted((samples[i] for i in idx), key=lambda s: s.num_tokens)
+                minibatch = sorted((s for s, p in zip(samples, place) if p in chosen), key=lambda s: s.num_tokens)
                 g_tokens, g_seqs = all_reduce([float(n) for n in _denominators(minibatch)])
                 n_micro = max(1, math.ceil(len(minibatch) / self.micro_batch_size))
                 n_micro = int(all_reduce([float(n_micro)], op="max")[0])
@@ -369,11 +416,13 @@ class RolloutDataModule(L.LightningDataModule):
         (docs/evaluation.md#evaluating-a-policy)."""
         if not self.val_cfg or not self.val_tasks:
             return
-        seed_torch(self.seed, self.trainer.global_step, VALIDATION, rank_and_world()[0])
+        step = self.trainer.global_step
+        seed_torch(self.seed, step, VALIDATION, rank_and_world()[0])
+        cfg = self.rollout_config(use_tips=False, temperature=self.val_cfg.get("temperature", 0.4),
+                                  sample_seed=stream_seed(self.seed, step, VALIDATION))
         metrics, episodes = evaluate(self.pool, self.trainer.lightning_module, self.val_tasks,
-                                     int(self.val_cfg.get("episodes_per_task", 1)),
-                                     self.rollout_config(use_tips=False, temperature=self.val_cfg.get("temperature", 0.4)),
-                                     self.max_steps, return_episodes=True)
+                                     int(self.val_cfg.get("episodes_per_task", 1)), cfg, self.max_steps,
+                                     return_episodes=True)
         # what the policy did on each held-out task (this rank's shard): a falling score can be read off the log
         log_episodes(episodes, f"validation after {self.trainer.global_step} optimizer steps")
         yield {"metrics": metrics}
@@ -389,12 +438,15 @@ def evaluate(pool: EnvPool, module, tasks: list[dict], episodes_per_task: int, c
     (``src/evaluation/``).
     """
     rank, world = rank_and_world()
+    task_ids = range(rank, len(tasks), world)  # task k runs on rank k mod world; its episodes are numbered k·n + j
     tasks = tasks[rank::world]
     episode_tasks = [t for t in tasks for _ in range(episodes_per_task)]
-    groups = [k for k in range(len(tasks)) for _ in range(episodes_per_task)]
+    groups = [k for k in task_ids for _ in range(episodes_per_task)]
+    episode_ids = [k * episodes_per_task + j for k in task_ids for j in range(episodes_per_task)]
     with module.rollout_context():
-        episodes, timing = run_episodes(pool, module.policy, episode_tasks, groups, cfg, memory, max_steps)
+        episodes, timing = run_episodes(pool, module.policy, episode_tasks, groups, cfg, memory, max_steps,
+                                        episode_ids=episode_ids)
     # every rank summarises all ranks' episodes, so the numbers (and the logged keys) agree everywhere
     metrics = episode_metrics(gather_lists([e.summary() for e in episodes]))
-    metrics["rollout_s"] = timing["rollout_s"]
+    metrics["rollout_s"] = all_reduce([timing["rollout_s"]], op="max")[0]
     return (metrics, episodes) if return_episodes else metrics

@@ -17,20 +17,21 @@ log = logging.getLogger(__name__)
 
 
 def load_checkpoint(module, ckpt_path: str) -> dict[str, Any] | None:
-    """Load the policy weights (``policy.*`` keys) of a Lightning checkpoint into ``module.policy``.
+    """Load the policy weights (``policy.*`` keys) of a training checkpoint into ``module.policy``: a ``.ckpt`` file
+    or a ``trainer=fsdp`` distributed-checkpoint directory (``load_training_checkpoint``).
 
     Returns the checkpoint's ``MemoryCallback`` state, or None when it has none (GRPO, ``memory=none``).
 
     Raises:
-        FileNotFoundError: no file at ``ckpt_path``.
+        FileNotFoundError: nothing at ``ckpt_path``, or a directory that is not a checkpoint.
         ValueError: no policy weights, or weights that do not fit the configured model (a different ``model=``).
     """
-    import torch
+    from src.utils.checkpoint_loading import load_training_checkpoint
 
     path = Path(hydra.utils.to_absolute_path(str(ckpt_path)))  # relative to the launch dir (hydra.job.chdir)
-    if not path.is_file():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file or directory")
+    ckpt = load_training_checkpoint(path, optimizer=False)
     prefix = "policy."
     state = {k[len(prefix):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith(prefix)}
     if not state:

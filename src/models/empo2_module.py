@@ -24,15 +24,17 @@ from src.models.algorithm_config import AlgorithmConfig
 from src.models.core_algos import UPDATE_MODES, aggregate_loss, compute_kl_loss, compute_policy_loss, low_prob_token_mask
 from src.models.policy import build_policy, reference_is_a_copy
 from src.models.precision import check_trainable_dtype, fsdp_mixed_precision, torch_dtype
-from src.utils.distributed import all_reduce
+from src.utils.distributed import all_reduce, combine_over_ranks
 
 if TYPE_CHECKING:  # the module reads these types; it builds none of them (the datamodule does)
     from src.data.samples import MicroBatch, StepSample
 
 log = logging.getLogger(__name__)
 
-# Metrics aggregated with the mini-batch's global counts: their micro-batch values add up to the mini-batch value.
+# Metrics aggregated with the mini-batch's global counts: their micro-batch values add up to the mini-batch value
+# (over micro-batches and ranks).
 PARTIAL_SUMS = ("pg_loss", "kl_loss", "entropy")
+MAXIMA = ("ratio_max",)
 PROGRESS_BAR_KEYS = ("rollout/return", "rollout/score", "rollout/success_rate", "train/pg_loss")
 
 
@@ -293,28 +295,36 @@ class EMPO2Module(L.LightningModule):
             logger.log_metrics(metrics, step=step)
 
     def _accumulate(self, metrics: dict[str, float], weight: float) -> None:
+        """Add a micro-batch's metrics to the mini-batch's: partial sums summed, maxima maxed, the other metrics
+        (means over the micro-batch's response tokens) weighted by its token count ``weight``."""
         s = self._step_stats
         s["_w"] = s.get("_w", 0.0) + weight
         for k, v in metrics.items():
             if k in PARTIAL_SUMS:
                 s[k] = s.get(k, 0.0) + v  # partial sums of the mini-batch aggregate
-            elif k == "ratio_max":
+            elif k in MAXIMA:
                 s[k] = max(s.get(k, 0.0), v)
             else:
                 s[k] = s.get(k, 0.0) + v * weight
 
     def _log_update(self, batch: MicroBatch, grad_norm: float, skipped: bool) -> None:
+        """Log the mini-batch's update metrics, over all ranks (a collective under DDP/FSDP): partial sums of the
+        global-denominator aggregates summed, maxima maxed, token means weighted by every rank's tokens; the
+        update's throughput is all ranks' tokens over the slowest rank's time."""
         s, self._step_stats = self._step_stats, {}
+        s.update(_tokens=float(self._train_tokens), update_s=self._train_time)
+        s = combine_over_ranks(s, how=lambda k: "max" if k in MAXIMA or k == "update_s" else "sum")
         w = max(s.pop("_w", 0.0), 1e-9)
+        tokens, update_s = s.pop("_tokens"), s.pop("update_s")
         out = {}
         for k, v in s.items():
-            out[f"train/{k}"] = v if k in PARTIAL_SUMS or k == "ratio_max" else v / w
+            out[f"train/{k}"] = v if k in PARTIAL_SUMS or k in MAXIMA else v / w
         out["train/grad_norm"] = grad_norm
         out["train/update_skipped"] = float(skipped)
         out["train/nonfinite_grad_steps"] = float(self._nonfinite_streak)
         out["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
-        out["train/tokens_per_s"] = self._train_tokens / max(self._train_time, 1e-9)
-        out["train/update_s"] = self._train_time
+        out["train/tokens_per_s"] = tokens / max(update_s, 1e-9)
+        out["train/update_s"] = update_s
         self._train_tokens, self._train_time = 0, 0.0
         self._log_metrics(out, step=self.global_step)
         self.log_dict({k: out[k] for k in PROGRESS_BAR_KEYS if k in out}, logger=False, prog_bar=True, on_step=True,

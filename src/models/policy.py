@@ -30,8 +30,8 @@ from src.models.hub import (adapter_base_model, base_model_setting, load_causal_
 from src.models.logprobs import entropy_from_logits, log_probs_from_logits
 from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
 from src.models.prompt_cache import PromptKV, batch_with_prefixes, row_prompt_kv
-from src.models.sampling import (SampledTokenLogProbs, checkpoint_generation_defaults_off, dropped_generation_defaults,
-                                 sampling_config)
+from src.models.sampling import (SampledTokenLogProbs, SeededRowSampler, checkpoint_generation_defaults_off,
+                                 dropped_generation_defaults, sampling_config)
 
 log = logging.getLogger(__name__)
 
@@ -171,21 +171,26 @@ class Policy(nn.Module):
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], max_new_tokens: int | None = None, temperature: float | None = None,
                  do_sample: bool = True, keep_prompt_kv: bool = False,
-                 prefix_kv: list[PromptKV | None] | None = None) -> Generation:
+                 prefix_kv: list[PromptKV | None] | None = None, seeds: list[int] | None = None) -> Generation:
         """Sample one response per prompt in one batched call.
 
         Tokens are drawn from exactly ``softmax(logits / temperature)`` over the full vocabulary, the distribution
         the trainer scores: the checkpoint's generation_config is ignored (a warning names what it set, see
         ``src/models/sampling.py``). The log-probs are gathered step by step (extra memory O(B·V)).
-        ``do_sample=False`` is greedy (log-probs still reported at the given temperature).
+        ``do_sample=False`` is greedy (log-probs still reported at the given temperature). ``seeds`` (one per
+        prompt) draws each response from its own generator (``SeededRowSampler``), so a response does not depend
+        on the other prompts of the batch; without them all rows draw from torch's global generator.
 
         Prefix caching (``src/models/prompt_cache.py``): ``keep_prompt_kv=True`` keeps the prompts' keys/values
         (``Generation.prompt_kv(i)``); ``prefix_kv[i]``, kept from an earlier call with the same weights, stands
         for the first ``prefix_kv[i].length`` ids of prompt i, which are then not recomputed.
 
         Raises:
-            ValueError: ``temperature <= 0``, or ``keep_prompt_kv`` together with ``prefix_kv``.
+            ValueError: ``temperature <= 0``, ``keep_prompt_kv`` together with ``prefix_kv``, or not one seed per
+                prompt.
         """
+        if seeds is not None and len(seeds) != len(prompt_ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
         if keep_prompt_kv and prefix_kv is not None:
             raise ValueError("keep_prompt_kv and prefix_kv cannot be combined (the kept prompt would not be "
                              "contiguous in the cache)")
@@ -198,6 +203,9 @@ class Policy(nn.Module):
             return Generation([], [], [], [])
         self._warn_dropped_generation_defaults()
         recorder = SampledTokenLogProbs(temperature)
+        processors = [recorder]
+        if do_sample and seeds is not None:
+            processors.append(SeededRowSampler(seeds, temperature, self.device))  # after the recorder: raw logits
         pad = self.tokenizer.pad_token_id
         config = sampling_config(max_new_tokens, temperature, do_sample, self.eos_token_ids, pad)
         extra = {}
@@ -211,7 +219,7 @@ class Policy(nn.Module):
         try:
             with checkpoint_generation_defaults_off(self.model):
                 out = self.model.generate(**batch, generation_config=config, synced_gpus=self.synced,
-                                          logits_processor=LogitsProcessorList([recorder]), **extra)
+                                          logits_processor=LogitsProcessorList(processors), **extra)
         finally:
             self.model.train(was_training)
         p_len = batch["input_ids"].shape[1]
