@@ -222,9 +222,9 @@ def test_fsdp2_two_cpu_processes_train_checkpoint_resume_and_evaluate(tmp_path):
     # the default strategy (one process, single-file checkpoints) resumes it too, memory included
     single = [o for o in common if not o.startswith(("trainer=", "trainer.accelerator", "trainer.precision"))]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[*single, "trainer.precision=32-true", "trainer.max_epochs=2",
-                                                      "logger=none", f"ckpt_path={ckpt_dir}",
-                                                      f"paths.output_dir={tmp_path}/c", f"paths.log_dir={tmp_path}/logs"])
+        cfg = compose(config_name="train", overrides=[
+            *single, "trainer.precision=32-true", "trainer.max_epochs=2", "logger=none", f"ckpt_path={ckpt_dir}",
+            f"paths.output_dir={tmp_path}/c", f"paths.log_dir={tmp_path}/logs"])
     objs = train(cfg)
     assert objs["trainer"].global_step == 2 and len(objs["memory"].tips) > n_tips
 

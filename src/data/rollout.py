@@ -21,7 +21,7 @@ from src.data.prompts import HistoryItem
 from src.data.rollout_config import RolloutConfig
 from src.data.step_prompt import PROMPT_CUT_KEYS, StepPrompt, step_prompt
 from src.models.policy import Policy
-from src.utils.distributed import all_reduce
+from src.utils.distributed import all_reduce, gather_lists, rank_and_world
 from src.utils.rng import row_seeds
 from src.utils.timing import timed
 
@@ -301,3 +301,27 @@ def episode_metrics(episodes: list[Episode] | list[dict], prefix: str = "") -> d
             "invalid_action_rate": sum(r["invalid_actions"] for r in done) / steps if steps else 0.0,
         })
     return {f"{prefix}{k}": v for k, v in out.items()}
+
+
+def evaluate(pool, module, tasks: list[dict], episodes_per_task: int, cfg: RolloutConfig,
+             max_steps: int | None, memory=None, return_episodes: bool = False):
+    """Run ``episodes_per_task`` episodes on each task (this rank's shard) with ``cfg`` (its temperature, tips).
+
+    Without ``memory`` and ``cfg.use_tips``: the paper's protocol (docs/evaluation.md#evaluating-a-policy). Returns
+    episode metrics (``score``, ``success_rate``, ...) and the rollout time; with ``return_episodes`` the pair
+    ``(metrics, episodes)``, episodes task-major (all episodes of task 0 first), for per-episode statistics
+    (``src/evaluation/``).
+    """
+    rank, world = rank_and_world()
+    task_ids = range(rank, len(tasks), world)  # task k runs on rank k mod world; its episodes are numbered k·n + j
+    tasks = tasks[rank::world]
+    episode_tasks = [t for t in tasks for _ in range(episodes_per_task)]
+    groups = [k for k in task_ids for _ in range(episodes_per_task)]
+    episode_ids = [k * episodes_per_task + j for k in task_ids for j in range(episodes_per_task)]
+    with module.rollout_context():
+        episodes, timing = run_episodes(pool, module.policy, episode_tasks, groups, cfg, memory, max_steps,
+                                        episode_ids=episode_ids)
+    # every rank summarises all ranks' episodes, so the numbers (and the logged keys) agree everywhere
+    metrics = episode_metrics(gather_lists([e.summary() for e in episodes]))
+    metrics["rollout_s"] = all_reduce([timing["rollout_s"]], op="max")[0]
+    return (metrics, episodes) if return_episodes else metrics

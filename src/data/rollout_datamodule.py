@@ -26,14 +26,15 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, IterableDataset
 
-from src.data.rollout import Episode, episode_metrics, log_episodes, run_episodes
+from src.data.minibatches import micro_batches, scoring_chunks
+from src.data.rollout import Episode, episode_metrics, evaluate, log_episodes, run_episodes
 from src.data.rollout_config import RolloutConfig
 from src.data.samples import MicroBatch, StepSample
 from src.envs.pool import EnvPool
 from src.models.algorithm_config import AlgorithmConfig
-from src.models.core_algos import compute_grpo_advantages, loss_denominators
-from src.utils.distributed import all_reduce, combine_over_ranks, gather_lists, gather_objects, rank_and_world
-from src.utils.rng import (MODE, PERMUTATION, REFLECTION, SAMPLING, TASKS, VALIDATION, global_rng_state, seed_torch,
+from src.models.core_algos import compute_grpo_advantages
+from src.utils.distributed import combine_over_ranks, gather_lists, gather_objects, rank_and_world
+from src.utils.rng import (MODE, REFLECTION, SAMPLING, TASKS, VALIDATION, global_rng_state, seed_torch,
                            set_global_rng_state, stream_seed)
 from src.utils.timing import timed
 
@@ -74,14 +75,6 @@ class _Stream(IterableDataset):
 
     def __iter__(self):
         return self.fn()
-
-
-def _denominators(samples: list[StepSample]) -> tuple[int, int]:
-    """This rank's share of a mini-batch's ``batch_num_tokens`` / ``global_batch_size``, counted as the loss
-    counts them (``loss_denominators``: response tokens, and rows with at least one)."""
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
-    width = int(lengths.max()) if len(samples) else 0
-    return loss_denominators(torch.arange(width) < lengths[:, None])
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -307,16 +300,7 @@ class RolloutDataModule(L.LightningDataModule):
             signal_samples=float(signal_samples), signal_tokens=float(signal_tokens))))
         return samples, {f"adv/{k}": v for k, v in metrics.items()}
 
-    @staticmethod
-    def scoring_chunks(samples: list[StepSample], policy, chunk_size: int = 8) -> list[list[StepSample]]:
-        """The chunks ``EMPO2Module.score_samples`` runs one forward pass each on. Under FSDP (``policy.synced``)
-        every rank gets the same number of chunks: a rank with fewer samples scores a throw-away padding sample
-        to join the other ranks' forward passes."""
-        n_chunks = math.ceil(len(samples) / chunk_size)
-        if policy.synced:  # sharded weights: every rank runs the same number of forward passes
-            n_chunks = int(all_reduce([float(n_chunks)], op="max")[0])
-        return [samples[k * chunk_size:(k + 1) * chunk_size] or [StepSample.padding(policy.tokenizer.eos_token_id)]
-                for k in range(n_chunks)]
+    scoring_chunks = staticmethod(scoring_chunks)
 
     def check_signal(self, metrics: dict[str, float], iteration: int) -> None:
         """The no-signal guard: warn (or raise, with ``algorithm.fail_on_no_signal``) after
@@ -365,47 +349,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     def micro_batches(self, samples: list[StepSample], info: dict, metrics: dict,
                       iteration: int) -> Iterator[MicroBatch]:
-        """Yield ``ppo_epochs`` × ``num_mini_batches`` mini-batches, each as micro-batches.
-
-        Padding and rank alignment happen here and only here: every rank yields the same number of micro-batches
-        (a rank with fewer samples gets zero-weight padding micro-batches), because DDP/FSDP need the same number
-        of backward passes everywhere. Each micro-batch carries the mini-batch's global token and sequence
-        counts, so summing micro-batch losses reproduces the full mini-batch's token-mean
-        (docs/design.md#why-it-is-shaped-this-way).
-
-        The mini-batches are drawn over all ranks' samples (ordered by ``StepSample.key``), each rank training on
-        its own samples of each: a mini-batch holds the same samples whether 1 process or N ranks run the
-        iteration (a collective under DDP/FSDP).
-
-        Args:
-            info: ``mode``, ``iteration`` and ``rollout_global_step`` of the iteration.
-        """
-        rng = np.random.default_rng([self.seed, iteration, PERMUTATION])
-        rank = rank_and_world()[0]
-        keys = [s.key if s.key is not None else (rank, i) for i, s in enumerate(samples)]
-        position = {key: i for i, key in enumerate(sorted(gather_lists(keys)))}
-        place = [position[key] for key in keys]  # this rank's samples' places among all ranks' samples
-        first = True
-        for epoch in range(self.ppo_epochs):
-            order = rng.permutation(len(position))
-            for mb, idx in enumerate(np.array_split(order, self.num_mini_batches)):
-                chosen = set(idx.tolist())
-                # Similar lengths share a micro-batch: ~25% less padding computed, and the same gradient (the
-                # mini-batch's loss is a sum over its micro-batches).
-                minibatch = sorted((s for s, p in zip(samples, place) if p in chosen), key=lambda s: s.num_tokens)
-                g_tokens, g_seqs = all_reduce([float(n) for n in _denominators(minibatch)])
-                n_micro = max(1, math.ceil(len(minibatch) / self.micro_batch_size))
-                n_micro = int(all_reduce([float(n_micro)], op="max")[0])
-                chunks = np.array_split(np.arange(len(minibatch)), n_micro)
-                for k, chunk in enumerate(chunks):
-                    micro = [minibatch[i] for i in chunk]
-                    yield MicroBatch(
-                        **info, samples=micro or [samples[0] if samples else StepSample.padding(self._eos_token_id())],
-                        loss_scale=1.0 if micro else 0.0, batch_num_tokens=max(g_tokens, 1.0),
-                        global_batch_size=max(g_seqs, 1.0), ppo_epoch=epoch, mini_batch=mb,
-                        last_micro=k == len(chunks) - 1, metrics=metrics if first else {},
-                        num_samples=len(samples), has_data=g_seqs > 0)
-                    first = False
+        """The iteration's micro-batches (``src.data.minibatches.micro_batches`` with this datamodule's seed and
+        sizes); ``info``: ``mode``, ``iteration`` and ``rollout_global_step`` of the iteration."""
+        return micro_batches(samples, info, metrics, seed=self.seed, iteration=iteration, ppo_epochs=self.ppo_epochs,
+                             num_mini_batches=self.num_mini_batches, micro_batch_size=self.micro_batch_size,
+                             padding=lambda: StepSample.padding(self._eos_token_id()))
 
     def _eos_token_id(self) -> int:
         return self.trainer.lightning_module.policy.tokenizer.eos_token_id
@@ -426,27 +374,3 @@ class RolloutDataModule(L.LightningDataModule):
         # what the policy did on each held-out task (this rank's shard): a falling score can be read off the log
         log_episodes(episodes, f"validation after {self.trainer.global_step} optimizer steps")
         yield {"metrics": metrics}
-
-
-def evaluate(pool: EnvPool, module, tasks: list[dict], episodes_per_task: int, cfg: RolloutConfig,
-             max_steps: int | None, memory=None, return_episodes: bool = False):
-    """Run ``episodes_per_task`` episodes on each task (this rank's shard) with ``cfg`` (its temperature, tips).
-
-    Without ``memory`` and ``cfg.use_tips``: the paper's protocol (docs/evaluation.md#evaluating-a-policy). Returns
-    episode metrics (``score``, ``success_rate``, ...) and the rollout time; with ``return_episodes`` the pair
-    ``(metrics, episodes)``, episodes task-major (all episodes of task 0 first), for per-episode statistics
-    (``src/evaluation/``).
-    """
-    rank, world = rank_and_world()
-    task_ids = range(rank, len(tasks), world)  # task k runs on rank k mod world; its episodes are numbered k·n + j
-    tasks = tasks[rank::world]
-    episode_tasks = [t for t in tasks for _ in range(episodes_per_task)]
-    groups = [k for k in task_ids for _ in range(episodes_per_task)]
-    episode_ids = [k * episodes_per_task + j for k in task_ids for j in range(episodes_per_task)]
-    with module.rollout_context():
-        episodes, timing = run_episodes(pool, module.policy, episode_tasks, groups, cfg, memory, max_steps,
-                                        episode_ids=episode_ids)
-    # every rank summarises all ranks' episodes, so the numbers (and the logged keys) agree everywhere
-    metrics = episode_metrics(gather_lists([e.summary() for e in episodes]))
-    metrics["rollout_s"] = all_reduce([timing["rollout_s"]], op="max")[0]
-    return (metrics, episodes) if return_episodes else metrics

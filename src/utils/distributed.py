@@ -75,6 +75,6 @@ def check_same_on_every_rank(what: dict[str, bytes]) -> None:
               for name in digests}
     differ = {name: ranks for name, ranks in differ.items() if ranks}
     if differ:
+        pieces = "; ".join(f"{name} on rank(s) {ranks} differs from rank 0" for name, ranks in differ.items())
         raise RuntimeError("state that every rank must hold identically differs between ranks (a checkpoint, written "
-                           "by rank 0, would not hold the other ranks' state): "
-                           + "; ".join(f"{name} on rank(s) {ranks} differs from rank 0" for name, ranks in differ.items()))
+                           f"by rank 0, would not hold the other ranks' state): {pieces}")
