@@ -31,7 +31,8 @@ def failure_report(proc: subprocess.CompletedProcess, limit: int = 12_000) -> st
     return "\n".join(parts)
 
 
-def run_cli(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python <args>`` from the repository root, output captured, with Hydra's full tracebacks."""
-    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+def run_cli(args: list[str], timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python <args>`` from the repository root, output captured, with Hydra's full tracebacks; ``env`` adds to
+    (or replaces) this process's environment variables."""
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1", **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)

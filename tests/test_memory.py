@@ -578,3 +578,29 @@ def test_partition_key_one_derivation_for_both_environments():
         partition_key({"task_name": "boil", "split": "train"}, "variation")
     with pytest.raises(ValueError, match="'episode'"):
         partition_key(sw, "episode")
+
+
+def test_novelty_bonus_is_scored_step_by_step_over_all_episodes(embedder):
+    """``MemoryCallback.add_novelty_bonus`` scores the states reached at each environment step by all episodes
+    against the store as it was before that step (as the rollout steps them together), so two episodes reaching a
+    new state in the same step both get coef; bonuses and store are the same whatever the order of the episodes
+    (under DDP every rank scores all ranks' episodes, gathered in rank order)."""
+    from src.callbacks.memory import MemoryCallback
+    from src.data.rollout import Episode, StepRecord
+
+    def episode(eid: int, reached: list[int]) -> Episode:
+        steps = [StepRecord("o", [1], [1], [2], [-1.0], "a", "a", reached_key=e(i, embedder.dim)) for i in reached]
+        return Episode(task={"task_name": "t", "variation": 0}, group=0, id=eid, steps=steps)
+
+    def run(order: list[int]):
+        memory = MemoryCallback(embedder, TipMemory(embedder.dim, embedder.name),
+                                novelty={"enabled": True, "coef": 1.0})
+        episodes = [episode(0, [0, 0, 1]), episode(1, [0, 2]), episode(2, [3])]
+        memory.add_novelty_bonus([episodes[i] for i in order])
+        return [[s.intrinsic for s in ep.steps] for ep in episodes], memory.novelty.visits()
+
+    bonus, visits = run([0, 1, 2])
+    # step 0: states 0, 0, 3 all new (coef each); step 1: 0 seen twice before -> 1/3, 2 new; step 2: 1 new
+    assert bonus == [[1.0, pytest.approx(1 / 3), 1.0], [1.0, 1.0], [1.0]]
+    assert set(visits) == {"t"} and sorted(visits["t"]) == [1, 1, 1, 3]
+    assert run([2, 0, 1]) == (bonus, visits)

@@ -153,3 +153,32 @@ def test_generation_memory_does_not_grow_with_response_length(tiny_model_dir):
     assert result["generated_tokens"] == batch * tokens
     logits_bytes = batch * tokens * result["vocab_size"] * 4
     assert result["peak_rss_increase_bytes"] < logits_bytes / 4, result
+
+
+def test_seeded_rows_draw_from_softmax_whatever_else_is_in_the_batch(tiny_policy: Policy):
+    """``SeededRowSampler`` (``Policy.generate(seeds=...)``): a row draws from exactly softmax(logits / T) with its
+    own generator, so its tokens do not depend on the other rows of its batch; the policy gives a prompt the same
+    response alone or beside another one (the same episode on 1 process or on one of N ranks)."""
+    from src.models.sampling import SeededRowSampler
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
+    temperature = 0.7
+    draws = torch.cat([SeededRowSampler([s], temperature)(None, logits.clone()).argmax(-1) for s in range(4000)])
+    counts = torch.bincount(draws, minlength=5).double()
+    expected = 4000 * torch.softmax(logits[0].double() / temperature, -1)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5, (counts.tolist(), expected.tolist())  # chi-square, 4 d.o.f.: p = 0.0004
+    out = SeededRowSampler([7], temperature)(None, logits.clone())
+    assert (out == 0).sum() == 1 and torch.isinf(out).sum() == 4  # one token left for generate to pick
+    batch = torch.cat([torch.randn(1, 5), logits])
+    alone, beside = (SeededRowSampler(s, temperature)(None, x.clone()).argmax(-1)
+                     for s, x in (([7], logits), ([3, 7], batch)))
+    assert int(alone[0]) == int(beside[1])
+
+    prompts = [tiny_policy.encode([{"role": "user", "content": c}]) for c in ("hi", "tell me about the sea")]
+    pair = tiny_policy.generate(prompts, max_new_tokens=6, temperature=1.0, seeds=[11, 12])
+    single = tiny_policy.generate(prompts[1:], max_new_tokens=6, temperature=1.0, seeds=[12])
+    assert single.response_ids[0] == pair.response_ids[1]
+    assert single.log_probs[0] == pytest.approx(pair.log_probs[1], abs=1e-4)
+    other = tiny_policy.generate(prompts[1:], max_new_tokens=6, temperature=1.0, seeds=[13])
+    assert other.response_ids[0] != pair.response_ids[1]

@@ -44,8 +44,11 @@ def empo2_run(tmp_path_factory):
     return {"cfg": cfg, "objs": objs, "tmp": tmp}
 
 
+# every iteration's checkpoint; an entropy bonus gives the tiny random policy a gradient on ScienceWorld, where all
+# its episodes score the same (zero advantages): without it nothing would train and a resume that lost the weights
+# or the optimizer state would go unnoticed
 EXACT_RUN = ("seed=3", "trainer.max_epochs=4", "data.num_mini_batches=2", "trainer.check_val_every_n_epoch=2",
-             "memory.tip_max_tokens=8", "callbacks.model_checkpoint.save_top_k=-1")  # every iteration's checkpoint
+             "memory.tip_max_tokens=8", "callbacks.model_checkpoint.save_top_k=-1", "algorithm.entropy_coef=0.01")
 
 
 def test_four_iterations_log_metrics_and_checkpoint_memory(empo2_run):
@@ -137,25 +140,31 @@ def test_resume_is_exact(empo2_run, tmp_path, launch_dir_is_elsewhere):
     counts and every logged metric (timings aside) are identical. The checkpoint path is relative to the launch
     dir while the process runs elsewhere (hydra.job.chdir=true)."""
     full = empo2_run["objs"]
+    uri_full = empo2_run["cfg"].logger.mlflow.tracking_uri
+    grad_norms = [v for _, v in _metric_history(uri_full, full["loggers"][0].run_id, "train/grad_norm")]
+    assert len(grad_norms) == 8 and all(v > 0 for v in grad_norms)  # every optimizer step trained
     saved = Path(full["trainer"].checkpoint_callback.dirpath) / "iter_0001.ckpt"  # written after iteration 1
     relative = os.path.relpath(saved, get_original_cwd())
     assert not Path(relative).exists()  # not from the current directory
     cfg = _cfg(tmp_path, *EXACT_RUN, f"ckpt_path={relative}")
     resumed = train(cfg)
     assert resumed["trainer"].global_step == 8
-    uri_full, uri_resumed = empo2_run["cfg"].logger.mlflow.tracking_uri, cfg.logger.mlflow.tracking_uri
+    uri_resumed = cfg.logger.mlflow.tracking_uri
     assert [v for _, v in _metric_history(uri_resumed, resumed["loggers"][0].run_id, "iteration")] == [2.0, 3.0]
     got = _metrics_of_iterations_2_and_3(uri_resumed, resumed["loggers"][0].run_id)
     want = _metrics_of_iterations_2_and_3(uri_full, full["loggers"][0].run_id)
     assert len(got["val/score"]) == 1 and len(got["rollout/return"]) == 2 and len(got["train/pg_loss"]) == 4
     assert set(got) == set(want)
     assert [k for k in sorted(want) if got[k] != want[k]] == []
+    at_resume = torch.load(saved, map_location="cpu", weights_only=True)["state_dict"]
+    assert any(not torch.equal(at_resume[f"policy.{k}"], p) for k, p in full["module"].policy.state_dict().items())
     for name, p in full["module"].policy.state_dict().items():
         assert torch.equal(resumed["module"].policy.state_dict()[name], p), name
     opt_full = torch.load(full["last_checkpoint"], map_location="cpu", weights_only=False)["optimizer_states"][0]
     opt_resumed = torch.load(resumed["last_checkpoint"], map_location="cpu", weights_only=False)["optimizer_states"][0]
     assert opt_full["param_groups"] == opt_resumed["param_groups"]
     assert opt_full["state"].keys() == opt_resumed["state"].keys() and opt_full["state"]
+    assert any(bool(state["exp_avg"].any()) for state in opt_full["state"].values())  # AdamW has moments to restore
     for i, state in opt_full["state"].items():
         for k, v in state.items():
             assert torch.equal(opt_resumed["state"][i][k], v), (i, k)

@@ -1,10 +1,15 @@
 """The EMPO² memory as a Lightning callback (docs/method.md#memory, docs/method.md#count-based-novelty-bonus).
 
 The callback owns the tip memory (FAISS, per partition), the novelty state memory and the embedder. The
-rollout runner calls it to embed states, retrieve tips and score novelty; after each training rollout the
-datamodule calls ``write_tips`` so the *current policy* reflects on every finished episode (one batched
-generation) and one entry per step is stored. Lightning saves its ``state_dict`` inside every checkpoint and
-restores it on resume; evaluation reads it from the checkpoint too (the memory's one persistence path).
+rollout runner calls it to embed states and retrieve tips; after each training rollout the datamodule calls
+``add_novelty_bonus`` (the count-based bonus of every state reached) and ``write_tips`` so the *current policy*
+reflects on every finished episode (one batched generation) and one entry per step is stored. Lightning saves its
+``state_dict`` inside every checkpoint and restores it on resume; evaluation reads it from the checkpoint too (the
+memory's one persistence path).
+
+Under DDP/FSDP there is one memory, held whole by every rank: the tips and the novelty visits of all ranks'
+episodes are added on every rank in the same order, so every rank holds the same tips and novelty counts, and
+the checkpoint (written by rank 0) holds them whole. ``state_dict`` checks it (``check_same_on_every_rank``).
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ from src.memory.embedder import Embedder
 from src.memory.novelty import NoveltyMemory
 from src.memory.tip_entry import format_entry
 from src.memory.tip_memory import TipMemory
-from src.utils.distributed import gather_lists
+from src.utils.distributed import all_reduce, check_same_on_every_rank, combine_over_ranks, gather_lists
+from src.utils.rng import row_seeds
 from src.utils.timing import timed
 
 log = logging.getLogger(__name__)
@@ -140,13 +146,33 @@ class MemoryCallback(L.Callback):
         self.counters["tips_shown"] += sum(len(h) for h in hits)
         return [[e.content for e in h] for h in hits]
 
-    def novelty_rewards(self, tasks: list[dict], keys: np.ndarray) -> np.ndarray:
-        """Count-based bonus coef/(N+1) for the states reached in one environment step (per task;
-        docs/method.md#count-based-novelty-bonus)."""
-        return self.novelty.rewards([task_name(t) for t in tasks], keys)
+    def add_novelty_bonus(self, episodes) -> None:
+        """Set each step's intrinsic reward: the count-based bonus coef/(N+1) of the state it reached
+        (``StepRecord.reached_key``), scored per task against one novelty store of all ranks' visits
+        (docs/method.md#count-based-novelty-bonus).
+
+        The states reached at environment step t by all ranks' episodes are scored together against the store as
+        it was before step t, then added (as ``run_episodes`` steps all episodes together); the store does not
+        depend on the order of the episodes, so every rank adds the same visits and holds the same store. A
+        collective under DDP/FSDP (episode ids must be unique over ranks).
+        """
+        with timed(self.counters, "novelty_s"):
+            local = [(e.id, t, task_name(e.task), s.reached_key) for e in episodes for t, s in enumerate(e.steps)
+                     if s.reached_key is not None]
+            by_step: dict[int, list] = {}
+            for row in gather_lists(local):
+                by_step.setdefault(row[1], []).append(row)
+            bonus = {}
+            for t in sorted(by_step):
+                rows = by_step[t]
+                rewards = self.novelty.rewards([r[2] for r in rows], np.stack([r[3] for r in rows]))
+                bonus.update({(r[0], t): float(b) for r, b in zip(rows, rewards)})
+        for e in episodes:
+            for t, s in enumerate(e.steps):
+                s.intrinsic = bonus.get((e.id, t), 0.0)
 
     # ------------------------------------------------------------------ tip writing
-    def write_tips(self, episodes, policy, system_prompt: str) -> dict[str, float]:
+    def write_tips(self, episodes, policy, system_prompt: str, sample_seed: int | None = None) -> dict[str, float]:
         """Ask the policy for one reflection per finished episode (one batched call) and store one entry per step.
 
         Entry content: ``<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>.``,
@@ -155,7 +181,10 @@ class MemoryCallback(L.Callback):
         ``tip_action_frac``, the fraction of reflections that hold an ``<action>`` tag: a policy fine-tuned on actions
         only (e.g. the imitation warm start) answers the reflection prompt with an action, and such tips carry no
         advice; above one half it is warned about once. The kept rollout keys/values (``Episode.reflection_prefix``)
-        are released.
+        are released. With ``sample_seed`` each reflection draws from its episode's own stream (``row_seeds``).
+
+        Under DDP/FSDP a collective: every rank adds every rank's entries (in rank order), and the numbers returned
+        are over all ranks' reflections (counts summed, durations the slowest rank's).
         """
         tic = time.perf_counter()
         done = [e for e in episodes if not e.failed and e.steps and e.steps[0].key is not None]
@@ -170,6 +199,8 @@ class MemoryCallback(L.Callback):
         timers: dict[str, float] = {}
         with timed(timers, "tip_generate_s"):
             cached = {"prefix_kv": prefixes} if any(p is not None for p in prefixes) else {}
+            if sample_seed is not None:
+                cached["seeds"] = [row_seeds(sample_seed, [e.id], 0)[0] for e in done]
             gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens, **cached)
         reflections = [" ".join(t.split()) for t in gen.texts]  # one line each: an entry is one line
         action_frac = self._check_reflections(reflections)
@@ -185,23 +216,27 @@ class MemoryCallback(L.Callback):
         for partition, keys, contents, scores, steps in gather_lists(batches):
             written += self.tips.add(partition, keys, contents, scores, steps)
         self.counters["tips_written"] += written
-        return {"tips_written": float(written), **timers,
-                "tip_write_s": time.perf_counter() - tic, "tip_tokens": float(sum(len(r) for r in gen.response_ids)),
-                "tip_prompt_tokens": float(sum(len(p) for p in prompts)),
-                "tip_prompt_cached_tokens": float(sum(p.length for p in prefixes if p is not None)),
-                "tip_prompts_continued": float(sum(p is not None for p in prefixes)),
-                "tip_observations_shortened": float(shortened), **action_frac}
+        local = {**timers, "tip_write_s": time.perf_counter() - tic,
+                 "tip_tokens": float(sum(len(r) for r in gen.response_ids)),
+                 "tip_prompt_tokens": float(sum(len(p) for p in prompts)),
+                 "tip_prompt_cached_tokens": float(sum(p.length for p in prefixes if p is not None)),
+                 "tip_prompts_continued": float(sum(p is not None for p in prefixes)),
+                 "tip_observations_shortened": float(shortened)}
+        return {"tips_written": float(written), **combine_over_ranks(local), **action_frac}
 
     def _check_reflections(self, texts: list[str]) -> dict[str, float]:
-        """``{"tip_action_frac": share of replies with an <action> tag}`` ({} for none); warns once above 1/2."""
-        if not texts:
-            return {}
+        """``{"tip_action_frac": share of all ranks' replies with an <action> tag}`` ({} for none); warns once
+        above 1/2 (a collective under DDP/FSDP)."""
         actions = [t for t in texts if extract_action(t)[0] is not None]
-        frac = len(actions) / len(texts)
+        n_actions, n_texts = all_reduce([float(len(actions)), float(len(texts))])
+        if not n_texts:
+            return {}
+        frac = n_actions / n_texts
         if frac > 0.5 and not self._warned_action_tips:
             self._warned_action_tips = True
-            rank_zero_warn(f"{frac:.0%} of the {len(texts)} reflections just written are <action> replies, not advice "
-                           f"(e.g. '{actions[0][:80]}'): the tips will carry no information. "
+            example = f" (e.g. '{actions[0][:80]}')" if actions else ""
+            rank_zero_warn(f"{frac:.0%} of the {n_texts:g} reflections just written are <action> replies, not advice"
+                           f"{example}: the tips will carry no information. "
                            "The policy answers the reflection prompt as an action step, as after an imitation warm "
                            "start trained on actions only; rollout/tip_action_frac tracks it.")
         return {"tip_action_frac": frac}
@@ -237,16 +272,17 @@ class MemoryCallback(L.Callback):
     # ------------------------------------------------------------------ metrics
     def _reset_counters(self) -> None:
         self.counters = {"queries": 0, "hits": 0, "tips_shown": 0, "tips_written": 0, "embed_s": 0.0,
-                         "retrieve_s": 0.0}
+                         "retrieve_s": 0.0, "novelty_s": 0.0}
 
     def pop_metrics(self) -> dict[str, float]:
-        """Memory size, retrieval hit rate, tips shown/written since the last call."""
-        c = self.counters
+        """Memory size, retrieval hit rate, tips shown/written since the last call: over all ranks' queries (a
+        collective under DDP/FSDP; the memory itself is the same on every rank)."""
+        c = combine_over_ranks({k: v for k, v in self.counters.items() if k != "tips_written"})
         out = {"memory/size": float(len(self.tips)), "memory/partitions": float(len(self.tips.sizes())),
                "memory/novel_states": float(len(self.novelty)),
                "memory/novelty_visits": float(sum(sum(c) for c in self.novelty.visits().values())),
-               "memory/tips_written": float(c["tips_written"]), "memory/embed_s": float(c["embed_s"]),
-               "memory/retrieve_s": float(c["retrieve_s"])}
+               "memory/tips_written": float(self.counters["tips_written"]), "memory/embed_s": float(c["embed_s"]),
+               "memory/retrieve_s": float(c["retrieve_s"]), "memory/novelty_s": float(c["novelty_s"])}
         if c["queries"]:
             out["memory/hit_rate"] = c["hits"] / c["queries"]
             out["memory/tips_per_query"] = c["tips_shown"] / c["queries"]
@@ -255,12 +291,35 @@ class MemoryCallback(L.Callback):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        return {"tips": self.tips.state_dict(), "novelty": self.novelty.state_dict()}
+        """The tips and the novelty store. Under DDP/FSDP every rank holds the same memory and rank 0's is saved;
+        this is checked first (``check_same_on_every_rank``, a collective), so a checkpoint never holds one rank's
+        memory in place of the others'."""
+        state = {"tips": self.tips.state_dict(), "novelty": self.novelty.state_dict()}
+        check_same_on_every_rank(memory_digest_parts(state))
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.tips.load_state_dict(state_dict["tips"])
         self.novelty.load_state_dict(state_dict["novelty"])
         log.info("Restored memory: %d tips in %d partitions", len(self.tips), len(self.tips.sizes()))
+
+
+def memory_digest_parts(state: dict[str, Any]) -> dict[str, bytes]:
+    """The bytes of a memory state that must agree across ranks: tip entries (not their wall-clock write time) and
+    keys per partition, novelty states and counts per task."""
+    import torch
+
+    def raw(t) -> bytes:
+        return torch.as_tensor(t).contiguous().numpy().tobytes()
+
+    tips = state["tips"]["partitions"]
+    novelty = state["novelty"]
+    entries = repr([(name, [{k: v for k, v in e.items() if k != "created_at"} for e in tips[name]["entries"]])
+                    for name in sorted(tips)]).encode()
+    return {"tip entries": entries,
+            "tip keys": b"".join(raw(tips[name]["keys"]) for name in sorted(tips)),
+            "novelty states": b"".join(k.encode() + raw(novelty["states"][k]) for k in sorted(novelty["states"])),
+            "novelty counts": b"".join(k.encode() + raw(novelty["counts"][k]) for k in sorted(novelty["counts"]))}
 
 
 def _continue_last_prompt(policy, episode, history: list[HistoryItem], budget: int):

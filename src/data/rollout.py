@@ -2,8 +2,10 @@
 (docs/method.md#one-iteration, step 2).
 
 All active episodes advance together: one batched policy call per step for all of them, one parallel
-environment step, one batched embedding call (memory keys and novelty) — never one call per episode.
-The same runner serves training rollouts, in-training validation and evaluation (no second loop).
+environment step, one batched embedding call (memory keys) — never one call per episode.
+The same runner serves training rollouts, in-training validation and evaluation (no second loop). The novelty
+bonus is added after the episodes, over all ranks' episodes (``MemoryCallback.add_novelty_bonus``), from the
+keys of the states each step reached (``StepRecord.reached_key``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from src.data.prompts import HistoryItem
 from src.data.rollout_config import RolloutConfig
 from src.data.step_prompt import PROMPT_CUT_KEYS, StepPrompt, step_prompt
 from src.models.policy import Policy
-from src.utils.distributed import all_reduce
+from src.utils.distributed import all_reduce, gather_lists, rank_and_world
+from src.utils.rng import row_seeds
 from src.utils.timing import timed
 
 log = logging.getLogger(__name__)
@@ -34,8 +37,6 @@ class EpisodeMemory(Protocol):
 
     def retrieve(self, tasks: list[dict], keys: np.ndarray) -> list[list[str]]: ...
 
-    def novelty_rewards(self, tasks: list[dict], keys: np.ndarray) -> np.ndarray: ...
-
 
 @dataclass
 class StepRecord:
@@ -47,6 +48,8 @@ class StepRecord:
     ``rollout_log_probs``: exactly what the policy generated and the log-probs it sampled them with. ``response_text``:
     the decoded response (the model's raw output); ``action``: the action the environment executed (after parsing /
     action correction). ``reward``: extrinsic reward (environment units); ``intrinsic``: novelty bonus.
+    ``key``: the embedding of the state the step was taken in (with a memory); ``reached_key``: of the state
+    it reached (the novelty bonus is scored on it).
     """
 
     observation: str
@@ -61,6 +64,7 @@ class StepRecord:
     valid_action: bool = True
     tips: list[str] = field(default_factory=list)
     key: np.ndarray | None = None
+    reached_key: np.ndarray | None = None
     history_shown: int = 0  # past steps the rollout prompt showed (after fitting it to the budget)
 
 
@@ -68,10 +72,13 @@ class StepRecord:
 class Episode:
     """A finished episode. An episode ``failed`` when its environment worker crashed or returned a non-finite
     reward (``error`` says which); it has return NaN, gives no samples, is excluded from its group's advantage
-    statistics (docs/method.md#one-iteration, step 4) and is counted once, as ``failed_episodes``."""
+    statistics (docs/method.md#one-iteration, step 4) and is counted once, as ``failed_episodes``. ``id``: the
+    episode's number among all ranks' episodes of the call (seeds its sampling, see ``RolloutConfig.sample_seed``).
+    """
 
     task: dict[str, Any]
     group: int
+    id: int = 0
     instruction: str = ""
     steps: list[StepRecord] = field(default_factory=list)
     score: float = 0.0
@@ -100,7 +107,8 @@ class Episode:
 
 
 def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list[int], cfg: RolloutConfig,
-                 memory: EpisodeMemory | None = None, max_steps: int | None = None) -> tuple[list[Episode], dict[str, float]]:
+                 memory: EpisodeMemory | None = None, max_steps: int | None = None,
+                 episode_ids: list[int] | None = None) -> tuple[list[Episode], dict[str, float]]:
     """Run one episode per entry of ``tasks`` (episode i on pool worker i) to the end.
 
     Args:
@@ -109,28 +117,37 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
         tasks: task dicts accepted by the environment's ``reset``.
         groups: group id of each episode (episodes of the same task instance share one).
         cfg: see ``RolloutConfig``.
-        memory: needed when ``cfg.use_tips`` or ``cfg.novelty``; when given, every step's state key is stored
-            on the step so tips can be written afterwards.
+        memory: needed when ``cfg.use_tips``; when given, every step's state key and reached-state key are stored
+            on the step so tips and the novelty bonus can be written afterwards.
         max_steps: only shown in the prompt (the environment enforces its own cap).
+        episode_ids: each episode's id among all ranks' episodes (default 0, 1, ...); with
+            ``cfg.sample_seed`` episode e draws its tokens at step t from ``row_seeds(sample_seed, [e], t)``.
 
     Returns:
         (episodes, metrics) — metrics hold timings (s), token counts and what ``fit_prompt`` cut
         (``prompt_fit/<key>``, see ``PROMPT_CUT_KEYS``).
 
     Raises:
-        ValueError: ``use_tips``/``novelty`` without a memory, or more tasks than pool workers.
+        ValueError: ``use_tips`` without a memory, or more tasks than pool workers.
     """
-    if (cfg.use_tips or cfg.novelty) and memory is None:
-        raise ValueError("use_tips/novelty need a memory, got memory=None")
+    if cfg.use_tips and memory is None:
+        raise ValueError("use_tips needs a memory, got memory=None")
     if len(tasks) != len(groups):
         raise ValueError(f"{len(tasks)} tasks but {len(groups)} group ids")
+    ids = list(range(len(tasks))) if episode_ids is None else [int(e) for e in episode_ids]
+    if len(ids) != len(tasks):
+        raise ValueError(f"{len(tasks)} tasks but {len(ids)} episode ids")
     t0 = time.perf_counter()
-    run = _Rollout(pool, policy, cfg, memory, max_steps, [Episode(task=t, group=g) for t, g in zip(tasks, groups)])
+    run = _Rollout(pool, policy, cfg, memory, max_steps,
+                   [Episode(task=t, group=g, id=e) for t, g, e in zip(tasks, groups, ids)])
     active = run.reset()
     while _any_active(policy, active):
         prompts = run.step_prompts(active)
         with timed(run.timers, "generate_s"):
             keep = {"keep_prompt_kv": True} if cfg.keep_reflection_prefix else {}
+            if cfg.sample_seed is not None:
+                keep["seeds"] = [row_seeds(cfg.sample_seed, [run.episodes[i].id], len(run.episodes[i].steps))[0]
+                                 for i in active]
             gen = policy.generate([p.rollout_ids for p in prompts], max_new_tokens=cfg.max_response_tokens,
                                   temperature=cfg.temperature, do_sample=cfg.do_sample, **keep)
         run.generated_tokens += sum(len(r) for r in gen.response_ids)
@@ -140,8 +157,7 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
         # Keys of the states just reached: the next step's memory queries and this step's novelty bonus.
         reached = [i for i in active if not run.episodes[i].failed]
         run.embed_states(reached)
-        if cfg.novelty:
-            run.add_novelty_bonus(reached)
+        run.record_reached_keys(reached)
         timers, elapsed = run.timers, time.perf_counter() - t0
         step = max((len(e.steps) for e in run.episodes), default=0)
         # episodes end at the step cap at the latest, so the steps left bound the time left
@@ -243,14 +259,11 @@ class _Rollout:
             keys[indices] = vectors
             self.keys = keys
 
-    def add_novelty_bonus(self, reached: list[int]) -> None:
-        """The count-based novelty bonus of the states just reached, as each episode's last step's intrinsic
-        reward (docs/method.md#count-based-novelty-bonus)."""
-        with timed(self.timers, "memory_s"):
-            tasks = [self.episodes[i].task for i in reached]
-            bonus = self.memory.novelty_rewards(tasks, self.keys[reached]) if reached else []
-        for i, b in zip(reached, bonus):
-            self.episodes[i].steps[-1].intrinsic = float(b)
+    def record_reached_keys(self, reached: list[int]) -> None:
+        """Store the key of the state each episode just reached on its last step (the novelty bonus's input)."""
+        if self.keys is not None:
+            for i in reached:
+                self.episodes[i].steps[-1].reached_key = self.keys[i]
 
 
 def _any_active(policy: Policy, active: list[int]) -> bool:
@@ -288,3 +301,27 @@ def episode_metrics(episodes: list[Episode] | list[dict], prefix: str = "") -> d
             "invalid_action_rate": sum(r["invalid_actions"] for r in done) / steps if steps else 0.0,
         })
     return {f"{prefix}{k}": v for k, v in out.items()}
+
+
+def evaluate(pool, module, tasks: list[dict], episodes_per_task: int, cfg: RolloutConfig,
+             max_steps: int | None, memory=None, return_episodes: bool = False):
+    """Run ``episodes_per_task`` episodes on each task (this rank's shard) with ``cfg`` (its temperature, tips).
+
+    Without ``memory`` and ``cfg.use_tips``: the paper's protocol (docs/evaluation.md#evaluating-a-policy). Returns
+    episode metrics (``score``, ``success_rate``, ...) and the rollout time; with ``return_episodes`` the pair
+    ``(metrics, episodes)``, episodes task-major (all episodes of task 0 first), for per-episode statistics
+    (``src/evaluation/``).
+    """
+    rank, world = rank_and_world()
+    task_ids = range(rank, len(tasks), world)  # task k runs on rank k mod world; its episodes are numbered k·n + j
+    tasks = tasks[rank::world]
+    episode_tasks = [t for t in tasks for _ in range(episodes_per_task)]
+    groups = [k for k in task_ids for _ in range(episodes_per_task)]
+    episode_ids = [k * episodes_per_task + j for k in task_ids for j in range(episodes_per_task)]
+    with module.rollout_context():
+        episodes, timing = run_episodes(pool, module.policy, episode_tasks, groups, cfg, memory, max_steps,
+                                        episode_ids=episode_ids)
+    # every rank summarises all ranks' episodes, so the numbers (and the logged keys) agree everywhere
+    metrics = episode_metrics(gather_lists([e.summary() for e in episodes]))
+    metrics["rollout_s"] = all_reduce([timing["rollout_s"]], op="max")[0]
+    return (metrics, episodes) if return_episodes else metrics

@@ -15,7 +15,9 @@ class RolloutConfig:
     authors record it with action correction: ``record_original_action``) or ``executed`` (the action the
     environment ran, e.g. the corrected one). ``keep_reflection_prefix``: store each finished episode's last prompt
     keys/values on the episode (``Episode.reflection_prefix``) so the reflection that continues that prompt does
-    not recompute it."""
+    not recompute it. ``sample_seed``: draw each episode's tokens from its own streams (``row_seeds(sample_seed,
+    episode id, step)``), so an episode is the same whichever rank runs it and whatever else is in its batch; None
+    samples from torch's global generator."""
 
     temperature: float = 1.0
     max_response_tokens: int = 32
@@ -24,10 +26,10 @@ class RolloutConfig:
     use_tips: bool = False
     strip_tips_for_update: bool = False
     tips_scope: str = "current"
-    novelty: bool = False
     do_sample: bool = True
     history_action: str = "raw"
     keep_reflection_prefix: bool = False  # keep each episode's last prompt keys/values for its tip (write_tips)
+    sample_seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.history_action not in HISTORY_ACTIONS:

@@ -31,6 +31,9 @@ class StepSample:
         rollout_log_probs: log-probs of ``response_ids`` as sampled (nats, ``[T_i]``).
         advantage: the episode's advantage (dimensionless).
         old_log_probs, ref_log_probs: float32 ``[T_i]`` set by ``EMPO2Module.score_samples`` (ref only with KL).
+        key: ``(episode id, step index)``, the sample's place among all ranks' samples of the iteration: the
+            mini-batches are drawn over these, so they hold the same samples whatever the number of ranks (None:
+            the sample's place in this rank's list).
     """
 
     rollout_prompt_ids: list[int]
@@ -41,6 +44,7 @@ class StepSample:
     advantage: float
     old_log_probs: Tensor | None = None
     ref_log_probs: Tensor | None = None
+    key: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -45,7 +45,7 @@ def check_eval_config(ev: DictConfig | dict) -> None:
 def run_standard(cfg, b, pool, tasks, memory, write_tips: bool) -> dict[str, Any]:
     import lightning as L
 
-    from src.data.rollout_datamodule import evaluate
+    from src.data.rollout import evaluate
 
     ev, module, dm = cfg.eval, b["module"], b["datamodule"]
     rollout_cfg = dm.rollout_config(use_tips=memory is not None, temperature=float(ev.temperature))
@@ -79,7 +79,7 @@ def run_standard(cfg, b, pool, tasks, memory, write_tips: bool) -> dict[str, Any
 def run_adaptation(cfg, b, pool, tasks, memory) -> dict[str, Any]:
     import lightning as L
 
-    from src.data.rollout_datamodule import evaluate
+    from src.data.rollout import evaluate
 
     ev, module, dm = cfg.eval, b["module"], b["datamodule"]
     trials = int(ev.trials)

@@ -17,24 +17,19 @@ log = logging.getLogger(__name__)
 
 
 def read_checkpoint(ckpt_path: str) -> dict[str, Any]:
-    """The contents of a ``src/train.py`` checkpoint as one dict, as ``torch.load`` of a single file gives them.
-
-    Reads single-file checkpoints (one process, DDP). The one place that reads a checkpoint for evaluation and
-    export: to be replaced by a reader of FSDP2 distributed-checkpoint directories as well.
+    """The contents of a ``src/train.py`` checkpoint as one dict, as ``torch.load`` of a single file gives them: a
+    ``.ckpt`` file (one process, DDP) or a ``trainer=fsdp`` distributed-checkpoint directory
+    (``load_training_checkpoint``). The one place that reads a checkpoint for evaluation and export.
 
     Raises:
-        FileNotFoundError: nothing at ``ckpt_path``.
-        ValueError: a directory (an FSDP2 distributed checkpoint), which is not read here yet.
+        FileNotFoundError: nothing at ``ckpt_path``, or a directory that is not a checkpoint.
     """
-    import torch
+    from src.utils.checkpoint_loading import load_training_checkpoint
 
     path = Path(hydra.utils.to_absolute_path(str(ckpt_path)))  # relative to the launch dir (hydra.job.chdir)
-    if path.is_dir():
-        raise ValueError(f"ckpt_path={ckpt_path!r} is a directory (an FSDP2 distributed checkpoint); only "
-                         "single-file checkpoints (one process, DDP) are read here")
-    if not path.is_file():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file or directory")
+    return load_training_checkpoint(path, optimizer=False)
 
 
 def load_checkpoint(module, ckpt: dict[str, Any], ckpt_path: str) -> dict[str, Any] | None:

@@ -28,7 +28,7 @@ from src.models.core_algos import (UPDATE_MODES, aggregate_loss, compute_kl_loss
 from src.models.policy import build_policy, reference_is_a_copy
 from src.models.precision import check_trainable_dtype, fsdp_mixed_precision, torch_dtype
 from src.models.update_metrics import MiniBatchMetrics
-from src.utils.distributed import all_reduce
+from src.utils.distributed import all_reduce, combine_over_ranks
 
 if TYPE_CHECKING:  # the module reads these types; it builds none of them (the datamodule does)
     from src.data.samples import MicroBatch, StepSample
@@ -319,13 +319,19 @@ class EMPO2Module(L.LightningModule):
             logger.log_metrics(metrics, step=step)
 
     def _log_update(self, batch: MicroBatch, grad_norm: float, skipped: bool) -> None:
-        out = self._step_stats.pop()
+        """Log the mini-batch's update metrics, over all ranks (a collective under DDP/FSDP): partial sums of the
+        global-denominator aggregates summed, maxima maxed, token means weighted by every rank's tokens; the
+        update's throughput is all ranks' tokens over the slowest rank's time."""
+        out = self._step_stats.pop(combine=combine_over_ranks)
+        timing = combine_over_ranks({"tokens": float(self._train_tokens), "update_s": self._train_time},
+                                    how=lambda k: "max" if k == "update_s" else "sum")
+        tokens, update_s = timing["tokens"], timing["update_s"]
         out["train/grad_norm"] = grad_norm
         out["train/update_skipped"] = float(skipped)
         out["train/nonfinite_grad_steps"] = float(self._nonfinite_streak)
         out["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
-        out["train/tokens_per_s"] = self._train_tokens / max(self._train_time, 1e-9)
-        out["train/update_s"] = self._train_time
+        out["train/tokens_per_s"] = tokens / max(update_s, 1e-9)
+        out["train/update_s"] = update_s
         self._train_tokens, self._train_time = 0, 0.0
         self._log_metrics(out, step=self.global_step)
         self.log_dict({k: out[k] for k in PROGRESS_BAR_KEYS if k in out}, logger=False, prog_bar=True, on_step=True,

@@ -25,14 +25,15 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
+from src.models.batch_layout import pack_batch
 from src.models.dropout import zero_config_dropout, zero_module_dropout
 from src.models.hub import (adapter_base_model, base_model_setting, load_causal_lm, load_config, load_tokenizer,
                             resolve_name_or_path)
 from src.models.logprobs import entropy_from_logits, log_probs_from_logits
 from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
 from src.models.prompt_cache import PromptKV, batch_with_prefixes, row_prompt_kv
-from src.models.sampling import (SampledTokenLogProbs, checkpoint_generation_defaults_off, dropped_generation_defaults,
-                                 sampling_config)
+from src.models.sampling import (SampledTokenLogProbs, SeededRowSampler, checkpoint_generation_defaults_off,
+                                 dropped_generation_defaults, sampling_config)
 
 log = logging.getLogger(__name__)
 
@@ -63,38 +64,6 @@ class Generation:
             raise ValueError("prompt keys/values were not kept; call generate(..., keep_prompt_kv=True)")
         cache, prompt_end, lengths = self._kv
         return row_prompt_kv(cache, i, prompt_end, lengths[i])
-
-
-def pack_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int) -> dict[str, Tensor]:
-    """Lay out prompts and responses as ``[left-padded prompt | right-padded response]``.
-
-    Returns ``input_ids``, ``attention_mask``, ``position_ids`` of shape [B, P + R] and ``response_mask``
-    [B, R] (1 for real response tokens), where P and R are the longest prompt and response.
-
-    Raises:
-        ValueError: the two lists differ in length, or a prompt is empty.
-    """
-    if len(prompt_ids) != len(response_ids):
-        raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
-    if any(len(p) == 0 for p in prompt_ids):
-        raise ValueError("an empty prompt was given; every prompt needs at least one token")
-    batch = len(prompt_ids)
-    p_len = max(len(p) for p in prompt_ids)
-    r_len = max((len(r) for r in response_ids), default=0)
-    input_ids = torch.full((batch, p_len + r_len), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, p_len + r_len), dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        input_ids[i, p_len - len(p):p_len] = torch.tensor(p, dtype=torch.long)
-        attention_mask[i, p_len - len(p):p_len + len(r)] = 1
-        if r:
-            input_ids[i, p_len:p_len + len(r)] = torch.tensor(r, dtype=torch.long)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "response_mask": attention_mask[:, p_len:].clone(),
-    }
 
 
 class Policy(nn.Module):
@@ -172,21 +141,26 @@ class Policy(nn.Module):
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], max_new_tokens: int | None = None, temperature: float | None = None,
                  do_sample: bool = True, keep_prompt_kv: bool = False,
-                 prefix_kv: list[PromptKV | None] | None = None) -> Generation:
+                 prefix_kv: list[PromptKV | None] | None = None, seeds: list[int] | None = None) -> Generation:
         """Sample one response per prompt in one batched call.
 
         Tokens are drawn from exactly ``softmax(logits / temperature)`` over the full vocabulary, the distribution
         the trainer scores: the checkpoint's generation_config is ignored (a warning names what it set, see
         ``src/models/sampling.py``). The log-probs are gathered step by step (extra memory O(B·V)).
-        ``do_sample=False`` is greedy (log-probs still reported at the given temperature).
+        ``do_sample=False`` is greedy (log-probs still reported at the given temperature). ``seeds`` (one per
+        prompt) draws each response from its own generator (``SeededRowSampler``), so a response does not depend
+        on the other prompts of the batch; without them all rows draw from torch's global generator.
 
         Prefix caching (``src/models/prompt_cache.py``): ``keep_prompt_kv=True`` keeps the prompts' keys/values
         (``Generation.prompt_kv(i)``); ``prefix_kv[i]``, kept from an earlier call with the same weights, stands
         for the first ``prefix_kv[i].length`` ids of prompt i, which are then not recomputed.
 
         Raises:
-            ValueError: ``temperature <= 0``, or ``keep_prompt_kv`` together with ``prefix_kv``.
+            ValueError: ``temperature <= 0``, ``keep_prompt_kv`` together with ``prefix_kv``, or not one seed per
+                prompt.
         """
+        if seeds is not None and len(seeds) != len(prompt_ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
         if keep_prompt_kv and prefix_kv is not None:
             raise ValueError("keep_prompt_kv and prefix_kv cannot be combined (the kept prompt would not be "
                              "contiguous in the cache)")
@@ -199,6 +173,9 @@ class Policy(nn.Module):
             return Generation([], [], [], [])
         self._warn_dropped_generation_defaults()
         recorder = SampledTokenLogProbs(temperature)
+        processors = [recorder]
+        if do_sample and seeds is not None:
+            processors.append(SeededRowSampler(seeds, temperature, self.device))  # after the recorder: raw logits
         pad = self.tokenizer.pad_token_id
         config = sampling_config(max_new_tokens, temperature, do_sample, self.eos_token_ids, pad)
         extra = {}
@@ -212,7 +189,7 @@ class Policy(nn.Module):
         try:
             with checkpoint_generation_defaults_off(self.model):
                 out = self.model.generate(**batch, generation_config=config, synced_gpus=self.synced,
-                                          logits_processor=LogitsProcessorList([recorder]), **extra)
+                                          logits_processor=LogitsProcessorList(processors), **extra)
         finally:
             self.model.train(was_training)
         p_len = batch["input_ids"].shape[1]

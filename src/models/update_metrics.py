@@ -3,6 +3,7 @@ from __future__ import annotations
 
 # Metrics aggregated with the mini-batch's global counts: their micro-batch values add up to the mini-batch value.
 PARTIAL_SUMS = ("pg_loss", "kl_loss", "entropy")
+WEIGHT = "#weight"  # a weighted mean's weight, beside its weighted total while ranks combine
 
 
 class MiniBatchMetrics:
@@ -25,7 +26,21 @@ class MiniBatchMetrics:
                 total, weights = s.get(k, (0.0, 0.0))
                 s[k] = (total + v * w, weights + w)
 
-    def pop(self, prefix: str = "train/") -> dict[str, float]:
-        """The mini-batch's values (a mean with no weight is 0), keys prefixed; starts the next mini-batch empty."""
+    def pop(self, prefix: str = "train/", combine=None) -> dict[str, float]:
+        """The mini-batch's values (a mean with no weight is 0), keys prefixed; starts the next mini-batch empty.
+
+        ``combine(flat, how)`` (``src.utils.distributed.combine_over_ranks``) first combines every rank's numbers
+        into the whole global mini-batch's: partial sums and the means' weighted totals and weights are summed,
+        maxima maxed, so each value is the one a single process would compute over all ranks' samples.
+        """
         s, self._stats = self._stats, {}
-        return {f"{prefix}{k}": v[0] / max(v[1], 1e-9) if isinstance(v, tuple) else v for k, v in s.items()}
+        flat: dict[str, float] = {}
+        for k, v in s.items():
+            if isinstance(v, tuple):
+                flat[k], flat[k + WEIGHT] = v
+            else:
+                flat[k] = v
+        if combine is not None:
+            flat = combine(flat, how=lambda k: "max" if k.endswith("_max") else "sum")
+        return {f"{prefix}{k}": v / max(flat.get(k + WEIGHT, 0.0), 1e-9) if k + WEIGHT in flat else v
+                for k, v in flat.items() if not k.endswith(WEIGHT)}

@@ -1,5 +1,7 @@
 """Checkpoints written atomically (``src/utils/io.py``): a crash mid-save never leaves a truncated file in place, and
-the temporary file a killed save leaves behind is removed at the next start-up (``remove_stale_temp_files``)."""
+the temporary file a killed save leaves behind is removed at the next start-up (``remove_stale_temp_files``).
+Reading accepts both layouts (``src/utils/checkpoint_loading.py``), so a run under a non-sharded strategy
+(``trainer=default``, ``gpu``, ``ddp``) resumes from a ``trainer=fsdp`` checkpoint directory too."""
 from __future__ import annotations
 
 import os
@@ -8,13 +10,19 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from src.utils.checkpoint_loading import is_distributed_checkpoint, load_training_checkpoint
 from src.utils.io import atomic_file
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``torch.save`` to a temporary file (``.<name>.tmp<pid>``) in the same directory, fsync, then ``os.replace``
-    onto the target."""
+    onto the target; loads a file or a distributed-checkpoint directory."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
         with atomic_file(path, "wb") as f:
             torch.save(checkpoint, f)
+
+    def load_checkpoint(self, path: str | os.PathLike, **kwargs: Any) -> dict[str, Any]:
+        if is_distributed_checkpoint(path):
+            return load_training_checkpoint(path)
+        return super().load_checkpoint(path, **kwargs)

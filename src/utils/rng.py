@@ -2,8 +2,11 @@
 
 Every random draw of a training iteration comes from a stream seeded by ``(seed, iteration, ...)`` at the start of
 that iteration, so a run resumed from a checkpoint draws exactly what the uninterrupted run drew, whatever the
-generators' states were when the checkpoint was written. The global generators (Python, NumPy, torch, CUDA) are
-also saved in checkpoints and restored, for anything stochastic that does not draw from a seeded stream.
+generators' states were when the checkpoint was written. The tokens of an episode are drawn from the episode's
+own streams (``row_seeds``: one per episode and environment step), so an episode samples the same tokens whichever
+rank runs it and whichever episodes share its batch: 1 process and N DDP/FSDP ranks play the same episodes. The
+global generators (Python, NumPy, torch, CUDA) are also saved in checkpoints (every rank's) and restored, for
+anything stochastic that does not draw from a seeded stream.
 """
 from __future__ import annotations
 
@@ -14,12 +17,22 @@ import numpy as np
 import torch
 
 # Stream ids: one independent random stream per purpose and iteration.
-MODE, TASKS, PERMUTATION, SAMPLING, VALIDATION = range(5)
+MODE, TASKS, PERMUTATION, SAMPLING, VALIDATION, REFLECTION = range(6)
 
 
 def stream_seed(seed: int, iteration: int, stream: int, rank: int = 0) -> int:
     """A 63-bit seed for ``(seed, iteration, stream, rank)`` (NumPy ``SeedSequence`` hashing; all must be >= 0)."""
     return int(np.random.SeedSequence([seed, iteration, stream, rank]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def row_seeds(base: int, episode_ids: list[int], step: int) -> list[int]:
+    """One 63-bit seed per episode for one batched generation: ``(base, episode id, step)`` hashed.
+
+    ``base`` is a ``stream_seed`` of the iteration (rank 0: the same on every rank), ``episode_ids`` are the
+    episodes' global ids (the same whichever rank runs them), ``step`` the environment step (0 for a reflection).
+    """
+    return [int(np.random.SeedSequence([base, int(e), step]).generate_state(1, np.uint64)[0] >> 1)
+            for e in episode_ids]
 
 
 def seed_torch(seed: int, iteration: int, stream: int, rank: int = 0) -> None:

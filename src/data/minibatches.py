@@ -1,0 +1,83 @@
+"""An iteration's samples as the update consumes them (docs/method.md#one-iteration, step 5): ``ppo_epochs`` passes,
+each split into ``num_mini_batches`` mini-batches (one optimizer step each), each cut into micro-batches of at most
+``micro_batch_size`` samples (one forward/backward each); and the chunks the old/reference log-probs are scored in.
+
+Padding and rank alignment happen here and only here: every rank yields the same number of micro-batches (a rank
+with fewer samples gets zero-weight padding micro-batches), because DDP/FSDP need the same number of backward
+passes everywhere. Each micro-batch carries the mini-batch's global token and sequence counts, so summing
+micro-batch losses reproduces the full mini-batch's token-mean (docs/design.md#why-it-is-shaped-this-way).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from src.data.samples import MicroBatch, StepSample
+from src.models.core_algos import loss_denominators
+from src.utils.distributed import all_reduce, gather_lists, rank_and_world
+from src.utils.rng import PERMUTATION
+
+
+def denominators(samples: list[StepSample]) -> tuple[int, int]:
+    """This rank's share of a mini-batch's ``batch_num_tokens`` / ``global_batch_size``, counted as the loss
+    counts them (``loss_denominators``: response tokens, and rows with at least one)."""
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
+    width = int(lengths.max()) if len(samples) else 0
+    return loss_denominators(torch.arange(width) < lengths[:, None])
+
+
+def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict[str, float], *, seed: int,
+                  iteration: int, ppo_epochs: int, num_mini_batches: int, micro_batch_size: int,
+                  padding: Callable[[], StepSample]) -> Iterator[MicroBatch]:
+    """Yield ``ppo_epochs`` × ``num_mini_batches`` mini-batches, each as micro-batches (a collective under
+    DDP/FSDP).
+
+    The mini-batches are drawn (from ``(seed, iteration)``) over all ranks' samples, ordered by ``StepSample.key``,
+    each rank training on its own samples of each: a mini-batch holds the same samples whether 1 process or N ranks
+    run the iteration.
+
+    Args:
+        info: ``mode``, ``iteration`` and ``rollout_global_step`` of the iteration (copied into every micro-batch).
+        metrics: the iteration's rollout metrics, carried by its first micro-batch.
+        padding: a throw-away sample, for a rank without any sample of its own.
+    """
+    rng = np.random.default_rng([seed, iteration, PERMUTATION])
+    rank = rank_and_world()[0]
+    keys = [s.key if s.key is not None else (rank, i) for i, s in enumerate(samples)]
+    position = {key: i for i, key in enumerate(sorted(gather_lists(keys)))}
+    place = [position[key] for key in keys]  # this rank's samples' places among all ranks' samples
+    first = True
+    for epoch in range(ppo_epochs):
+        order = rng.permutation(len(position))
+        for mb, idx in enumerate(np.array_split(order, num_mini_batches)):
+            chosen = set(idx.tolist())
+            # Similar lengths share a micro-batch: ~25% less padding computed, and the same gradient (the
+            # mini-batch's loss is a sum over its micro-batches).
+            minibatch = sorted((s for s, p in zip(samples, place) if p in chosen), key=lambda s: s.num_tokens)
+            g_tokens, g_seqs = all_reduce([float(n) for n in denominators(minibatch)])
+            n_micro = max(1, math.ceil(len(minibatch) / micro_batch_size))
+            n_micro = int(all_reduce([float(n_micro)], op="max")[0])
+            chunks = np.array_split(np.arange(len(minibatch)), n_micro)
+            for k, chunk in enumerate(chunks):
+                micro = [minibatch[i] for i in chunk]
+                yield MicroBatch(
+                    **info, samples=micro or [samples[0] if samples else padding()],
+                    loss_scale=1.0 if micro else 0.0, batch_num_tokens=max(g_tokens, 1.0),
+                    global_batch_size=max(g_seqs, 1.0), ppo_epoch=epoch, mini_batch=mb,
+                    last_micro=k == len(chunks) - 1, metrics=metrics if first else {},
+                    num_samples=len(samples), has_data=g_seqs > 0)
+                first = False
+
+
+def scoring_chunks(samples: list[StepSample], policy, chunk_size: int = 8) -> list[list[StepSample]]:
+    """The chunks ``EMPO2Module.score_samples`` runs one forward pass each on. Under FSDP (``policy.synced``)
+    every rank gets the same number of chunks: a rank with fewer samples scores a throw-away padding sample
+    to join the other ranks' forward passes."""
+    n_chunks = math.ceil(len(samples) / chunk_size)
+    if policy.synced:  # sharded weights: every rank runs the same number of forward passes
+        n_chunks = int(all_reduce([float(n_chunks)], op="max")[0])
+    return [samples[k * chunk_size:(k + 1) * chunk_size] or [StepSample.padding(policy.tokenizer.eos_token_id)]
+            for k in range(n_chunks)]

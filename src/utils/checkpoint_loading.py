@@ -1,0 +1,96 @@
+"""A training checkpoint of either layout as one dict: the one loader evaluation, resuming under another strategy and
+any export use (docs/usage.md#checkpoints-and-resuming).
+
+``src/train.py`` writes two layouts:
+
+- one file (``trainer=default``, ``gpu``, ``ddp``): ``torch.save`` of Lightning's checkpoint dict;
+- a directory (``trainer=fsdp``: Lightning's ``ModelParallelStrategy`` with distributed checkpoints): the weights
+  and the optimizer state as a ``torch.distributed.checkpoint`` (``.metadata`` and one ``__<rank>_0.distcp`` shard
+  per rank, under the keys ``state_dict`` and ``optimizer_0``), everything else (global step, loops, callbacks with
+  the memory, datamodule with the generators, hyper-parameters) in ``meta.pt``.
+
+``load_training_checkpoint`` returns the dict ``torch.load`` gives for the single file in both cases: full (unsharded)
+tensors on the CPU, the optimizer state keyed by parameter index as ``torch.optim`` writes it. It runs in one
+process, without a process group, and reads whatever number of shards the directory holds.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a distributed checkpoint
+DCP_METADATA = ".metadata"
+
+
+def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a distributed-checkpoint directory (it holds ``.metadata``)."""
+    path = Path(path)
+    return path.is_dir() and (path / DCP_METADATA).is_file()
+
+
+def load_training_checkpoint(path: str | os.PathLike, optimizer: bool = True) -> dict[str, Any]:
+    """A checkpoint of ``src/train.py``, file or distributed-checkpoint directory, as the single file's dict.
+
+    Args:
+        path: ``<run>/checkpoints/last.ckpt`` (or ``iter_XXXX.ckpt``), a file or a directory.
+        optimizer: also read the optimizer state (``optimizer_states``); evaluation and exports need only the
+            weights, and the AdamW moments are twice their size.
+
+    Returns:
+        ``{"state_dict": {name: tensor}, "optimizer_states": [...], "global_step", "epoch", "callbacks" (with
+        ``MemoryCallback``: the tips and novelty store), "loops", "hyper_parameters", "RolloutDataModule", ...}``.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``, or a directory that is not a distributed checkpoint (naming what
+            it lacks).
+    """
+    path = Path(path)
+    if path.is_file():
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        if not optimizer:
+            ckpt.pop("optimizer_states", None)
+        return ckpt
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
+    if not is_distributed_checkpoint(path):
+        raise FileNotFoundError(f"{path} is a directory without {DCP_METADATA}: not a distributed checkpoint")
+    if not (path / META_FILE).is_file():
+        raise FileNotFoundError(f"{path} holds a distributed checkpoint but not Lightning's {META_FILE} (global step, "
+                                "callbacks, memory): not a checkpoint written by src/train.py")
+    ckpt = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    tensors = _read_distributed(path, keys=None if optimizer else {"state_dict"})
+    ckpt["state_dict"] = tensors.pop("state_dict")
+    optimizers = sorted((k for k in tensors if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    if optimizers:
+        ckpt["optimizer_states"] = [optimizer_state_by_index(tensors[k]) for k in optimizers]
+    return ckpt
+
+
+def _read_distributed(path: Path, keys: set[str] | None) -> dict[str, Any]:
+    """The distributed checkpoint's tensors (only the top-level ``keys``, or all), unsharded, in this process."""
+    from torch.distributed.checkpoint import FileSystemReader
+    # what torch's own converter (format_utils.dcp_to_torch_save) does: the planner rebuilds the dict from the
+    # saved metadata (the public dcp.load only fills the keys of a dict it is given)
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys=keys),
+                     no_dist=True)
+    return state
+
+
+def optimizer_state_by_index(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name (``torch.distributed.checkpoint.state_dict``, as FSDP saves it)
+    keyed by parameter index in ``param_groups`` order instead (as ``torch.optim.Optimizer.state_dict`` writes it,
+    and a non-sharded strategy loads it). A state already keyed by index is returned unchanged."""
+    groups = state.get("param_groups", [])
+    names = [p for g in groups for p in g["params"]]
+    if not names or not isinstance(names[0], str):
+        return state
+    index = {name: i for i, name in enumerate(names)}
+    return {"state": {index[name]: v for name, v in state.get("state", {}).items()},
+            "param_groups": [{**g, "params": [index[p] for p in g["params"]]} for g in groups]}
