@@ -174,10 +174,11 @@ class Policy(nn.Module):
         self._warn_dropped_generation_defaults()
         recorder = SampledTokenLogProbs(temperature)
         processors = [recorder]
-        if do_sample and seeds is not None:
-            processors.append(SeededRowSampler(seeds, temperature, self.device))  # after the recorder: raw logits
+        seeded = do_sample and seeds is not None
+        if seeded:  # draws each row's token itself (after the recorder: raw logits); generate then picks it greedily
+            processors.append(SeededRowSampler(seeds, temperature, self.device))
         pad = self.tokenizer.pad_token_id
-        config = sampling_config(max_new_tokens, temperature, do_sample, self.eos_token_ids, pad)
+        config = sampling_config(max_new_tokens, temperature, do_sample and not seeded, self.eos_token_ids, pad)
         extra = {}
         if prefix_kv is not None and any(p is not None for p in prefix_kv):
             batch, extra["cache"] = batch_with_prefixes(prompt_ids, prefix_kv, pad, self.model.config)

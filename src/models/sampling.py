@@ -122,10 +122,10 @@ class SeededRowSampler(LogitsProcessor):
     ``generate`` samples all rows of a batch from torch's global generator, so a row's tokens depend on the other
     rows of its batch and on the generator's history: the same episode run in another batch (on another rank, or
     with other episodes beside it) would draw other tokens. Here row i draws from a generator seeded with
-    ``seeds[i]`` (Gumbel-max: ``argmax(log_softmax(logits / T) + Gumbel noise)``, one uniform per vocabulary entry
-    and step), and the scores returned are 0 at the drawn token and -inf elsewhere, so ``generate``'s own
-    temperature, softmax and multinomial then pick that token with probability 1. It must be the last processor
-    (the scores it receives are the raw logits under :func:`sampling_config`).
+    ``seeds[i]`` by the exponential race (Gumbel-max): ``argmax(logits / T - log E)`` with one ``E ~ Exp(1)`` per
+    vocabulary entry and step, which picks token k with probability ``softmax(logits / T)[k]``. The scores returned
+    are 0 at the drawn token and -inf elsewhere, so ``generate`` run greedily (``do_sample=False``, no warper) takes
+    that token. It must come after the log-prob recorder, which needs the raw logits.
     """
 
     def __init__(self, seeds: list[int], temperature: float, device: torch.device | str = "cpu"):
@@ -137,9 +137,8 @@ class SeededRowSampler(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if scores.shape[0] != len(self.generators):
             raise RuntimeError(f"{len(self.generators)} row seeds for a batch of {scores.shape[0]} rows")
-        log_p = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device)
-                               for g in self.generators])
-        gumbel = -torch.log(-torch.log(uniform))  # uniform 0 gives -inf: never drawn
-        tokens = (log_p + gumbel).argmax(dim=-1, keepdim=True)
+        race = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
+        for row, g in zip(race, self.generators):
+            row.exponential_(generator=g)
+        tokens = (scores.float() / self.temperature - race.log_()).argmax(dim=-1, keepdim=True)
         return torch.full_like(scores, -torch.inf).scatter_(-1, tokens, 0.0)
