@@ -124,6 +124,9 @@ def test_ckpt_path_must_be_a_checkpoint_of_this_project(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"directory without a \.metadata file"):
         check_checkpoint_path(_cfg(tmp_path, f"ckpt_path={sharded}"))
     (sharded / ".metadata").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"distributed checkpoint without Lightning's meta\.pt"):
+        check_checkpoint_path(_cfg(tmp_path, f"ckpt_path={sharded}"))
+    (sharded / "meta.pt").write_bytes(b"")
     assert check_checkpoint_path(_cfg(tmp_path, f"ckpt_path={sharded}")) == sharded
 
 

@@ -105,7 +105,7 @@ def check_accelerator(cfg: DictConfig) -> None:
 
 _CHECKPOINT_EXPECTED = ("Expected a checkpoint written by src/train.py: a .ckpt file (e.g. "
                         "logs/train/runs/<run>/checkpoints/last.ckpt) or, from trainer=fsdp, a checkpoint directory "
-                        "holding a .metadata file")
+                        "holding .metadata and meta.pt")
 
 
 def check_checkpoint_path(cfg: DictConfig) -> Path | None:
@@ -114,7 +114,8 @@ def check_checkpoint_path(cfg: DictConfig) -> Path | None:
 
     A file must be a complete zip archive as ``torch.save`` writes (a copy or save cut short is not), load as
     Lightning loads it (``weights_only=True``; memory-mapped, so the tensors are not read) and hold a global step
-    and ``policy.*`` weights. A directory must hold a distributed checkpoint's ``.metadata``.
+    and ``policy.*`` weights. A directory must hold a distributed checkpoint's ``.metadata`` and Lightning's
+    ``meta.pt``.
 
     Raises:
         FileNotFoundError: nothing at the path.
@@ -134,6 +135,9 @@ def check_checkpoint_path(cfg: DictConfig) -> Path | None:
         if not (path / ".metadata").is_file():
             raise ValueError(f"{name} is a directory without a .metadata file, so not a distributed checkpoint. "
                              f"{_CHECKPOINT_EXPECTED}.")
+        if not (path / "meta.pt").is_file():
+            raise ValueError(f"{name} is a distributed checkpoint without Lightning's meta.pt (global step, loops, "
+                             f"memory), so not a checkpoint of src/train.py. {_CHECKPOINT_EXPECTED}.")
         return path
     if not os.access(path, os.R_OK):
         raise PermissionError(f"{name} is not readable by this user. {_CHECKPOINT_EXPECTED}.")
