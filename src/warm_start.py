@@ -70,10 +70,13 @@ def _prepare(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
     if policy.num_prompts_truncated > truncated:
         log.warning("%d demonstration prompts were cut to max_prompt_tokens=%d by Policy.encode",
                     policy.num_prompts_truncated - truncated, policy.max_prompt_tokens)
-    too_long = sum(len(e.response_ids) > policy.max_response_tokens for e in examples)
+    num_actions = len(examples)
+    if ws.get("reflections"):
+        examples += _reflection_examples(cfg, ws, env_cfg, policy, datamodule)
+    too_long = sum(len(e.response_ids) > policy.max_response_tokens for e in examples[:num_actions])
     if too_long:
         log.warning("%d of %d demonstrated replies are longer than max_response_tokens=%d (EOS included); RL "
-                    "cuts them", too_long, len(examples), policy.max_response_tokens)
+                    "cuts them", too_long, num_actions, policy.max_response_tokens)
     train = {k: ws[k] for k in ("epochs", "lr", "batch_size", "weight_decay", "gradient_clip_val", "seed")}
     key = {"format": WARM_START_FORMAT, "base_model": policy_cfg["name_or_path"], "dtype": policy_cfg["dtype"],
            "lora": policy_cfg.get("lora"), "precision": str(cfg.trainer.precision), "train": train,
@@ -85,7 +88,31 @@ def _prepare(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
     protocol = {**val, "seed": int(ws["seed"]), "max_steps": datamodule.max_steps, "env": env_cfg,
                 "rollout": asdict(datamodule.rollout_config(use_tips=False, temperature=val.get("temperature")))}
     return {"policy": policy, "policy_cfg": policy_cfg, "env_cfg": env_cfg, "datamodule": datamodule,
-            "records": records, "examples": examples, "key": key, "out_dir": out_dir, "protocol": protocol}
+            "records": records, "examples": examples, "num_reflections": len(examples) - num_actions, "key": key,
+            "out_dir": out_dir, "protocol": protocol}
+
+
+def _reflection_examples(cfg: DictConfig, ws: dict[str, Any], env_cfg: dict[str, Any], policy, datamodule) -> list:
+    """Reflection examples (``src/data/reflections.py``) under the memory's reflection settings
+    (``model.warm_start.reflections``: ``max_tokens`` = ``memory.tip_max_tokens``, ``continue_last_prompt`` =
+    ``memory.reuse_rollout_cache``). Set in the warm start, not read from ``memory``, so a run without memory (GRPO)
+    builds the same warm start as EMPO²; a memory that reflects otherwise is warned about."""
+    from src.data.reflections import reflection_examples, reflection_records
+
+    settings = ws["reflections"]
+    memory = cfg.get("memory") or {}
+    for name, memory_name in (("max_tokens", "tip_max_tokens"), ("continue_last_prompt", "reuse_rollout_cache")):
+        if memory and memory_name in memory and memory[memory_name] != settings[name]:
+            log.warning("model.warm_start.reflections.%s=%s but memory.%s=%s: the warm start teaches reflections "
+                        "under other settings than the memory asks for them", name, settings[name], memory_name,
+                        memory[memory_name])
+    records, write_tip, system_prompt = reflection_records(env_cfg, ws.get("num_tasks"), ws["gold_dir"])
+    examples = reflection_examples(policy, records, system_prompt, datamodule.rollout_config(use_tips=False),
+                                   datamodule.max_steps, write_tip, int(settings["max_tokens"]),
+                                   bool(settings["continue_last_prompt"]))
+    log.info("%d reflection examples from %d trajectories (%d end in success)", len(examples), len(records),
+             sum(r["success"] for r in records))
+    return examples
 
 
 def _loggers(cfg: DictConfig, name: str) -> list:
@@ -127,6 +154,7 @@ def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: l
                            f"{len(loader) * int(ws['epochs'])} steps; nothing was saved")
     info = {"trained_with": prep["key"], "settings": ws, "env": prep["env_cfg"]["_target_"],
             "tasks": [r["task"] for r in prep["records"]], "num_examples": len(examples),
+            "num_reflection_examples": prep["num_reflections"],
             "prompt_tokens_mean": prompt_tokens / len(examples),
             "final_train_loss": float(trainer.callback_metrics.get("train/loss_epoch", float("nan"))),
             "epoch_times_s": module.epoch_times, "train_time_s": time.perf_counter() - tic,

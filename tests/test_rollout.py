@@ -472,3 +472,29 @@ def test_reflection_continues_the_last_rollout_prompt_from_its_kept_keys_values(
         assert len(prompt) <= tiny_policy.max_prompt_tokens
         assert episode.reflection_prefix is None  # released
     assert metrics["tips_written"] > 0
+
+
+def test_a_reflection_example_is_the_prompt_the_memory_reflects_under(pool, tiny_policy, memory):
+    """The warm start's reflection examples (src/data/reflections.py) are rendered from a trajectory exactly as the
+    memory renders the reflection on the same episode after a rollout: continued and fresh, token for token."""
+    from src.data.reflections import reflection_examples, scienceworld_tip
+
+    torch.manual_seed(7)
+    cfg = RolloutConfig(max_response_tokens=4, history_length=1, keep_reflection_prefix=True)
+    episodes, _ = run_episodes(pool, tiny_policy, [TASK, TASK], [0, 0], cfg, memory=memory)
+    for continue_last in (True, False):
+        for episode in episodes:
+            steps = episode.steps
+            record = {"task": episode.task, "instruction": episode.instruction,
+                      "initial_observation": steps[0].observation, "actions": [s.action for s in steps],
+                      "responses": [s.response_text for s in steps], "response_ids": [s.response_ids for s in steps],
+                      "observations": [s.observation for s in steps[1:]] + [episode.final_observation],
+                      "score": episode.score, "max_score": episode.max_score}
+            (example,) = reflection_examples(tiny_policy, [record], pool.system_prompt, cfg, None, scienceworld_tip,
+                                             48, continue_last)
+            kept = episode.reflection_prefix
+            episode.reflection_prefix = kept if continue_last else None
+            ids, prefix, _ = memory.reflection_prompt(tiny_policy, pool.system_prompt, episode)
+            episode.reflection_prefix = kept
+            assert (prefix is not None) == continue_last
+            assert example.prompt_ids == ids

@@ -21,7 +21,7 @@ import lightning as L
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_warn
 
-from src.data.prompts import HistoryItem, build_reflection_turn, build_tip_messages, fit_tip_history
+from src.data.reflection_prompt import reflection_prompt_ids
 from src.envs.base import extract_action
 from src.memory.embedder import Embedder
 from src.memory.novelty import NoveltyMemory
@@ -244,30 +244,12 @@ class MemoryCallback(L.Callback):
     @staticmethod
     def reflection_prompt(policy, system_prompt: str, episode) -> tuple[list[int], Any, int]:
         """(prompt ids, kept keys/values of their first ids or None, observations shortened) of the reflection on
-        ``episode``'s whole trajectory, at most ``policy.max_prompt_tokens`` ids.
-
-        With the episode's last rollout prompt kept (``Episode.reflection_prefix``), the reflection continues that
-        conversation: last prompt + last action + a user turn with the steps that prompt did not show, the final
-        observation and score, and the tip instruction (``build_reflection_turn``); only the new ids are computed.
-        Otherwise (nothing kept, the chat template cannot be continued by ids, or it does not fit) a fresh prompt
-        shows the whole trajectory (``build_tip_messages``). Either way the oldest observations are shortened
-        first to fit (``fit_tip_history``).
-        """
-        history = [HistoryItem(s.observation, s.action) for s in episode.steps]
-        budget = policy.max_prompt_tokens
-        continued = _continue_last_prompt(policy, episode, history, budget)
-        if continued is not None:
-            return continued
-
-        def messages(h):
-            return build_tip_messages(system_prompt, episode.instruction, h, episode.final_observation,
-                                      episode.score, episode.max_score)
-
-        history, ids, shortened = fit_tip_history(history, lambda h: policy.encode(messages(h), truncate=False),
-                                                  policy.tokenizer, budget)
-        if len(ids) > budget:  # even without past observations: the policy's counted cut
-            ids = policy.encode(messages(history))
-        return ids, None, shortened
+        ``episode``'s whole trajectory (``reflection_prompt_ids``): it continues the episode's last rollout prompt
+        when those keys/values were kept (``Episode.reflection_prefix``), so only the new ids are computed."""
+        last, prefix = episode.steps[-1], episode.reflection_prefix
+        usable = prefix is not None and prefix.length == len(last.rollout_prompt_ids)
+        ids, continued, shortened = reflection_prompt_ids(policy, system_prompt, episode, continue_last=usable)
+        return ids, prefix if continued else None, shortened
 
     # ------------------------------------------------------------------ metrics
     def _reset_counters(self) -> None:
@@ -320,24 +302,3 @@ def memory_digest_parts(state: dict[str, Any]) -> dict[str, bytes]:
             "tip keys": b"".join(raw(tips[name]["keys"]) for name in sorted(tips)),
             "novelty states": b"".join(k.encode() + raw(novelty["states"][k]) for k in sorted(novelty["states"])),
             "novelty counts": b"".join(k.encode() + raw(novelty["counts"][k]) for k in sorted(novelty["counts"]))}
-
-
-def _continue_last_prompt(policy, episode, history: list[HistoryItem], budget: int):
-    """``reflection_prompt``'s continuation of the last rollout prompt, or None when it cannot be used."""
-    last, prefix = episode.steps[-1], episode.reflection_prefix
-    if prefix is None or prefix.length != len(last.rollout_prompt_ids):
-        return None
-    response = last.response_ids
-    if response and response[-1] in policy.eos_token_ids:
-        response = response[:-1]  # the turn's own closing ids follow
-    head = last.rollout_prompt_ids + response
-    earlier = history[: len(history) - 1 - last.history_shown]
-
-    def render(h):
-        return head + policy.encode_next_turn(build_reflection_turn(h, len(history), episode.final_observation,
-                                                                    episode.score, episode.max_score))
-
-    if policy.encode_next_turn("") is None:
-        return None
-    earlier, ids, shortened = fit_tip_history(earlier, render, policy.tokenizer, budget)
-    return (ids, prefix, shortened) if len(ids) <= budget else None

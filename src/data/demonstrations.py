@@ -126,8 +126,9 @@ def gold_records(tasks: list[dict[str, Any]], env_cfg: dict[str, Any], gold_dir:
 
 
 # --------------------------------------------------------------------------- WebShop expert episodes
-def webshop_expert_records(env, tasks: list[dict[str, Any]]) -> list[dict]:
-    """Episodes of the scripted expert on WebShop ``tasks`` (``{"goal_idx", "split"}``) in ``env``.
+def webshop_expert_records(env, tasks: list[dict[str, Any]], expert=None) -> list[dict]:
+    """Episodes of the scripted expert (or ``expert``, e.g. a ``FlawedExpertPolicy``) on WebShop ``tasks``
+    (``{"goal_idx", "split"}``) in ``env``.
 
     Each record holds per step the state (observation, admissible actions) and the expert's full reply text
     (``responses``) plus the action the environment parsed from it (``actions``, what the rollout's history
@@ -135,9 +136,9 @@ def webshop_expert_records(env, tasks: list[dict[str, Any]]) -> list[dict]:
     """
     from src.envs.webshop.baselines import ExpertPolicy
 
-    expert = ExpertPolicy(env)
+    expert = expert or ExpertPolicy(env)
     out = []
-    progress = EtaLog(log, "WebShop expert demonstrations", len(tasks), "goals")
+    progress = EtaLog(log, "WebShop expert demonstrations", len(tasks), "goals") if len(tasks) > 1 else None
     for task in tasks:
         observation, info = env.reset(task)
         expert.reset()
@@ -153,7 +154,8 @@ def webshop_expert_records(env, tasks: list[dict[str, Any]]) -> list[dict]:
             record["observations"].append(observation)
         record["success"], record["score"] = bool(info["success"]), float(info["score"])
         out.append(record)
-        progress.step()
+        if progress:
+            progress.step()
     return out
 
 

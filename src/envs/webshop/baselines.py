@@ -68,6 +68,53 @@ class ExpertPolicy:
         return f"<think>search for the product</think><action>search[{query}]</action>"
 
 
+MISTAKES = ("wrong_option", "missing_option", "weak_query", "wrong_product")
+
+
+class FlawedExpertPolicy(ExpertPolicy):
+    """The oracle expert making one deliberate mistake, for trajectories that go wrong (the warm start's reflection
+    examples, ``src/data/reflections.py``).
+
+    ``mistake``: ``wrong_option`` — clicks another value instead of the goal's first option (where the item has one);
+    ``missing_option`` — never clicks the goal's first option; ``weak_query`` — searches only the instruction's first
+    two words and opens the first hit; ``wrong_product`` — opens the first hit that is not the goal's product.
+
+    Raises:
+        ValueError: an unknown ``mistake``.
+    """
+
+    def __init__(self, env: WebShopEnv, mistake: str):
+        if mistake not in MISTAKES:
+            raise ValueError(f"mistake={mistake!r}: expected one of {MISTAKES}")
+        self.mistake = mistake
+        super().__init__(env)
+
+    def act(self, obs: str, info: dict[str, Any]) -> str:
+        admissible, page = info["admissible_actions"], info["page"]
+        clickable = [a for a in admissible if a.startswith("click[") and a[6:-1] not in _FIXED]
+        if page == "search" and self.mistake == "weak_query":
+            self.searches += 1
+            words = _strip_price(self.env.goal["instruction_text"]).split()
+            lead = {"i", "i'm", "im", "need", "want", "looking", "for", "a", "an", "some", "am", "would", "like"}
+            query = " ".join([w for w in words if w.lower() not in lead][:2])
+            return f"<action>search[{query}]</action>"
+        if page == "results" and self.mistake in ("weak_query", "wrong_product") and clickable:
+            target = f"click[{self.env.goal['asin'].lower()}]"
+            others = [a for a in clickable if a != target] if self.mistake == "wrong_product" else clickable
+            return f"<action>{(others or clickable)[0]}</action>"
+        if page == "item" and self.mistake in ("wrong_option", "missing_option") and 0 not in self.done_options:
+            self.done_options.add(0)
+            wanted = self.env.goal["goal_options"]
+            wanted = list(wanted.values()) if isinstance(wanted, dict) else list(wanted)
+            groups = self.env.text_env.option_clickables()  # value -> option name
+            match = [v for v in groups if wanted and option_matches(v, wanted[0])]
+            # another value of the same option (another size, not a colour instead of a size)
+            others = [v for v in groups if match and groups[v] == groups[match[0]] and v not in match]
+            if self.mistake == "wrong_option" and others:
+                return f"<action>click[{others[0]}]</action>"
+        return super().act(obs, info)
+
+
 class RandomPolicy:
     """Uniform over the admissible actions; the search placeholder searches the instruction text."""
 

@@ -1,0 +1,66 @@
+"""The prompt that asks the policy for its reflection on a finished episode (docs/method.md#memory, "Entries").
+
+The one place a reflection prompt is made: the memory's tip writing (``src/callbacks/memory.py``) and the imitation
+warm start's reflection examples (``src/data/reflections.py``) both call ``reflection_prompt_ids``, so the policy
+is taught to reflect under token for token the prompt it reflects under at run time.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from src.data.prompts import HistoryItem, build_reflection_turn, build_tip_messages, fit_tip_history
+
+
+def reflection_prompt_ids(policy, system_prompt: str, episode: Any, continue_last: bool) -> tuple[list[int], bool, int]:
+    """(prompt ids, whether they continue the last rollout prompt, observations shortened) of the reflection on
+    ``episode``'s whole trajectory, at most ``policy.max_prompt_tokens`` ids.
+
+    Args:
+        policy: renders (``encode``, ``encode_next_turn``) and bounds (``max_prompt_tokens``) the prompt.
+        episode: an ``Episode`` (``src/data/rollout.py``): its steps' observations, executed actions, the last
+            step's rollout prompt and response ids and ``history_shown``, the final observation and score.
+        continue_last: continue the episode's last rollout prompt (last prompt + last response + a user turn with
+            the steps that prompt did not show, the final observation and score and the tip instruction,
+            ``build_reflection_turn``) — what the memory does when it kept that prompt's keys/values. Falls back to
+            a fresh prompt of the whole trajectory (``build_tip_messages``) when the chat template cannot be
+            continued by ids or the continuation does not fit.
+
+    The oldest observations are shortened first to fit (``fit_tip_history``); a fresh prompt still over budget gets
+    the policy's counted cut.
+    """
+    history = [HistoryItem(s.observation, s.action) for s in episode.steps]
+    budget = policy.max_prompt_tokens
+    if continue_last:
+        continued = _continue_last_prompt(policy, episode, history, budget)
+        if continued is not None:
+            return continued[0], True, continued[1]
+
+    def messages(h):
+        return build_tip_messages(system_prompt, episode.instruction, h, episode.final_observation,
+                                  episode.score, episode.max_score)
+
+    history, ids, shortened = fit_tip_history(history, lambda h: policy.encode(messages(h), truncate=False),
+                                              policy.tokenizer, budget)
+    if len(ids) > budget:  # even without past observations: the policy's counted cut
+        ids = policy.encode(messages(history))
+    return ids, False, shortened
+
+
+def _continue_last_prompt(policy, episode, history: list[HistoryItem], budget: int) -> tuple[list[int], int] | None:
+    """``reflection_prompt_ids``' continuation of the last rollout prompt: (ids, shortened), or None when it cannot
+    be used."""
+    if policy.encode_next_turn("") is None:
+        return None
+    last = episode.steps[-1]
+    response = last.response_ids
+    if response and response[-1] in policy.eos_token_ids:
+        response = response[:-1]  # the turn's own closing ids follow
+    head = last.rollout_prompt_ids + response
+    earlier = history[: len(history) - 1 - last.history_shown]
+
+    def render(h):
+        return head + policy.encode_next_turn(build_reflection_turn(h, len(history), episode.final_observation,
+                                                                    episode.score, episode.max_score))
+
+    earlier, ids, shortened = fit_tip_history(earlier, render, policy.tokenizer, budget)
+    return (ids, shortened) if len(ids) <= budget else None
