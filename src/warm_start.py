@@ -137,13 +137,14 @@ def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: l
     log.info("Building the warm start (once) into %s: %d examples from %d demonstrations (%.0f prompt tokens on "
              "average), %d epoch(s); the time left is logged as it trains", prep["out_dir"], len(examples),
              len(prep["records"]), prompt_tokens / len(examples), ws["epochs"])
-    module = SFTModule(policy, lr=float(ws["lr"]), weight_decay=float(ws["weight_decay"]))
+    module = SFTModule(policy, lr=float(ws["lr"]), weight_decay=float(ws["weight_decay"]),
+                       gradient_clip_val=ws["gradient_clip_val"], micro_batch_tokens=ws.get("micro_batch_tokens"))
     # from_pretrained returns eval mode and Lightning keeps it; train mode turns gradient checkpointing on.
     policy.train()
     tic = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="warm_start_") as root:
         trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
-                            max_epochs=int(ws["epochs"]), gradient_clip_val=ws["gradient_clip_val"],
+                            max_epochs=int(ws["epochs"]),
                             logger=loggers or False, callbacks=[ProgressLog(), RichProgressBar()],
                             enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
                             default_root_dir=root)

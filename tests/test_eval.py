@@ -141,9 +141,18 @@ def test_memory_built_during_eval_is_reproducible(tmp_path):
 
 def test_adaptation_on_a_transfer_pair_leaves_the_weights_unchanged(checkpoint, tmp_path):
     cfg = _compose("eval", tmp_path, "experiment=transfer_power_to_paint", f"ckpt_path={checkpoint['path']}",
-                   "logger=csv", "eval.trials=2", "eval.num_tasks=1", "eval.episodes_per_task=1")
+                   "logger=csv", "eval.trials=2", "eval.num_tasks=1", "eval.episodes_per_task=1", "eval.control=true")
     summary = run_eval(cfg)
     assert summary["protocol"] == "adaptation" and summary["task"] == "chemistry-mix-paint-secondary-color"
+    # the memory-off control: the same trials, the same per-episode sampling streams, no tips
+    control, paired = summary["control_trials"], summary["paired"]
+    assert [r["trial"] for r in control] == [0, 1, 2] and not any(r["memory"] for r in control)
+    assert control[0] == {k: v for k, v in summary["trials"][0].items() if k in control[0]}  # trial 0: same episodes
+    for row, ctrl, diff in zip(summary["trials"], control, paired):
+        assert diff["score_diff"]["n"] == 1
+        assert diff["score_diff"]["mean"] == pytest.approx(row["score"] - ctrl["score"])
+    assert paired[0]["score_diff"]["mean"] == 0 and summary["last_trial_paired_score_diff"] == paired[-1]["score_diff"]
+    assert [r["trial"] for r in summary["reflections"]] == [0, 1, 2] and all(r["tip"] for r in summary["reflections"])
     rows = summary["trials"]
     assert [r["trial"] for r in rows] == [0, 1, 2] and [r["memory"] for r in rows] == [False, True, True]
     assert rows[0]["memory_size_before"] == 0 and rows[1]["memory_size_before"] > 0  # trial 0 wrote tips

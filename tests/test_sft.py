@@ -186,9 +186,9 @@ def test_sft_steps_lower_the_loss_and_save_loads(record, tiny_dir, tmp_path):
     examples = build_examples(policy, [record], "You are an agent.", RolloutConfig(history_length=2), max_steps=12)
     before = mean_token_loss(policy, examples)
     L.seed_everything(0)
-    module = SFTModule(policy, lr=3e-3)
+    module = SFTModule(policy, lr=3e-3, gradient_clip_val=1.0)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=4, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0)
+                        enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, train_dataloaders=make_dataloader(examples, batch_size=2, seed=0))
     after = mean_token_loss(policy, examples)
     assert len(module.epoch_times) == 4
@@ -212,6 +212,40 @@ def test_sft_steps_lower_the_loss_and_save_loads(record, tiny_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sft-find"]
 
 
+
+
+def test_micro_batches_cut_by_padded_tokens():
+    from src.data.samples import SFTExample
+    from src.models.sft_module import micro_batches
+
+    batch = [SFTExample([1] * (n - 1), [2], {}, 0) for n in (10, 10, 30, 5)]
+    chunks = micro_batches(batch, 40)  # rows x longest row: 2x10 fits, 3x30 does not, 2x30 does not
+    assert [[len(e.prompt_ids) + 1 for e in c] for c in chunks] == [[10, 10], [30], [5]]
+    assert micro_batches(batch, None) == [batch] and micro_batches(batch, 1) == [[e] for e in batch]
+
+
+def test_a_micro_batched_step_equals_the_whole_batch_step(record, tiny_dir):
+    """The gradient of a batch accumulated over micro-batches is the whole batch's (the clipped gradient the optimizer
+    steps with, fp32), and the step is taken."""
+    class Grads(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.grads = {n: p.grad.clone() for n, p in pl_module.policy.model.named_parameters()}
+
+    grads = []
+    for micro_batch_tokens in (None, 1):
+        policy = make_policy(tiny_dir)
+        examples = build_examples(policy, [record], "You are an agent.", RolloutConfig(history_length=2), 12)[:4]
+        module = SFTModule(policy, lr=1e-2, gradient_clip_val=0.5, micro_batch_tokens=micro_batch_tokens)
+        seen = Grads()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[seen])
+        trainer.fit(module, train_dataloaders=make_dataloader(examples, batch_size=4, seed=0))
+        assert trainer.global_step == 1
+        grads.append(seen.grads)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads[0].values()]))
+    assert norm == pytest.approx(0.5, rel=1e-4)  # clipped to gradient_clip_val
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-7)
 
 
 # --------------------------------------------------------------------------- WebShop expert demonstrations

@@ -110,6 +110,7 @@ class MemoryCallback(L.Callback):
         self.novelty = NoveltyMemory(dim=embedder.dim, threshold=float(novelty.get("threshold", 0.9)),
                                      coef=float(novelty.get("coef", 1.0)), count=novelty.get("count", "visits"))
         self._warned_action_tips = False
+        self.last_reflections: list[dict[str, Any]] = []
         self._reset_counters()
 
     # ------------------------------------------------------------------ Lightning
@@ -203,6 +204,9 @@ class MemoryCallback(L.Callback):
                 cached["seeds"] = [row_seeds(sample_seed, [e.id], 0)[0] for e in done]
             gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens, **cached)
         reflections = [" ".join(t.split()) for t in gen.texts]  # one line each: an entry is one line
+        # this rank's reflections, for reports (the adaptation protocol's summary)
+        self.last_reflections = [{"task": e.task, "instruction": e.instruction, "score": e.score, "tip": tip}
+                                 for e, tip in zip(done, reflections)]
         action_frac = self._check_reflections(reflections)
         batches = []
         for episode, tip in zip(done, reflections):

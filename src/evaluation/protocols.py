@@ -31,6 +31,8 @@ def check_eval_config(ev: DictConfig | dict) -> None:
     if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Sequence) or not seeds \
             or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise ValueError(f"eval.seeds={seeds!r}: expected a non-empty list of ints, e.g. [0, 1, 2]")
+    if not isinstance(ev.get("control", False), bool):
+        raise ValueError(f"eval.control={ev.get('control')!r}: expected true or false")
     for name in ("episodes_per_task", "trials") + (("num_tasks",) if ev.get("num_tasks") is not None else ()):
         value = ev.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -77,43 +79,84 @@ def run_standard(cfg, b, pool, tasks, memory, write_tips: bool) -> dict[str, Any
 
 
 def run_adaptation(cfg, b, pool, tasks, memory) -> dict[str, Any]:
+    """The adaptation protocol (docs/evaluation.md#adaptation): per seed, trial 0 without tips, then trials 1..K
+    with tips retrieved from the reflections of the earlier trials, the policy's weights fixed.
+
+    With ``eval.control`` the same trials also run with the memory off (no tips shown, none written), so retries
+    alone are not mistaken for memory. Trial k of both arms draws its tokens from the same per-episode streams
+    (``stream_seed(seed, k, VALIDATION)``), so trial 0 is the same episodes in both arms and a later trial differs
+    only by the tips shown. Returns the memory arm's per-trial rows (``trials``), the control's
+    (``control_trials``), the paired per-episode difference memory − control per trial (``paired``, mean ± s.e.;
+    episodes paired by seed, task and episode index), and the reflections written (``reflections``).
+    """
     import lightning as L
 
     from src.data.rollout import evaluate
+    from src.evaluation.stats import mean_stderr
+    from src.utils.rng import REFLECTION, VALIDATION, stream_seed
 
     ev, module, dm = cfg.eval, b["module"], b["datamodule"]
-    trials = int(ev.trials)
-    configs = {use: dm.rollout_config(use_tips=use, temperature=float(ev.temperature)) for use in (False, True)}
+    trials, n = int(ev.trials), int(ev.episodes_per_task)
     empty = memory.state_dict()
-    per_trial: list[list] = [[] for _ in range(trials + 1)]
-    memory_sizes = [[] for _ in range(trials + 1)]
-    rollout_s = 0.0
+    arms = {"memory": memory, **({"control": None} if ev.get("control") else {})}
+    per_trial = {arm: [[] for _ in range(trials + 1)] for arm in arms}
+    memory_sizes: list[list[int]] = [[] for _ in range(trials + 1)]
+    tip_action = [[] for _ in range(trials + 1)]
+    reflections, rollout_s = [], 0.0
     for seed in ev.seeds:
-        L.seed_everything(seed, verbose=False)
-        memory.load_state_dict(empty)
-        for trial in range(trials + 1):
-            # trial 0 passes the memory too (no retrieval): its states are embedded so its tips can be written
-            metrics, episodes = evaluate(pool, module, tasks, int(ev.episodes_per_task), configs[trial > 0],
-                                         dm.max_steps, memory, return_episodes=True)
-            rollout_s += metrics["rollout_s"]
-            memory_sizes[trial].append(len(memory.tips))
-            with module.rollout_context():
-                memory.write_tips(episodes, module.policy, pool.system_prompt)
-            per_trial[trial] += episodes
-            log.info("seed %d trial %d (%s): score %.2f", seed, trial, "tips" if trial else "no memory",
-                     episode_summary(episodes)["score"]["mean"] or math.nan)
-    rows = []
-    for trial, episodes in enumerate(per_trial):
-        s = episode_summary(episodes)
-        rows.append({"trial": trial, "memory": trial > 0, "score": s["score"]["mean"],
-                     "score_stderr": s["score"]["stderr"], "success_rate": s["success_rate"]["mean"],
-                     "success_rate_stderr": s["success_rate"]["stderr"], "episode_length": s["episode_length"],
-                     "episodes": s["episodes"], "failed_episodes": s["failed_episodes"],
-                     "memory_size_before": float(sum(memory_sizes[trial]) / len(memory_sizes[trial]))})
-    scores = [r["score"] for r in rows]
+        for arm, mem in arms.items():
+            L.seed_everything(seed, verbose=False)
+            if mem is not None:
+                mem.load_state_dict(empty)
+            for trial in range(trials + 1):
+                rollout_cfg = dm.rollout_config(use_tips=mem is not None and trial > 0,
+                                                temperature=float(ev.temperature),
+                                                sample_seed=stream_seed(seed, trial, VALIDATION))
+                # the reflection continues the last rollout prompt, as in training (and the warm start teaches)
+                rollout_cfg.keep_reflection_prefix = mem is not None and mem.reuse_rollout_cache
+                # trial 0 passes the memory too (no retrieval): its states are embedded so its tips can be written
+                metrics, episodes = evaluate(pool, module, tasks, n, rollout_cfg, dm.max_steps, mem,
+                                             return_episodes=True)
+                rollout_s += metrics["rollout_s"]
+                if mem is not None:
+                    memory_sizes[trial].append(len(mem.tips))
+                    with module.rollout_context():
+                        written = mem.write_tips(episodes, module.policy, pool.system_prompt,
+                                                 sample_seed=stream_seed(seed, trial, REFLECTION))
+                    if "tip_action_frac" in written:
+                        tip_action[trial].append(written["tip_action_frac"])
+                    reflections += [{"seed": seed, "trial": trial, **r} for r in mem.last_reflections]
+                per_trial[arm][trial].append(episodes)
+                log.info("seed %d trial %d (%s): score %.2f", seed, trial,
+                         "no memory" if mem is None or trial == 0 else "tips",
+                         episode_summary(episodes)["score"]["mean"] or math.nan)
+    rows = {arm: [_trial_row(trial, [e for eps in runs for e in eps], arm == "memory" and trial > 0)
+                  for trial, runs in enumerate(per_trial[arm])] for arm in arms}
+    for trial, row in enumerate(rows["memory"]):
+        row["memory_size_before"] = float(sum(memory_sizes[trial]) / len(memory_sizes[trial]))
+        row["tip_action_frac"] = sum(tip_action[trial]) / len(tip_action[trial]) if tip_action[trial] else None
+    scores = [r["score"] for r in rows["memory"]]
     if any(s is None for s in scores):
         raise RuntimeError(f"a trial has no finished episode (scores per trial: {scores}); see the worker errors")
     best = max(range(1, trials + 1), key=lambda k: scores[k])
-    return {"trials": rows, "trial0_score": scores[0], "best_trial": best, "best_score": scores[best],
-            "best_absolute_gain": scores[best] - scores[0], "best_relative_gain": best_relative_gain(scores),
-            "rollout_s": rollout_s}
+    out = {"trials": rows["memory"], "trial0_score": scores[0], "best_trial": best, "best_score": scores[best],
+           "best_absolute_gain": scores[best] - scores[0], "best_relative_gain": best_relative_gain(scores),
+           "rollout_s": rollout_s, "reflections": reflections}
+    if "control" in arms:
+        out["control_trials"] = rows["control"]
+        out["paired"] = []
+        for trial in range(trials + 1):
+            pairs = [(a, c) for with_memory, without in zip(per_trial["memory"][trial], per_trial["control"][trial])
+                     for a, c in zip(with_memory, without) if not (a.failed or c.failed)]
+            out["paired"].append({"trial": trial,
+                                  "score_diff": mean_stderr([a.score - c.score for a, c in pairs]),
+                                  "success_diff": mean_stderr([float(a.success) - float(c.success) for a, c in pairs])})
+        out["last_trial_paired_score_diff"] = out["paired"][-1]["score_diff"]
+    return out
+
+
+def _trial_row(trial: int, episodes: list, with_tips: bool) -> dict[str, Any]:
+    s = episode_summary(episodes)
+    return {"trial": trial, "memory": with_tips, "score": s["score"]["mean"], "score_stderr": s["score"]["stderr"],
+            "success_rate": s["success_rate"]["mean"], "success_rate_stderr": s["success_rate"]["stderr"],
+            "episode_length": s["episode_length"], "episodes": s["episodes"], "failed_episodes": s["failed_episodes"]}

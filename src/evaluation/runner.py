@@ -224,6 +224,12 @@ def _log_summary(summary: dict[str, Any], loggers, path: Path) -> None:
     if summary["protocol"] == "adaptation":
         per_step = [(row["trial"], finite({f"adaptation/{k}": v for k, v in row.items() if k not in ("trial", "memory")}))
                     for row in summary["trials"]]
+        for row, paired in zip(summary.get("control_trials") or [], summary.get("paired") or []):
+            per_step[row["trial"]][1].update(finite({
+                **{f"adaptation/control_{k}": v for k, v in row.items() if k not in ("trial", "memory")},
+                "adaptation/paired_score_diff": paired["score_diff"]["mean"],
+                "adaptation/paired_score_diff_stderr": paired["score_diff"]["stderr"],
+                "adaptation/paired_success_diff": paired["success_diff"]["mean"]}))
         final = finite({f"adaptation/{k}": summary[k] for k in ("trial0_score", "best_score", "best_trial",
                                                                   "best_absolute_gain", "best_relative_gain")})
     else:

@@ -59,6 +59,25 @@ def mean_token_loss(policy: Policy, examples: list[SFTExample], batch_size: int 
     return nll / tokens
 
 
+def micro_batches(batch: list[SFTExample], max_tokens: int | None) -> list[list[SFTExample]]:
+    """``batch`` cut into consecutive chunks of at most ``max_tokens`` padded tokens (rows × the longest row's
+    prompt + reply), at least one example each; ``None``: one chunk. Activation memory grows with a chunk's padded
+    tokens, so long reflection prompts (~1.5k tokens) are trained a few at a time."""
+    if max_tokens is None:
+        return [batch]
+    chunks: list[list[SFTExample]] = []
+    current: list[SFTExample] = []
+    longest = 0
+    for e in batch:
+        n = len(e.prompt_ids) + len(e.response_ids)
+        if current and (len(current) + 1) * max(longest, n) > max_tokens:
+            chunks.append(current)
+            current, longest = [], 0
+        current.append(e)
+        longest = max(longest, n)
+    return chunks + [current] if current else chunks
+
+
 class SFTModule(L.LightningModule):
     """Cross-entropy fine-tuning of a ``Policy`` on ``SFTExample`` batches (lists), AdamW.
 
@@ -67,13 +86,22 @@ class SFTModule(L.LightningModule):
     ``train/epoch_time_s``; ``epoch_times`` keeps the wall time (s) of each finished epoch. ``share_prefix``:
     each batch's common prompt prefix (system prompt, task) is computed once (``Policy.log_probs``; the loss and
     gradients are the same up to float rounding, the batch ~2x cheaper for ScienceWorld demonstrations).
+    Each batch is one optimizer step (AdamW, gradient norm clipped to ``gradient_clip_val``) whose gradient is
+    accumulated over micro-batches of at most ``micro_batch_tokens`` padded tokens (``micro_batches``).
     """
 
-    def __init__(self, policy: Policy, lr: float = 1e-4, weight_decay: float = 0.0, share_prefix: bool = True):
+    def __init__(self, policy: Policy, lr: float = 1e-4, weight_decay: float = 0.0, share_prefix: bool = True,
+                 gradient_clip_val: float | None = None, micro_batch_tokens: int | None = 4096):
         super().__init__()
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1 or None, got {micro_batch_tokens}")
+        # manual optimization: a batch's gradient is accumulated over micro-batches (same gradient, bounded memory)
+        self.automatic_optimization = False
         self.policy = policy
+        self.gradient_clip_val = gradient_clip_val
+        self.micro_batch_tokens = micro_batch_tokens
         self.lr = lr
         self.weight_decay = weight_decay
         self.share_prefix = share_prefix
@@ -87,10 +115,20 @@ class SFTModule(L.LightningModule):
             self.log("train/tokens_per_s", self._last_batch[1] / (now - self._last_batch[0]), on_step=True,
                      on_epoch=False, prog_bar=True, batch_size=len(batch))
         self._last_batch = (now, tokens_in)
-        nll, tokens = response_nll(self.policy, batch, self.share_prefix)
-        loss = nll / tokens.clamp(min=1)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        total = float(sum(len(e.response_ids) for e in batch))
+        nll_sum = 0.0
+        for chunk in micro_batches(batch, self.micro_batch_tokens):
+            nll, _ = response_nll(self.policy, chunk, self.share_prefix)
+            self.manual_backward(nll / max(total, 1.0))  # the batch's mean token loss, summed over its chunks
+            nll_sum += float(nll.detach())
+        if self.gradient_clip_val:
+            self.clip_gradients(optimizer, gradient_clip_val=self.gradient_clip_val, gradient_clip_algorithm="norm")
+        optimizer.step()
+        loss = torch.tensor(nll_sum / max(total, 1.0))
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(batch))
-        self.log("train/target_tokens", tokens, on_step=True, on_epoch=False, batch_size=len(batch))
+        self.log("train/target_tokens", total, on_step=True, on_epoch=False, batch_size=len(batch))
         return loss
 
     def on_train_epoch_start(self) -> None:

@@ -1,0 +1,133 @@
+"""Report adaptation runs with a memory-off control: one PNG, a Markdown table, tip statistics.
+
+    python src/eval.py experiment=webshop eval.protocol=adaptation eval.control=true eval.trials=3 ... \
+        eval.summary_file=docs/results/adaptation/webshop.json
+    python scripts/adaptation_report.py WebShop=docs/results/adaptation/webshop.json \
+        ScienceWorld=docs/results/adaptation/scienceworld.json --out-dir docs/results/adaptation
+
+Reads the summaries `src/eval.py` writes with `eval.protocol=adaptation eval.control=true` (per-trial rows of both
+arms, the paired per-episode difference memory − control, the reflections written) and writes to `--out-dir`:
+
+- `adaptation_control.png`: score per trial (mean ± s.e. over episodes), with memory and without, one panel per
+  environment;
+- `report.md`: per trial both arms' score and success and the paired difference (mean ± s.e.); the share of
+  reflections with an `<action>` tag (`tip_action_frac`) and the share that name something the next attempt can use
+  (`usable_tip`); ten reflections quoted verbatim per environment.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from src.envs.base import extract_action  # noqa: E402
+
+STOP = set("""a an the and or of in on to for with that is it its i i'm i'd im need want looking some be me get
+buy find would like please this my your you which have has also than lower price dollars choose size color style
+from at by as are was""".split())
+SCIENCEWORLD_ROOMS = ("kitchen", "bedroom", "hallway", "workshop", "greenhouse", "art studio", "living room",
+                      "bathroom", "foundry", "outside")
+
+
+def usable_tip(tip: str, instruction: str, env: str) -> bool:
+    """Whether a reflection names something the next attempt can use, and is not an action reply.
+
+    WebShop: a ``search[...]`` query of two or more words, or a content word of the instruction (an option value
+    such as a colour or size, an attribute, the product's noun; stop words and the price clause excluded).
+    ScienceWorld: a room, a box of the instruction ("red box"), or an object acted on (``focus on``/``move``).
+    """
+    if extract_action(tip)[0] is not None:
+        return False
+    low = tip.lower()
+    if "webshop" in env.lower():
+        if re.search(r"search\[\s*\S+\s+\S+", low):
+            return True
+        task = re.split(r"and price lower than", instruction.lower())[0]
+        words = {w for w in re.findall(r"[a-z0-9][a-z0-9'-]+", task) if w not in STOP}
+        return any(re.search(rf"(?<![\w-]){re.escape(w)}(?![\w-])", low) for w in words)
+    box = re.search(r"(\w+ box)", instruction.lower())
+    return (any(room in low for room in SCIENCEWORLD_ROOMS) or bool(box and box.group(1) in low)
+            or bool(re.search(r"\b(focus on|move) \w+", low)))
+
+
+def _fmt(mean, stderr, digits: int) -> str:
+    if mean is None:
+        return "–"
+    return f"{mean:.{digits}f} ± {stderr:.{digits}f}" if stderr is not None else f"{mean:.{digits}f}"
+
+
+def report(docs: dict[str, dict], out_dir: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(docs), figsize=(5.2 * len(docs), 3.8), squeeze=False)
+    lines = []
+    for ax, (label, doc) in zip(axes[0], docs.items()):
+        digits = 3 if "webshop" in str(doc["env"]).lower() else 1
+        unit = "score [0, 1]" if digits == 3 else "score (points)"
+        for key, name, style in (("trials", "memory on (tips from earlier trials)", "-o"),
+                                 ("control_trials", "memory off (control)", "--s")):
+            rows = doc[key]
+            ax.errorbar([r["trial"] for r in rows], [r["score"] for r in rows],
+                        yerr=[r["score_stderr"] or 0 for r in rows], fmt=style, capsize=3, label=name)
+        n = doc["trials"][0]["episodes"]
+        ax.set(title=f"{label}: {doc['task'] or 'webshop'} ({n} episodes/trial)", xlabel="trial", ylabel=unit)
+        ax.set_xticks([r["trial"] for r in doc["trials"]])
+        ax.legend(fontsize=8)
+        reflections = doc.get("reflections") or []
+        usable = [usable_tip(r["tip"], r["instruction"], str(doc["env"])) for r in reflections]
+        actions = [extract_action(r["tip"])[0] is not None for r in reflections]
+        last = doc["paired"][-1]
+        lines += [f"## {label}", "",
+                  f"{doc['num_tasks']} held-out tasks × {doc['episodes_per_task']} episode(s) × seeds {doc['seeds']}, "
+                  f"T = {doc['temperature']}, trials 0…{len(doc['trials']) - 1}, checkpoint: "
+                  f"{doc['ckpt_path'] or 'the warm start (ckpt_path=null)'}.", "",
+                  "| trial | memory on: score | memory off: score | paired diff (on − off) | on: success | off: success "
+                  "| tip_action_frac |", "|---|---|---|---|---|---|---|"]
+        for row, ctrl, diff in zip(doc["trials"], doc["control_trials"], doc["paired"]):
+            frac = row.get("tip_action_frac")
+            lines.append(f"| {row['trial']} | {_fmt(row['score'], row['score_stderr'], digits)} | "
+                         f"{_fmt(ctrl['score'], ctrl['score_stderr'], digits)} | "
+                         f"{_fmt(diff['score_diff']['mean'], diff['score_diff']['stderr'], digits)} | "
+                         f"{_fmt(row['success_rate'], row['success_rate_stderr'], 2)} | "
+                         f"{_fmt(ctrl['success_rate'], ctrl['success_rate_stderr'], 2)} | "
+                         f"{'–' if frac is None else f'{frac:.2f}'} |")
+        lines += ["", f"Paired difference at the last trial: **{_fmt(last['score_diff']['mean'], last['score_diff']['stderr'], digits)}** "
+                  f"(score, n = {last['score_diff']['n']} pairs), success {_fmt(last['success_diff']['mean'], last['success_diff']['stderr'], 2)}.",
+                  f"Reflections written: {len(reflections)}; with an `<action>` tag: {sum(actions)} "
+                  f"({sum(actions) / max(len(reflections), 1):.1%}); naming something the next attempt can use "
+                  f"(`usable_tip`): {sum(usable)} ({sum(usable) / max(len(reflections), 1):.1%}).", "",
+                  "Ten reflections, verbatim (the first ten written on trial 0 of the first seed):", ""]
+        lines += [f"{k + 1}. (score {r['score']:g}) `{r['tip']}`" for k, r in enumerate(reflections[:10])] + [""]
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_dir / "adaptation_control.png", dpi=120)
+    text = "\n".join(lines)
+    (out_dir / "report.md").write_text(text + "\n")
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("summaries", nargs="+", help="LABEL=path of an adaptation eval_summary.json with control")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "results" / "adaptation")
+    args = parser.parse_args()
+    docs = {}
+    for spec in args.summaries:
+        label, path = spec.split("=", 1) if "=" in spec else (Path(spec).stem, spec)
+        doc = json.loads(Path(path).read_text())
+        if "control_trials" not in doc:
+            raise SystemExit(f"{path}: no control arm; run src/eval.py with eval.control=true")
+        docs[label] = doc
+    print(report(docs, args.out_dir))
+
+
+if __name__ == "__main__":
+    main()
