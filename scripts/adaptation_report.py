@@ -89,8 +89,8 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
                   f"{doc['num_tasks']} held-out tasks × {doc['episodes_per_task']} episode(s) × seeds {doc['seeds']}, "
                   f"T = {doc['temperature']}, trials 0…{len(doc['trials']) - 1}, checkpoint: "
                   f"{doc['ckpt_path'] or 'the warm start (ckpt_path=null)'}.", "",
-                  "| trial | memory on: score | memory off: score | paired diff (on − off) | on: success | off: success "
-                  "| tip_action_frac |", "|---|---|---|---|---|---|---|"]
+                  "| trial | memory on: score | memory off: score | paired diff (on − off) | on: success "
+                  "| off: success | tip_action_frac |", "|---|---|---|---|---|---|---|"]
         for row, ctrl, diff in zip(doc["trials"], doc["control_trials"], doc["paired"]):
             frac = row.get("tip_action_frac")
             lines.append(f"| {row['trial']} | {_fmt(row['score'], row['score_stderr'], digits)} | "
@@ -99,8 +99,11 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
                          f"{_fmt(row['success_rate'], row['success_rate_stderr'], 2)} | "
                          f"{_fmt(ctrl['success_rate'], ctrl['success_rate_stderr'], 2)} | "
                          f"{'–' if frac is None else f'{frac:.2f}'} |")
-        lines += ["", f"Paired difference at the last trial: **{_fmt(last['score_diff']['mean'], last['score_diff']['stderr'], digits)}** "
-                  f"(score, n = {last['score_diff']['n']} pairs), success {_fmt(last['success_diff']['mean'], last['success_diff']['stderr'], 2)}.",
+        score_diff, success_diff = last["score_diff"], last["success_diff"]
+        lines += ["", "Paired difference at the last trial: "
+                  f"**{_fmt(score_diff['mean'], score_diff['stderr'], digits)}**"
+                  f" (score, n = {score_diff['n']} pairs), success "
+                  f"{_fmt(success_diff['mean'], success_diff['stderr'], 2)}.",
                   f"Reflections written: {len(reflections)}; with an `<action>` tag: {sum(actions)} "
                   f"({sum(actions) / max(len(reflections), 1):.1%}); naming something the next attempt can use "
                   f"(`usable_tip`): {sum(usable)} ({sum(usable) / max(len(reflections), 1):.1%}).", "",

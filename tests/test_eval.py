@@ -153,6 +153,15 @@ def test_adaptation_on_a_transfer_pair_leaves_the_weights_unchanged(checkpoint, 
         assert diff["score_diff"]["mean"] == pytest.approx(row["score"] - ctrl["score"])
     assert paired[0]["score_diff"]["mean"] == 0 and summary["last_trial_paired_score_diff"] == paired[-1]["score_diff"]
     assert [r["trial"] for r in summary["reflections"]] == [0, 1, 2] and all(r["tip"] for r in summary["reflections"])
+    # the report of both arms: figure and table (scripts/adaptation_report.py)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("adaptation_report", ROOT / "scripts" / "adaptation_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    text = report.report({"ScienceWorld": summary}, tmp_path / "report")
+    assert (tmp_path / "report" / "adaptation_control.png").stat().st_size > 0
+    assert f"| 0 | {summary['trials'][0]['score']:.1f}" in text and "Paired difference at the last trial" in text
     rows = summary["trials"]
     assert [r["trial"] for r in rows] == [0, 1, 2] and [r["memory"] for r in rows] == [False, True, True]
     assert rows[0]["memory_size_before"] == 0 and rows[1]["memory_size_before"] > 0  # trial 0 wrote tips

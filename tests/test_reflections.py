@@ -36,7 +36,7 @@ TEMPLATE = set("""i never clicked buy now within the step limit next time open a
 worked search opened repeat every option task names before buying but asked for and cost over my query was too vague
 did not match all s attributes best matching on product page it with no extra look around focusing ended episode
 points wrong object focus only an that fits score ran out of steps after actions them needless skip go straight to
-move finish in fewer done nothing""".split())
+move finish in fewer done nothing choose searched""".split())
 
 
 def _words(text: str) -> set[str]:

@@ -212,8 +212,6 @@ def test_sft_steps_lower_the_loss_and_save_loads(record, tiny_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sft-find"]
 
 
-
-
 def test_micro_batches_cut_by_padded_tokens():
     from src.data.samples import SFTExample
     from src.models.sft_module import micro_batches
@@ -344,6 +342,19 @@ def test_warm_start_is_built_once_then_reused(warm_start, monkeypatch):
     again = sft.ensure_warm_start(cfg)
     assert again == first
     assert torch.equal(torch.rand(3), expected)  # the RL run's random stream is not reseeded by the warm start
+
+
+def test_reflection_examples_join_the_warm_start_when_asked(warm_start):
+    from src.warm_start import ensure_warm_start
+
+    tmp, first = warm_start
+    assert first["info"]["num_reflection_examples"] == 0  # off by default
+    reflections = "model.warm_start.reflections={max_tokens:48,continue_last_prompt:true}"
+    other = ensure_warm_start(compose_train(tmp, reflections, "model.warm_start.eval=false"))
+    info = other["info"]
+    # two trajectories per training goal (the expert's and a flawed one), one reflection example each
+    assert info["num_reflection_examples"] == 4 and info["num_examples"] == first["info"]["num_examples"] + 4
+    assert other["path"] != first["path"]
 
 
 @pytest.mark.parametrize("override", ["model.warm_start.lr=1e-3", "data.history_obs_chars=100"])

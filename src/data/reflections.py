@@ -99,14 +99,16 @@ def webshop_tip(record: dict[str, Any]) -> list[str]:
     missing = [v for v in named if v not in clicked]
     extra = [v for v in clicked if v not in named]
     short = _words(title, 5)
-    need = " and ".join(f"click[{v}]" for v in named)
+    # plain words, not the action syntax: a tip full of "click[...]" teaches the policy that "click[" is followed by an
+    # option (its buy-now step lost 5 nats of log-prob), and a tip should read as advice, not as an action
+    need = "choose " + " and ".join(named) if named else ""
     bought = "click[buy now]" in actions
     if not bought:
         return ["I never clicked buy now within the step limit.",
                 f"Next time open a result matching '{webshop_query(instruction, 6)}'"
-                + (f", {need}" if need else "") + ", then click[buy now] early."]
+                + (f", {need}" if need else "") + ", then buy it early."]
     if record["score"] >= record.get("max_score", 1.0):
-        return [f"Worked: search[{webshop_query(query, 5)}], opened {_words(title, 4)}"
+        return [f"Worked: searched '{webshop_query(query, 5)}', opened {_words(title, 4)}"
                 + (f", {need}" if need else "") + ", buy now.",
                 "Repeat: click every option the task names before buying."]
     problems = []
@@ -121,7 +123,7 @@ def webshop_tip(record: dict[str, Any]) -> list[str]:
         problems.append(f"My query '{query}' was too vague.")
     if not problems:
         problems.append(f"{short} did not match all the task's attributes.")
-    fix = f"search[{webshop_query(instruction)}], open the best matching result" if vague or not missing \
+    fix = f"search '{webshop_query(instruction)}', open the best matching result" if vague or not missing \
         else "on the product page"
     return problems + [f"Next time {fix}" + (f", {need}" if need else "") + ", then buy now."]
 

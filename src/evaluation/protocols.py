@@ -79,8 +79,8 @@ def run_standard(cfg, b, pool, tasks, memory, write_tips: bool) -> dict[str, Any
 
 
 def run_adaptation(cfg, b, pool, tasks, memory) -> dict[str, Any]:
-    """The adaptation protocol (docs/evaluation.md#adaptation): per seed, trial 0 without tips, then trials 1..K
-    with tips retrieved from the reflections of the earlier trials, the policy's weights fixed.
+    """The adaptation protocol (docs/evaluation.md#the-adaptation-protocol): per seed, trial 0 without tips, then
+    trials 1..K with tips retrieved from the reflections of the earlier trials, the policy's weights fixed.
 
     With ``eval.control`` the same trials also run with the memory off (no tips shown, none written), so retries
     alone are not mistaken for memory. Trial k of both arms draws its tokens from the same per-episode streams
