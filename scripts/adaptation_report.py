@@ -11,8 +11,8 @@ arms, the paired per-episode difference memory − control, the reflections writ
 - `adaptation_control.png`: score per trial (mean ± s.e. over episodes), with memory and without, one panel per
   environment;
 - `report.md`: per trial both arms' score and success and the paired difference (mean ± s.e.); the share of
-  reflections with an `<action>` tag (`tip_action_frac`) and the share that name something the next attempt can use
-  (`usable_tip`); ten reflections quoted verbatim per environment.
+  reflections that are action replies (`action_reply`: an `<action>` tag, or one bare ScienceWorld command) and the
+  share that name something the next attempt can use (`usable_tip`); ten reflections quoted verbatim per environment.
 """
 from __future__ import annotations
 
@@ -34,6 +34,20 @@ SCIENCEWORLD_ROOMS = ("kitchen", "bedroom", "hallway", "workshop", "greenhouse",
                       "bathroom", "foundry", "outside")
 
 
+SCIENCEWORLD_COMMAND = re.compile(
+    r"(open|close|go to|teleport to|look around|look at|look in|pick up|put down|move|pour|mix|activate|deactivate|"
+    r"use|connect|read|eat|focus on|wait1?|inventory)\b[^.;:]*")
+
+
+def action_reply(tip: str, env: str) -> bool:
+    """Whether a reflection is an action instead of advice: an ``<action>`` tag, or (ScienceWorld, whose replies
+    are bare commands) one bare command such as ``open door to hallway`` (``rollout/tip_action_frac`` counts tags
+    only, so it misses these)."""
+    if extract_action(tip)[0] is not None:
+        return True
+    return "webshop" not in env.lower() and SCIENCEWORLD_COMMAND.fullmatch(tip.strip().lower()) is not None
+
+
 def usable_tip(tip: str, instruction: str, env: str) -> bool:
     """Whether a reflection names something the next attempt can use, and is not an action reply.
 
@@ -41,7 +55,7 @@ def usable_tip(tip: str, instruction: str, env: str) -> bool:
     such as a colour or size, an attribute, the product's noun; stop words and the price clause excluded).
     ScienceWorld: a room, a box of the instruction ("red box"), or an object acted on (``focus on``/``move``).
     """
-    if extract_action(tip)[0] is not None:
+    if action_reply(tip, env):
         return False
     low = tip.lower()
     if "webshop" in env.lower():
@@ -83,7 +97,7 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
         ax.legend(fontsize=8)
         reflections = doc.get("reflections") or []
         usable = [usable_tip(r["tip"], r["instruction"], str(doc["env"])) for r in reflections]
-        actions = [extract_action(r["tip"])[0] is not None for r in reflections]
+        actions = [action_reply(r["tip"], str(doc["env"])) for r in reflections]
         last = doc["paired"][-1]
         lines += [f"## {label}", "",
                   f"{doc['num_tasks']} held-out tasks × {doc['episodes_per_task']} episode(s) × seeds {doc['seeds']}, "
@@ -104,7 +118,8 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
                   f"**{_fmt(score_diff['mean'], score_diff['stderr'], digits)}**"
                   f" (score, n = {score_diff['n']} pairs), success "
                   f"{_fmt(success_diff['mean'], success_diff['stderr'], 2)}.",
-                  f"Reflections written: {len(reflections)}; with an `<action>` tag: {sum(actions)} "
+                  f"Reflections written: {len(reflections)}; action replies (an `<action>` tag or one bare command): "
+                  f"{sum(actions)} "
                   f"({sum(actions) / max(len(reflections), 1):.1%}); naming something the next attempt can use "
                   f"(`usable_tip`): {sum(usable)} ({sum(usable) / max(len(reflections), 1):.1%}).", "",
                   "Ten reflections, verbatim (the first ten written on trial 0 of the first seed):", ""]
