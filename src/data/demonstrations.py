@@ -159,6 +159,23 @@ def webshop_expert_records(env, tasks: list[dict[str, Any]], expert=None) -> lis
     return out
 
 
+def training_tasks(env_cfg: dict[str, Any], num_tasks: int | None) -> tuple[dict[str, Any], Any, list[dict]]:
+    """(the env config, the environment it builds, its *training* tasks the warm start uses): WebShop — the first
+    ``num_tasks`` training goals (None: all); ScienceWorld — the first ``num_tasks`` training variations of each task
+    (None: those RL trains on). The caller closes the environment."""
+    import hydra
+
+    from src.envs.scienceworld import ScienceWorldEnv
+
+    sciworld = issubclass(hydra.utils.get_class(env_cfg["_target_"]), ScienceWorldEnv)
+    if sciworld and num_tasks is not None:
+        # Every training variation has a gold path, so the warm start may imitate more of them than RL trains on
+        # (RL keeps the paper's first 5); they are still training variations only.
+        env_cfg = {**env_cfg, "num_train_variations": int(num_tasks)}
+    env = hydra.utils.instantiate(env_cfg)
+    return env_cfg, env, env.tasks("train")[:None if sciworld else num_tasks]  # never a held-out task
+
+
 def demonstration_records(env_cfg: dict[str, Any], num_tasks: int | None, gold_dir: str | os.PathLike
                           ) -> tuple[list[dict], str]:
     """(successful demonstration records of *training* tasks of the environment ``env_cfg`` builds, its system
@@ -173,19 +190,11 @@ def demonstration_records(env_cfg: dict[str, Any], num_tasks: int | None, gold_d
     Raises:
         ValueError: an environment without demonstrations, or none of them succeeds.
     """
-    import hydra
-
     from src.envs.scienceworld import ScienceWorldEnv
     from src.envs.webshop import WebShopEnv
 
-    sciworld = issubclass(hydra.utils.get_class(env_cfg["_target_"]), ScienceWorldEnv)
-    if sciworld and num_tasks is not None:
-        # Every training variation has a gold path, so the warm start may imitate more of them than RL trains on
-        # (RL keeps the paper's first 5); they are still training variations only.
-        env_cfg = {**env_cfg, "num_train_variations": int(num_tasks)}
-    env = hydra.utils.instantiate(env_cfg)
+    env_cfg, env, tasks = training_tasks(env_cfg, num_tasks)
     try:
-        tasks = env.tasks("train")[:None if sciworld else num_tasks]  # demonstrations never see a held-out task
         if isinstance(env, WebShopEnv):
             records = webshop_expert_records(env, tasks)
         elif isinstance(env, ScienceWorldEnv):

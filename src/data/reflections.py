@@ -230,18 +230,12 @@ def reflection_records(env_cfg: dict[str, Any], num_tasks: int | None, gold_dir:
     Raises:
         ValueError: an environment without reflection examples.
     """
-    import hydra
-
-    from src.data.demonstrations import ensure_gold
+    from src.data.demonstrations import ensure_gold, training_tasks
     from src.envs.scienceworld import ScienceWorldEnv
     from src.envs.webshop import WebShopEnv
 
-    sciworld = issubclass(hydra.utils.get_class(env_cfg["_target_"]), ScienceWorldEnv)
-    if sciworld and num_tasks is not None:
-        env_cfg = {**env_cfg, "num_train_variations": int(num_tasks)}
-    env = hydra.utils.instantiate(env_cfg)
+    env_cfg, env, tasks = training_tasks(env_cfg, num_tasks)
     try:
-        tasks = env.tasks("train")[:None if sciworld else num_tasks]
         if isinstance(env, WebShopEnv):
             records, write = webshop_records(env, tasks), webshop_tip
         elif isinstance(env, ScienceWorldEnv):
