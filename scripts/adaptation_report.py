@@ -11,7 +11,7 @@ arms, the paired per-episode difference memory − control, the reflections writ
 - `adaptation_control.png`: score per trial (mean ± s.e. over episodes), with memory and without, one panel per
   environment;
 - `report.md`: per trial both arms' score and success and the paired difference (mean ± s.e.); the share of
-  reflections that are action replies (`action_reply`: an `<action>` tag, or one bare ScienceWorld command) and the
+  reflections that are action replies (`is_action_reply`: an `<action>` tag, or one bare command) and the
   share that name something the next attempt can use (`usable_tip`); ten reflections quoted verbatim per environment.
 """
 from __future__ import annotations
@@ -25,27 +25,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from src.envs.base import extract_action  # noqa: E402
+from src.envs.base import is_action_reply  # noqa: E402
 
 STOP = set("""a an the and or of in on to for with that is it its i i'm i'd im need want looking some be me get
 buy find would like please this my your you which have has also than lower price dollars choose size color style
 from at by as are was""".split())
 SCIENCEWORLD_ROOMS = ("kitchen", "bedroom", "hallway", "workshop", "greenhouse", "art studio", "living room",
                       "bathroom", "foundry", "outside")
-
-
-SCIENCEWORLD_COMMAND = re.compile(
-    r"(open|close|go to|teleport to|look around|look at|look in|pick up|put down|move|pour|mix|activate|deactivate|"
-    r"use|connect|read|eat|focus on|wait1?|inventory)\b[^.;:]*")
-
-
-def action_reply(tip: str, env: str) -> bool:
-    """Whether a reflection is an action instead of advice: an ``<action>`` tag, or (ScienceWorld, whose replies
-    are bare commands) one bare command such as ``open door to hallway`` (``rollout/tip_action_frac`` counts tags
-    only, so it misses these)."""
-    if extract_action(tip)[0] is not None:
-        return True
-    return "webshop" not in env.lower() and SCIENCEWORLD_COMMAND.fullmatch(tip.strip().lower()) is not None
 
 
 def usable_tip(tip: str, instruction: str, env: str) -> bool:
@@ -55,7 +41,7 @@ def usable_tip(tip: str, instruction: str, env: str) -> bool:
     such as a colour or size, an attribute, the product's noun; stop words and the price clause excluded).
     ScienceWorld: a room, a box of the instruction ("red box"), or an object acted on (``focus on``/``move``).
     """
-    if action_reply(tip, env):
+    if is_action_reply(tip):
         return False
     low = tip.lower()
     if "webshop" in env.lower():
@@ -97,7 +83,7 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
         ax.legend(fontsize=8)
         reflections = doc.get("reflections") or []
         usable = [usable_tip(r["tip"], r["instruction"], str(doc["env"])) for r in reflections]
-        actions = [action_reply(r["tip"], str(doc["env"])) for r in reflections]
+        actions = [is_action_reply(r["tip"]) for r in reflections]
         last = doc["paired"][-1]
         lines += [f"## {label}", "",
                   f"{doc['num_tasks']} held-out tasks × {doc['episodes_per_task']} episode(s) × seeds {doc['seeds']}, "

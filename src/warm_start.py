@@ -70,17 +70,19 @@ def _prepare(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
     if policy.num_prompts_truncated > truncated:
         log.warning("%d demonstration prompts were cut to max_prompt_tokens=%d by Policy.encode",
                     policy.num_prompts_truncated - truncated, policy.max_prompt_tokens)
-    num_actions = len(examples)
-    if ws.get("reflections"):
-        examples += _reflection_examples(cfg, ws, env_cfg, policy, datamodule)
-    too_long = sum(len(e.response_ids) > policy.max_response_tokens for e in examples[:num_actions])
+    too_long = sum(len(e.response_ids) > policy.max_response_tokens for e in examples)
     if too_long:
         log.warning("%d of %d demonstrated replies are longer than max_response_tokens=%d (EOS included); RL "
-                    "cuts them", too_long, num_actions, policy.max_response_tokens)
+                    "cuts them", too_long, len(examples), policy.max_response_tokens)
     train = {k: ws[k] for k in ("epochs", "lr", "batch_size", "weight_decay", "gradient_clip_val", "seed")}
     key = {"format": WARM_START_FORMAT, "base_model": policy_cfg["name_or_path"], "dtype": policy_cfg["dtype"],
            "lora": policy_cfg.get("lora"), "precision": str(cfg.trainer.precision), "train": train,
            "examples": _digest([[e.prompt_ids, e.response_ids] for e in examples], 64)}
+    reflections = []
+    if ws.get("reflections"):  # a second phase; the key of the actions-only entry it starts from stays as above
+        reflections = _reflection_examples(cfg, ws, env_cfg, policy, datamodule)
+        key["reflections"] = {**_reflection_settings(ws["reflections"]),
+                              "examples": _digest([[e.prompt_ids, e.response_ids] for e in reflections], 64)}
     env_name = env_cfg["_target_"].rsplit(".", 1)[-1].removesuffix("Env").lower()
     base_name = Path(str(policy_cfg["name_or_path"]).split(":")[-1]).name
     out_dir = Path(ws["cache_dir"]) / f"{env_name}-{base_name}-{_digest(key)}"
@@ -88,8 +90,26 @@ def _prepare(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
     protocol = {**val, "seed": int(ws["seed"]), "max_steps": datamodule.max_steps, "env": env_cfg,
                 "rollout": asdict(datamodule.rollout_config(use_tips=False, temperature=val.get("temperature")))}
     return {"policy": policy, "policy_cfg": policy_cfg, "env_cfg": env_cfg, "datamodule": datamodule,
-            "records": records, "examples": examples, "num_reflections": len(examples) - num_actions, "key": key,
+            "records": records, "examples": examples, "reflections": reflections, "key": key,
             "out_dir": out_dir, "protocol": protocol}
+
+
+REFLECTION_SETTINGS = ("max_tokens", "continue_last_prompt", "epochs", "lr", "rehearsal")
+
+
+def _reflection_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """``model.warm_start.reflections`` checked: exactly ``REFLECTION_SETTINGS``, ``0 <= rehearsal <= 1``.
+
+    Raises:
+        ValueError: a missing or unknown setting, or a value out of range.
+    """
+    if set(settings) != set(REFLECTION_SETTINGS):
+        raise ValueError(f"model.warm_start.reflections must set exactly {list(REFLECTION_SETTINGS)}, got "
+                         f"{sorted(settings)} (configs/warm_start/imitation.yaml shows an example)")
+    if not 0.0 <= float(settings["rehearsal"]) <= 1.0 or float(settings["lr"]) <= 0 or int(settings["epochs"]) < 1:
+        raise ValueError(f"model.warm_start.reflections: expected 0 <= rehearsal <= 1, lr > 0, epochs >= 1, got "
+                         f"{settings}")
+    return {k: settings[k] for k in REFLECTION_SETTINGS}
 
 
 def _reflection_examples(cfg: DictConfig, ws: dict[str, Any], env_cfg: dict[str, Any], policy, datamodule) -> list:
@@ -130,38 +150,67 @@ def _loggers(cfg: DictConfig, name: str) -> list:
     return instantiate_loggers(group)
 
 
-def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: list) -> dict[str, Any]:
-    """Fine-tune the base policy on the examples and save it into the cache entry; returns ``sft_info``."""
-    examples, policy = prep["examples"], prep["policy"]
-    prompt_tokens = sum(len(e.prompt_ids) for e in examples)
-    log.info("Building the warm start (once) into %s: %d examples from %d demonstrations (%.0f prompt tokens on "
-             "average), %d epoch(s); the time left is logged as it trains", prep["out_dir"], len(examples),
-             len(prep["records"]), prompt_tokens / len(examples), ws["epochs"])
-    module = SFTModule(policy, lr=float(ws["lr"]), weight_decay=float(ws["weight_decay"]),
+def _fit(cfg: DictConfig, ws: dict[str, Any], policy, examples: list, epochs: int, lr: float, loggers: list
+         ) -> tuple[float, list[float], str]:
+    """Fine-tune ``policy`` in place on ``examples``; returns (final epoch's mean loss, epoch wall times in s,
+    the precision Lightning used)."""
+    module = SFTModule(policy, lr=lr, weight_decay=float(ws["weight_decay"]),
                        gradient_clip_val=ws["gradient_clip_val"], micro_batch_tokens=ws.get("micro_batch_tokens"))
     # from_pretrained returns eval mode and Lightning keeps it; train mode turns gradient checkpointing on.
     policy.train()
-    tic = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="warm_start_") as root:
         trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
-                            max_epochs=int(ws["epochs"]),
-                            logger=loggers or False, callbacks=[ProgressLog(), RichProgressBar()],
+                            max_epochs=epochs, logger=loggers or False, callbacks=[ProgressLog(), RichProgressBar()],
                             enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
                             default_root_dir=root)
         loader = make_dataloader(examples, int(ws["batch_size"]), int(ws["seed"]))
         trainer.fit(module, train_dataloaders=loader)
-    if trainer.global_step != len(loader) * int(ws["epochs"]):  # e.g. stopped by SIGTERM: never cache that
-        raise RuntimeError(f"warm start training stopped after {trainer.global_step} of "
-                           f"{len(loader) * int(ws['epochs'])} steps; nothing was saved")
+    if trainer.global_step != len(loader) * epochs:  # e.g. stopped by SIGTERM: never cache that
+        raise RuntimeError(f"warm start training stopped after {trainer.global_step} of {len(loader) * epochs} "
+                           "steps; nothing was saved")
+    loss = float(trainer.callback_metrics.get("train/loss_epoch", float("nan")))
+    return loss, module.epoch_times, trainer.precision
+
+
+def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: list) -> dict[str, Any]:
+    """Fine-tune and save into the cache entry; returns ``sft_info``.
+
+    Actions only: the base policy on the action examples. With reflection examples, a second phase: the
+    actions-only warm start of the same settings (built first if missing, reused by every run that needs it) on
+    the reflection examples plus a ``rehearsal`` share of the action examples, for the reflections' own epochs and
+    lr. Trained together from the base model, the reflections pulled the actions (WebShop: the policy stopped
+    buying); after the actions, with the actions rehearsed, they do not (docs/usage.md#imitation-warm-start).
+    """
+    examples, policy, epochs, lr, base = prep["examples"], prep["policy"], int(ws["epochs"]), float(ws["lr"]), None
+    rehearsal: list = []
+    if prep["reflections"]:
+        settings = prep["key"]["reflections"]
+        base = _ensure(cfg, {**ws, "reflections": None, "eval": False})["path"]
+        policy = _load(prep, base)
+        k = round(float(settings["rehearsal"]) * len(examples))
+        rehearsal = random.Random(int(ws["seed"])).sample(examples, k)
+        examples, epochs, lr = prep["reflections"] + rehearsal, int(settings["epochs"]), float(settings["lr"])
+    prompt_tokens = sum(len(e.prompt_ids) for e in examples)
+    log.info("Building the warm start (once) into %s: %d examples (%d reflections, %d actions) from %s, %.0f prompt "
+             "tokens on average, %d epoch(s); the time left is logged as it trains", prep["out_dir"], len(examples),
+             len(prep["reflections"]), len(examples) - len(prep["reflections"]), base or "the base model",
+             prompt_tokens / len(examples), epochs)
+    tic = time.perf_counter()
+    loss, epoch_times, precision = _fit(cfg, ws, policy, examples, epochs, lr, loggers)
     info = {"trained_with": prep["key"], "settings": ws, "env": prep["env_cfg"]["_target_"],
             "tasks": [r["task"] for r in prep["records"]], "num_examples": len(examples),
-            "num_reflection_examples": prep["num_reflections"],
-            "prompt_tokens_mean": prompt_tokens / len(examples),
-            "final_train_loss": float(trainer.callback_metrics.get("train/loss_epoch", float("nan"))),
-            "epoch_times_s": module.epoch_times, "train_time_s": time.perf_counter() - tic,
-            "precision_used": trainer.precision, "heldout": {}}
+            "num_reflection_examples": len(prep["reflections"]), "num_rehearsal_examples": len(rehearsal),
+            "started_from": base, "prompt_tokens_mean": prompt_tokens / len(examples),
+            "final_train_loss": loss, "epoch_times_s": epoch_times, "train_time_s": time.perf_counter() - tic,
+            "precision_used": precision, "heldout": {}}
     save_policy(policy, prep["out_dir"], info)
     return info
+
+
+def _load(prep: dict[str, Any], path: str):
+    from src.models.policy import build_policy
+
+    return build_policy(**{**prep["policy_cfg"], "name_or_path": str(path)})
 
 
 def _heldout(cfg: DictConfig, prep: dict[str, Any]) -> dict[str, Any]:
@@ -169,10 +218,9 @@ def _heldout(cfg: DictConfig, prep: dict[str, Any]) -> dict[str, Any]:
     from src.data.rollout import log_episodes, run_episodes
     from src.envs.pool import EnvPool
     from src.evaluation.stats import mean_stderr
-    from src.models.policy import build_policy
 
     dm, protocol = prep["datamodule"], prep["protocol"]
-    policy = build_policy(**{**prep["policy_cfg"], "name_or_path": str(prep["out_dir"])})
+    policy = _load(prep, prep["out_dir"])
     n = int(protocol["num_tasks"]) * int(protocol["episodes_per_task"])
     L.seed_everything(protocol["seed"], verbose=False)
     fabric = L.Fabric(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision)
@@ -190,7 +238,8 @@ def _heldout(cfg: DictConfig, prep: dict[str, Any]) -> dict[str, Any]:
         pool.close()
     log_episodes(episodes, "held-out")
     done = [e for e in episodes if not e.failed]
-    return {"score": mean_stderr([e.score for e in done]), "success_rate": mean_stderr([float(e.success) for e in done]),
+    return {"score": mean_stderr([e.score for e in done]),
+            "success_rate": mean_stderr([float(e.success) for e in done]),
             "failed_episodes": len(episodes) - len(done), "eval_time_s": time.perf_counter() - tic,
             "protocol": protocol}
 

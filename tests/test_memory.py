@@ -534,8 +534,12 @@ def test_action_replies_to_the_reflection_prompt_are_measured_and_warned_once(em
                       "<action>search[red shirt]"]
     assert memory.write_tips(episodes, policy, "sys")["tip_action_frac"] == 0.5  # half: measured, not warned
     policy.replies = ["<action>click[buy now]</action>"] * 3 + ["Open the door first."]
-    with pytest.warns(UserWarning, match=r"75% of the 4 reflections .* <action> replies.*click\[buy now\]"):
+    with pytest.warns(UserWarning, match=r"75% of the 4 reflections .* actions, not advice.*click\[buy now\]"):
         assert memory.write_tips(episodes, policy, "sys")["tip_action_frac"] == 0.75
+    # bare commands are actions too (ScienceWorld replies carry no tag); advice that names a command is not
+    policy.replies = ["open door to hallway", " Focus on the red box\n", "click[grey]",
+                      "Score 0: I never clicked grey. Next time choose grey, then buy now."]
+    assert memory.write_tips(episodes, policy, "sys")["tip_action_frac"] == 0.75
     policy.replies = ["<action>look around</action>"] * 4
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once already: no second warning

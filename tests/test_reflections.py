@@ -56,6 +56,8 @@ def _check_visible_only(records: list[dict], write_tip) -> None:
         assert " ".join(write_tip({k: record[k] for k in VISIBLE if k in record})) == tip
         unseen = {w for w in _words(tip) - TEMPLATE - _words(_visible_text(record)) if not w.isdigit()}
         assert not unseen, f"tip {tip!r} names {sorted(unseen)}, which the trajectory never showed"
+        # the outcome first, copied from the prompt's "Final score": success and failure tips part at a visible number
+        assert tip.startswith(f"Score {record['score']:g}: "), tip
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,7 @@ def test_webshop_trajectories_go_right_and_wrong_and_tips_use_only_what_the_agen
     tips = [" ".join(webshop_tip(r)) for r in records]
     # a wrong or missing option is named, with the value the instruction asked for
     assert any(re.search(r"I clicked .+ but the task asked for", t) for t in tips)
-    assert any(t.startswith("I never clicked") for t in tips) and any("too vague" in t for t in tips)
+    assert any(re.match(r"Score [\d.]+: I never clicked", t) for t in tips) and any("too vague" in t for t in tips)
     assert all(extract_action(t)[0] is None for t in tips)  # advice, not an <action> reply
 
 
@@ -108,7 +110,7 @@ def test_scienceworld_tips_use_only_what_the_agent_saw(tmp_path):
     assert all(r["actions"][0] == "look around" for r in records[1::2])  # the wasteful variant
     _check_visible_only(records, scienceworld_tip)
     tips = [" ".join(scienceworld_tip(r)) for r in records]
-    assert any(t.startswith("Worked:") for t in tips) and any("needless look around" in t for t in tips)
+    assert any(t.startswith("Score 100: worked.") for t in tips) and any("needless look around" in t for t in tips)
 
 
 def test_fit_tip_keeps_whole_sentences_within_the_budget(tiny_policy):

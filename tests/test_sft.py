@@ -344,17 +344,26 @@ def test_warm_start_is_built_once_then_reused(warm_start, monkeypatch):
     assert torch.equal(torch.rand(3), expected)  # the RL run's random stream is not reseeded by the warm start
 
 
-def test_reflection_examples_join_the_warm_start_when_asked(warm_start):
+def test_reflection_examples_train_after_the_actions_only_warm_start(warm_start):
     from src.warm_start import ensure_warm_start
 
     tmp, first = warm_start
-    assert first["info"]["num_reflection_examples"] == 0  # off by default
-    reflections = "model.warm_start.reflections={max_tokens:48,continue_last_prompt:true}"
+    assert first["info"]["num_reflection_examples"] == 0 and first["info"]["started_from"] is None  # off by default
+    reflections = ("model.warm_start.reflections={max_tokens:48,continue_last_prompt:true,epochs:1,lr:1e-4,"
+                   "rehearsal:0.5}")
     other = ensure_warm_start(compose_train(tmp, reflections, "model.warm_start.eval=false"))
     info = other["info"]
-    # two trajectories per training goal (the expert's and a flawed one), one reflection example each
-    assert info["num_reflection_examples"] == 4 and info["num_examples"] == first["info"]["num_examples"] + 4
-    assert other["path"] != first["path"]
+    # started from the actions-only entry of the same settings (reused, not rebuilt); two trajectories per training
+    # goal (the expert's and a flawed one), one reflection example each, next to half the action examples
+    assert info["started_from"] == first["path"] and other["path"] != first["path"]
+    n_actions = first["info"]["num_examples"]
+    assert info["num_reflection_examples"] == 4 and info["num_rehearsal_examples"] == round(0.5 * n_actions)
+    assert info["num_examples"] == 4 + round(0.5 * n_actions)
+    saved = build_policy(name_or_path=first["path"], cache_dir=str(MODELS)).model.state_dict()
+    tuned = build_policy(name_or_path=other["path"], cache_dir=str(MODELS)).model.state_dict()
+    assert all(not torch.equal(tensor, saved[name]) for name, tensor in tuned.items() if "norm" not in name)
+    with pytest.raises(ValueError, match="rehearsal"):
+        ensure_warm_start(compose_train(tmp, "model.warm_start.reflections={max_tokens:48}"))
 
 
 @pytest.mark.parametrize("override", ["model.warm_start.lr=1e-3", "data.history_obs_chars=100"])

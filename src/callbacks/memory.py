@@ -22,7 +22,7 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_warn
 
 from src.data.reflection_prompt import reflection_prompt_ids
-from src.envs.base import extract_action
+from src.envs.base import is_action_reply
 from src.memory.embedder import Embedder
 from src.memory.novelty import NoveltyMemory
 from src.memory.tip_entry import format_entry
@@ -229,9 +229,9 @@ class MemoryCallback(L.Callback):
         return {"tips_written": float(written), **combine_over_ranks(local), **action_frac}
 
     def _check_reflections(self, texts: list[str]) -> dict[str, float]:
-        """``{"tip_action_frac": share of all ranks' replies with an <action> tag}`` ({} for none); warns once
-        above 1/2 (a collective under DDP/FSDP)."""
-        actions = [t for t in texts if extract_action(t)[0] is not None]
+        """``{"tip_action_frac": share of all ranks' replies that are actions (an <action> tag or one bare
+        command, ``is_action_reply``)}`` ({} for none); warns once above 1/2 (a collective under DDP/FSDP)."""
+        actions = [t for t in texts if is_action_reply(t)]
         n_actions, n_texts = all_reduce([float(len(actions)), float(len(texts))])
         if not n_texts:
             return {}
@@ -239,7 +239,7 @@ class MemoryCallback(L.Callback):
         if frac > 0.5 and not self._warned_action_tips:
             self._warned_action_tips = True
             example = f" (e.g. '{actions[0][:80]}')" if actions else ""
-            rank_zero_warn(f"{frac:.0%} of the {n_texts:g} reflections just written are <action> replies, not advice"
+            rank_zero_warn(f"{frac:.0%} of the {n_texts:g} reflections just written are actions, not advice"
                            f"{example}: the tips will carry no information. "
                            "The policy answers the reflection prompt as an action step, as after an imitation warm "
                            "start trained on actions only; rollout/tip_action_frac tracks it.")

@@ -104,11 +104,11 @@ def webshop_tip(record: dict[str, Any]) -> list[str]:
     need = "choose " + " and ".join(named) if named else ""
     bought = "click[buy now]" in actions
     if not bought:
-        return ["I never clicked buy now within the step limit.",
+        return [f"Score {record['score']:g}: I never clicked buy now within the step limit.",
                 f"Next time open a result matching '{webshop_query(instruction, 6)}'"
                 + (f", {need}" if need else "") + ", then buy it early."]
     if record["score"] >= record.get("max_score", 1.0):
-        return [f"Worked: searched '{webshop_query(query, 5)}', opened {_words(title, 4)}"
+        return [f"Score {record['score']:g}: worked. Searched '{webshop_query(query, 5)}', opened {_words(title, 4)}"
                 + (f", {need}" if need else "") + ", buy now.",
                 "Repeat: click every option the task names before buying."]
     problems = []
@@ -125,6 +125,7 @@ def webshop_tip(record: dict[str, Any]) -> list[str]:
         problems.append(f"{short} did not match all the task's attributes.")
     fix = f"search '{webshop_query(instruction)}', open the best matching result" if vague or not missing \
         else "on the product page"
+    problems[0] = f"Score {record['score']:g}: {problems[0]}"
     return problems + [f"Next time {fix}" + (f", {need}" if need else "") + ", then buy now."]
 
 
@@ -166,9 +167,9 @@ def scienceworld_tip(record: dict[str, Any]) -> list[str]:
     key = [a for a in actions if a not in SCIENCEWORLD_WASTE and not a.startswith(("open door", "close door"))]
     focus = next((_arg(a, "focus on") for a in actions if a.startswith("focus on")), None)
     if score >= top:
-        return [f"Worked: {'; '.join(key)}.", "Repeat it with no extra look around."]
+        return [f"Score {score:g}: worked. {'; '.join(key)}.", "Repeat it with no extra look around."]
     if score < 0 and focus:
-        return [f"Focusing on the {focus} ended the episode with {score:g} points: the wrong object.",
+        return [f"Score {score:g}: focusing on the {focus} ended the episode, the wrong object.",
                 "Next time focus only on an object that fits the task."]
     instruction = record["instruction"]
     thing = re.search(r"find an? ?(?:\(n\) )?([\w -]+?)\.", instruction)

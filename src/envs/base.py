@@ -45,3 +45,17 @@ def extract_action(response: str) -> tuple[str | None, bool]:
     text = response[start:close.start() if close else len(response)]
     action = next((line.strip() for line in text.splitlines() if line.strip()), "")
     return action, len(opens) == 1 and close is not None
+
+
+# One command and nothing else: a WebShop search[...]/click[...] or a ScienceWorld command (its verbs, as in
+# ScienceWorldEnv's action list), the way a policy trained on actions answers a prompt that asks for prose.
+_BARE_COMMAND = re.compile(
+    r"(?:search|click)\[[^\]]*\]|(?:open|close|go to|teleport to|look around|look at|look in|pick up|put down|"
+    r"move|pour|mix|activate|deactivate|use|connect|read|eat|focus on|wait1?|inventory)\b[^.;:\n]*")
+
+
+def is_action_reply(text: str) -> bool:
+    """Whether a reply is an action rather than prose: it holds an ``<action>`` tag, or it is one bare command
+    (``open door to hallway``, ``click[grey]``: ScienceWorld replies need no tag). Used to tell a reflection
+    that is advice from one that is an action (``rollout/tip_action_frac``)."""
+    return extract_action(text)[0] is not None or _BARE_COMMAND.fullmatch(text.strip().lower()) is not None
