@@ -78,11 +78,13 @@ def _prepare(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
     key = {"format": WARM_START_FORMAT, "base_model": policy_cfg["name_or_path"], "dtype": policy_cfg["dtype"],
            "lora": policy_cfg.get("lora"), "precision": str(cfg.trainer.precision), "train": train,
            "examples": _digest([[e.prompt_ids, e.response_ids] for e in examples], 64)}
-    reflections = []
+    reflections, tipped = [], []
     if ws.get("reflections"):  # a second phase; the key of the actions-only entry it starts from stays as above
-        reflections = _reflection_examples(cfg, ws, env_cfg, policy, datamodule)
+        reflections, tipped = _reflection_examples(cfg, ws, env_cfg, policy, datamodule, records)
         key["reflections"] = {**_reflection_settings(ws["reflections"]),
                               "examples": _digest([[e.prompt_ids, e.response_ids] for e in reflections], 64)}
+        if tipped:
+            key["reflections"]["tipped_examples"] = _digest([[e.prompt_ids, e.response_ids] for e in tipped], 64)
     env_name = env_cfg["_target_"].rsplit(".", 1)[-1].removesuffix("Env").lower()
     base_name = Path(str(policy_cfg["name_or_path"]).split(":")[-1]).name
     out_dir = Path(ws["cache_dir"]) / f"{env_name}-{base_name}-{_digest(key)}"
@@ -90,7 +92,7 @@ def _prepare(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
     protocol = {**val, "seed": int(ws["seed"]), "max_steps": datamodule.max_steps, "env": env_cfg,
                 "rollout": asdict(datamodule.rollout_config(use_tips=False, temperature=val.get("temperature")))}
     return {"policy": policy, "policy_cfg": policy_cfg, "env_cfg": env_cfg, "datamodule": datamodule,
-            "records": records, "examples": examples, "reflections": reflections, "key": key,
+            "records": records, "examples": examples, "reflections": reflections, "tipped": tipped, "key": key,
             "out_dir": out_dir, "protocol": protocol}
 
 
@@ -103,21 +105,25 @@ def _reflection_settings(settings: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: a missing or unknown setting, or a value out of range.
     """
-    if set(settings) != set(REFLECTION_SETTINGS):
-        raise ValueError(f"model.warm_start.reflections must set exactly {list(REFLECTION_SETTINGS)}, got "
-                         f"{sorted(settings)} (configs/warm_start/imitation.yaml shows an example)")
+    if not set(REFLECTION_SETTINGS) <= set(settings) <= {*REFLECTION_SETTINGS, "show_tips"}:
+        raise ValueError(f"model.warm_start.reflections must set {list(REFLECTION_SETTINGS)} (and optionally "
+                         f"show_tips), got {sorted(settings)} (configs/warm_start/imitation.yaml shows an example)")
     if not 0.0 <= float(settings["rehearsal"]) <= 1.0 or float(settings["lr"]) <= 0 or int(settings["epochs"]) < 1:
         raise ValueError(f"model.warm_start.reflections: expected 0 <= rehearsal <= 1, lr > 0, epochs >= 1, got "
                          f"{settings}")
-    return {k: settings[k] for k in REFLECTION_SETTINGS}
+    # show_tips enters the cache key only when on, so the entries built before it existed stay valid
+    return {k: settings[k] for k in REFLECTION_SETTINGS} | ({"show_tips": True} if settings.get("show_tips") else {})
 
 
-def _reflection_examples(cfg: DictConfig, ws: dict[str, Any], env_cfg: dict[str, Any], policy, datamodule) -> list:
+def _reflection_examples(cfg: DictConfig, ws: dict[str, Any], env_cfg: dict[str, Any], policy, datamodule,
+                         demonstrations: list[dict]) -> tuple[list, list]:
     """Reflection examples (``src/data/reflections.py``) under the memory's reflection settings
     (``model.warm_start.reflections``: ``max_tokens`` = ``memory.tip_max_tokens``, ``continue_last_prompt`` =
     ``memory.reuse_rollout_cache``). Set in the warm start, not read from ``memory``, so a run without memory (GRPO)
-    builds the same warm start as EMPO²; a memory that reflects otherwise is warned about."""
-    from src.data.reflections import reflection_examples, reflection_records
+    builds the same warm start as EMPO²; a memory that reflects otherwise is warned about.
+
+    Returns (reflection examples, demonstrated steps with tips in the prompt: only with ``show_tips``)."""
+    from src.data.reflections import reflection_examples, reflection_records, tipped_demonstrations
 
     settings = ws["reflections"]
     memory = cfg.get("memory") or {}
@@ -132,7 +138,13 @@ def _reflection_examples(cfg: DictConfig, ws: dict[str, Any], env_cfg: dict[str,
                                    bool(settings["continue_last_prompt"]))
     log.info("%d reflection examples from %d trajectories (%d end in success)", len(examples), len(records),
              sum(r["success"] for r in records))
-    return examples
+    if settings.get("show_tips"):  # the demonstrations again, next to the tips the other trajectories leave
+        tipped = tipped_demonstrations(policy, demonstrations, records, write_tip, int(settings["max_tokens"]))
+        tipped = build_examples(policy, tipped, system_prompt, datamodule.rollout_config(use_tips=True),
+                                datamodule.max_steps)
+        log.info("%d demonstrated steps with tips shown in the prompt", len(tipped))
+        return examples, tipped
+    return examples, []
 
 
 def _loggers(cfg: DictConfig, name: str) -> list:
@@ -178,7 +190,8 @@ def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: l
     Actions only: the base policy on the action examples. With reflection examples, a second phase: the
     actions-only warm start of the same settings (built first if missing, reused by every run that needs it) on
     the reflection examples plus a ``rehearsal`` share of the action examples, for the reflections' own epochs and
-    lr. Trained together from the base model, the reflections pulled the actions (WebShop: the policy stopped
+    lr (with ``show_tips``, also every demonstrated step again with the task's other trajectories' tips in the
+    prompt). Trained together from the base model, the reflections pulled the actions (WebShop: the policy stopped
     buying); after the actions, with the actions rehearsed, they do not (docs/usage.md#imitation-warm-start).
     """
     examples, policy, epochs, lr, base = prep["examples"], prep["policy"], int(ws["epochs"]), float(ws["lr"]), None
@@ -189,7 +202,8 @@ def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: l
         policy = _load(prep, base)
         k = round(float(settings["rehearsal"]) * len(examples))
         rehearsal = random.Random(int(ws["seed"])).sample(examples, k)
-        examples, epochs, lr = prep["reflections"] + rehearsal, int(settings["epochs"]), float(settings["lr"])
+        examples = prep["reflections"] + prep["tipped"] + rehearsal
+        epochs, lr = int(settings["epochs"]), float(settings["lr"])
     prompt_tokens = sum(len(e.prompt_ids) for e in examples)
     log.info("Building the warm start (once) into %s: %d examples (%d reflections, %d actions) from %s, %.0f prompt "
              "tokens on average, %d epoch(s); the time left is logged as it trains", prep["out_dir"], len(examples),
@@ -200,6 +214,7 @@ def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: l
     info = {"trained_with": prep["key"], "settings": ws, "env": prep["env_cfg"]["_target_"],
             "tasks": [r["task"] for r in prep["records"]], "num_examples": len(examples),
             "num_reflection_examples": len(prep["reflections"]), "num_rehearsal_examples": len(rehearsal),
+            "num_tipped_examples": len(prep["tipped"]),
             "started_from": base, "prompt_tokens_mean": prompt_tokens / len(examples),
             "final_train_loss": loss, "epoch_times_s": epoch_times, "train_time_s": time.perf_counter() - tic,
             "precision_used": precision, "heldout": {}}

@@ -13,6 +13,7 @@ from src.data.reflections import (
     reflection_examples,
     reflection_records,
     scienceworld_tip,
+    tipped_demonstrations,
     webshop_records,
     webshop_tip,
 )
@@ -137,3 +138,32 @@ def test_reflection_examples_are_the_memorys_prompt_and_a_short_tip(tiny_policy,
         assert record["responses"][-1].strip() in prompt
     fresh = reflection_examples(tiny_policy, records[:1], "You shop.", cfg, 8, webshop_tip, 48, continue_last=False)
     assert "Your trajectory (" in decode(fresh[0].prompt_ids)
+
+
+def test_tipped_demonstrations_show_the_other_trajectorys_tip_as_the_memory_stores_it(tiny_policy, webshop_env,
+                                                                                      webshop_reflections):
+    from src.data.demonstrations import build_examples, webshop_expert_records
+    from src.memory.tip_entry import format_entry
+
+    tasks = webshop_env.tasks("train")[:3]
+    demos = webshop_expert_records(webshop_env, tasks)
+    tipped = tipped_demonstrations(tiny_policy, demos, webshop_reflections, webshop_tip, 48)
+    assert [d["task"] for d in tipped] == tasks and all(d["actions"] == e["actions"] for d, e in zip(tipped, demos))
+    cfg = RolloutConfig(max_response_tokens=64, history_length=2, history_obs_chars=200, history_action="executed",
+                        use_tips=True)
+    examples = build_examples(tiny_policy, tipped, "You shop.", cfg, 8)
+    plain = build_examples(tiny_policy, demos, "You shop.", cfg, 8)
+    assert [e.response_ids for e in examples] == [e.response_ids for e in plain]  # same targets: the expert's actions
+    decode = tiny_policy.tokenizer.decode
+    for demo in tipped:
+        flawed = next(r for r in webshop_reflections if r["task"] == demo["task"] and r["actions"] != demo["actions"])
+        tip = fit_tip(tiny_policy, webshop_tip(flawed), 48)
+        for t, step_tips in enumerate(demo["tips"]):
+            # the flawed trajectory's entry at the same step (or its last), as the memory writes it
+            action = flawed["actions"][min(t, len(flawed["actions"]) - 1)]
+            assert step_tips == [format_entry(tip, action, flawed["score"], 1.0)]
+    entries = {(str(d["task"]), t): step_tips for d in tipped for t, step_tips in enumerate(d["tips"])}
+    for example, without in zip(examples, plain):
+        prompt = decode(example.prompt_ids)
+        assert all(entry in prompt for entry in entries[str(example.task), example.step])  # shown in the prompt
+        assert not any(entry in decode(without.prompt_ids) for entry in entries[str(example.task), example.step])

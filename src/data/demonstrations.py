@@ -233,7 +233,8 @@ def build_examples(policy: Policy, records: list[dict[str, Any]], system_prompt:
     Args:
         policy: renders prompts (``Policy.encode``, its ``max_prompt_tokens``) and tokenizes replies.
         records: ``{"task", "instruction", "initial_observation", "actions", "observations"}`` and optionally
-            ``responses`` (the reply texts; default: the actions) and ``admissible_actions`` (per state).
+            ``responses`` (the reply texts; default: the actions), ``admissible_actions`` (per state) and ``tips``
+            (per step, the memory entries shown when ``cfg.use_tips``; ``tipped_demonstrations``).
         system_prompt: the environment's ``system_prompt``.
         cfg: the RL run's rollout settings (``RolloutDataModule.rollout_config(use_tips=False)``).
         max_steps: the step budget shown in the prompt (``data.max_steps`` of the RL run; None shows none).
@@ -246,10 +247,11 @@ def build_examples(policy: Policy, records: list[dict[str, Any]], system_prompt:
         history: list[HistoryItem] = []
         observation = record["initial_observation"]
         responses = record.get("responses") or record["actions"]
-        admissible = record.get("admissible_actions")
+        admissible, tips = record.get("admissible_actions"), record.get("tips")
         for t, action in enumerate(record["actions"]):
             prompt = step_prompt(policy, cfg, system_prompt, record["instruction"], history, observation,
-                                 admissible[t] if admissible else None, t, max_steps).rollout_ids
+                                 admissible[t] if admissible else None, t, max_steps,
+                                 tips[t] if tips else None).rollout_ids
             examples.append(SFTExample(prompt, response_ids(policy, responses[t]), record["task"], t))
             # as the runner records it: the reply as written (history_action=raw) or the executed action
             history.append(HistoryItem(observation, responses[t].strip() if cfg.history_action == "raw" else action))

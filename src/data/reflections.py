@@ -316,3 +316,27 @@ def reflection_examples(policy, records: list[dict[str, Any]], system_prompt: st
         tip = fit_tip(policy, write_tip(record), max_tokens)
         examples.append(SFTExample(ids, response_ids(policy, tip), record["task"], -1))
     return examples
+
+
+def tipped_demonstrations(policy, demonstrations: list[dict[str, Any]], records: list[dict[str, Any]],
+                          write_tip: Callable[[dict[str, Any]], list[str]], max_tokens: int) -> list[dict]:
+    """The demonstrations again, each step's prompt showing the tips a memory would hold after the task's other
+    trajectories: a policy never shown tips in its prompt does not know how to act next to them.
+
+    For each demonstration, the records of the same task whose actions differ (the flawed expert's, the gold path
+    with needless looks) give one memory entry each per step (``format_entry``: the record's tip, its action at
+    that step or its last, its score), as the memory writes them. Returns copies with ``tips`` (one list per step),
+    for ``build_examples`` with ``use_tips``; demonstrations without such a record are left out.
+    """
+    from src.memory.tip_entry import format_entry
+
+    out = []
+    for demo in demonstrations:
+        others = [r for r in records if r["task"] == demo["task"] and r["actions"] != demo["actions"] and r["actions"]]
+        if not others:
+            continue
+        tips = [fit_tip(policy, write_tip(r), max_tokens) for r in others]
+        steps = [[format_entry(tip, r["actions"][min(t, len(r["actions"]) - 1)], r["score"], r.get("max_score", 1.0))
+                  for tip, r in zip(tips, others)] for t in range(len(demo["actions"]))]
+        out.append({**demo, "tips": steps})
+    return out

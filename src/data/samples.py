@@ -97,8 +97,9 @@ class MicroBatch:
 class SFTExample:
     """One demonstrated step as a supervised sample.
 
-    ``prompt_ids``: the (tip-free) prompt the rollout runner renders at this state. ``response_ids``: the
-    demonstrated reply's token ids + EOS. ``task``: the environment task dict; ``step``: 0-based step index.
+    ``prompt_ids``: the prompt the rollout runner renders at this state (tip-free unless the demonstration shows
+    tips). ``response_ids``: the demonstrated reply's token ids + EOS. ``task``: the environment task dict;
+    ``step``: 0-based step index.
     """
 
     prompt_ids: list[int]
