@@ -20,6 +20,7 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +79,9 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
             ax.errorbar([r["trial"] for r in rows], [r["score"] for r in rows],
                         yerr=[r["score_stderr"] or 0 for r in rows], fmt=style, capsize=3, label=name)
         n = doc["trials"][0]["episodes"]
-        ax.set(title=f"{label}: {doc['task'] or 'webshop'} ({n} episodes/trial)", xlabel="trial", ylabel=unit)
+        ax.set_title("\n".join(textwrap.wrap(f"{label}: {doc['task'] or 'webshop'} ({n} episodes/trial)", 48)),
+                     fontsize=10)
+        ax.set(xlabel="trial", ylabel=unit)
         ax.set_xticks([r["trial"] for r in doc["trials"]])
         ax.legend(fontsize=8)
         reflections = doc.get("reflections") or []
@@ -92,7 +95,9 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
                   "| trial | memory on: score | memory off: score | paired diff (on − off) | on: success "
                   "| off: success | tip_action_frac |", "|---|---|---|---|---|---|---|"]
         for row, ctrl, diff in zip(doc["trials"], doc["control_trials"], doc["paired"]):
-            frac = row.get("tip_action_frac")
+            # recounted from the reflections with today's is_action_reply (older summaries counted tags only)
+            written = [is_action_reply(r["tip"]) for r in reflections if r.get("trial") == row["trial"]]
+            frac = sum(written) / len(written) if written else row.get("tip_action_frac")
             lines.append(f"| {row['trial']} | {_fmt(row['score'], row['score_stderr'], digits)} | "
                          f"{_fmt(ctrl['score'], ctrl['score_stderr'], digits)} | "
                          f"{_fmt(diff['score_diff']['mean'], diff['score_diff']['stderr'], digits)} | "

@@ -305,6 +305,8 @@ def compose_train(tmp_path: Path, *overrides: str):
             "logger=csv", f"model.warm_start.cache_dir={tmp_path}/cache", "model.warm_start.num_tasks=2",
             "data.max_response_tokens=4", "data.val.num_tasks=1", "~callbacks.rich_progress_bar",
             "trainer.enable_progress_bar=false"]
+    if not any(o.startswith("model.warm_start.reflections") for o in overrides):
+        base.append("model.warm_start.reflections=null")  # actions only unless a test asks (experiment=webshop: on)
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         return compose(config_name="train", overrides=base + list(overrides))
 
@@ -362,8 +364,13 @@ def test_reflection_examples_train_after_the_actions_only_warm_start(warm_start)
     saved = build_policy(name_or_path=first["path"], cache_dir=str(MODELS)).model.state_dict()
     tuned = build_policy(name_or_path=other["path"], cache_dir=str(MODELS)).model.state_dict()
     assert all(not torch.equal(tensor, saved[name]) for name, tensor in tuned.items() if "norm" not in name)
+    from src.warm_start import _reflection_settings
+
     with pytest.raises(ValueError, match="rehearsal"):
-        ensure_warm_start(compose_train(tmp, "model.warm_start.reflections={max_tokens:48}"))
+        _reflection_settings({"max_tokens": 48, "continue_last_prompt": True})
+    with pytest.raises(ValueError, match="rehearsal"):
+        _reflection_settings({"max_tokens": 48, "continue_last_prompt": True, "epochs": 1, "lr": 1e-4,
+                              "rehearsal": 1.5})
 
 
 @pytest.mark.parametrize("override", ["model.warm_start.lr=1e-3", "data.history_obs_chars=100"])
