@@ -103,9 +103,15 @@ def test_each_deliberate_mistake_shows_in_the_trajectory(webshop_env):
         FlawedExpertPolicy(webshop_env, "typo")
 
 
-def test_scienceworld_tips_use_only_what_the_agent_saw(tmp_path):
+def test_scienceworld_tips_use_only_what_the_agent_saw(tmp_path, monkeypatch):
+    import src.data.reflections as reflections
+
     cfg = {**SCIENCEWORLD_CFG, "num_test_variations": 1}
     records, write_tip, _ = reflection_records(cfg, 2, tmp_path)  # gold paths generated in a subprocess
+    # the replays are cached next to the gold paths (the simulator orders a room's objects differently per process)
+    assert len(list(tmp_path.glob("reflection_replays-*.json"))) == 1
+    monkeypatch.setattr(reflections, "scienceworld_records", lambda *a: pytest.fail("replayed again"))
+    assert reflection_records(cfg, 2, tmp_path)[0] == records
     assert write_tip is scienceworld_tip and len(records) == 4
     assert any(r["success"] for r in records) and any(not r["success"] for r in records)
     assert all(r["actions"][0] == "look around" for r in records[1::2])  # the wasteful variant

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -241,7 +242,7 @@ def reflection_records(env_cfg: dict[str, Any], num_tasks: int | None, gold_dir:
             records, write = webshop_records(env, tasks), webshop_tip
         elif isinstance(env, ScienceWorldEnv):
             gold = ensure_gold(tasks, gold_dir, env_cfg.get("simplification", "easy"), env_cfg.get("jvm_heap", "768m"))
-            records, write = scienceworld_records(env, tasks, gold), scienceworld_tip
+            records, write = _cached_replays(env, env_cfg, tasks, gold, gold_dir), scienceworld_tip
         else:
             raise ValueError(f"env._target_={env_cfg.get('_target_')!r} has no reflection examples; they exist for "
                              "ScienceWorld and WebShop (set model.warm_start.reflections=null)")
@@ -249,6 +250,27 @@ def reflection_records(env_cfg: dict[str, Any], num_tasks: int | None, gold_dir:
     finally:
         env.close()
     return records, write, system_prompt
+
+
+def _cached_replays(env, env_cfg: dict[str, Any], tasks: list[dict[str, Any]], gold: list[dict[str, Any]],
+                    gold_dir: str) -> list[dict]:
+    """``scienceworld_records``, cached in ``gold_dir`` on first use. The simulator lists a room's objects in an order
+    that changes from one process (JVM) to the next, so replays made afresh gave each run other reflection examples
+    and so another warm-start cache entry; read from the cache they are the same in every run."""
+    import hashlib
+    import json
+
+    from src.utils.io import write_json_atomic
+
+    settings = {k: env_cfg.get(k) for k in ("task", "simplification", "action_correction")}
+    key = json.dumps([settings, env.max_steps, tasks, [r["actions"] for r in gold]], sort_keys=True, default=str)
+    path = Path(gold_dir) / f"reflection_replays-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    records = scienceworld_records(env, tasks, gold)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, records, default=str)
+    return json.loads(path.read_text())  # the same JSON types whether just written or read later
 
 
 # --------------------------------------------------------------------------- examples
