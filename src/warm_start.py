@@ -20,7 +20,6 @@ T = 0.4), stored per protocol in ``sft_info.json``, logged, and printed. Used by
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import random
@@ -39,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.data.demonstrations import build_examples, demonstration_records, make_dataloader
 from src.models.sft_module import ProgressLog, SFTModule, save_policy
-from src.utils.io import write_json_atomic
+from src.utils.io import json_digest, write_json_atomic
 from src.utils.logging import flatten, set_tags
 from src.utils.precision_choice import resolve_precision
 
@@ -47,10 +46,6 @@ log = logging.getLogger(__name__)
 
 # Bump when the training procedure changes in a way the cache key does not see.
 WARM_START_FORMAT = 2  # 2: shared prompt prefix computed once per batch (same loss up to rounding)
-
-
-def _digest(obj: Any, n: int = 12) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
 
 def _prepare(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
@@ -77,17 +72,17 @@ def _prepare(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
     train = {k: ws[k] for k in ("epochs", "lr", "batch_size", "weight_decay", "gradient_clip_val", "seed")}
     key = {"format": WARM_START_FORMAT, "base_model": policy_cfg["name_or_path"], "dtype": policy_cfg["dtype"],
            "lora": policy_cfg.get("lora"), "precision": str(cfg.trainer.precision), "train": train,
-           "examples": _digest([[e.prompt_ids, e.response_ids] for e in examples], 64)}
+           "examples": json_digest([[e.prompt_ids, e.response_ids] for e in examples], 64)}
     reflections, tipped = [], []
     if ws.get("reflections"):  # a second phase; the key of the actions-only entry it starts from stays as above
         reflections, tipped = _reflection_examples(cfg, ws, env_cfg, policy, datamodule, records)
         key["reflections"] = {**_reflection_settings(ws["reflections"]),
-                              "examples": _digest([[e.prompt_ids, e.response_ids] for e in reflections], 64)}
+                              "examples": json_digest([[e.prompt_ids, e.response_ids] for e in reflections], 64)}
         if tipped:
-            key["reflections"]["tipped_examples"] = _digest([[e.prompt_ids, e.response_ids] for e in tipped], 64)
+            key["reflections"]["tipped_examples"] = json_digest([[e.prompt_ids, e.response_ids] for e in tipped], 64)
     env_name = env_cfg["_target_"].rsplit(".", 1)[-1].removesuffix("Env").lower()
     base_name = Path(str(policy_cfg["name_or_path"]).split(":")[-1]).name
-    out_dir = Path(ws["cache_dir"]) / f"{env_name}-{base_name}-{_digest(key)}"
+    out_dir = Path(ws["cache_dir"]) / f"{env_name}-{base_name}-{json_digest(key)}"
     val = dict(datamodule.val_cfg or {})
     protocol = {**val, "seed": int(ws["seed"]), "max_steps": datamodule.max_steps, "env": env_cfg,
                 "rollout": asdict(datamodule.rollout_config(use_tips=False, temperature=val.get("temperature")))}
@@ -290,7 +285,7 @@ def _ensure(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
         else:
             loggers = _loggers(cfg, f"warm-start-{out_dir.name}")
             info = _train(cfg, ws, prep, loggers)
-        heldout, pkey = None, _digest(prep["protocol"])
+        heldout, pkey = None, json_digest(prep["protocol"])
         if ws.get("eval", True) and prep["protocol"].get("split"):
             if pkey not in info["heldout"]:
                 info["heldout"][pkey] = _heldout(cfg, prep)

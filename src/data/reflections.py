@@ -257,14 +257,13 @@ def _cached_replays(env, env_cfg: dict[str, Any], tasks: list[dict[str, Any]], g
     """``scienceworld_records``, cached in ``gold_dir`` on first use. The simulator lists a room's objects in an order
     that changes from one process (JVM) to the next, so replays made afresh gave each run other reflection examples
     and so another warm-start cache entry; read from the cache they are the same in every run."""
-    import hashlib
     import json
 
-    from src.utils.io import write_json_atomic
+    from src.utils.io import json_digest, write_json_atomic
 
     settings = {k: env_cfg.get(k) for k in ("task", "simplification", "action_correction")}
-    key = json.dumps([settings, env.max_steps, tasks, [r["actions"] for r in gold]], sort_keys=True, default=str)
-    path = Path(gold_dir) / f"reflection_replays-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+    key = json_digest([settings, env.max_steps, tasks, [r["actions"] for r in gold]])
+    path = Path(gold_dir) / f"reflection_replays-{key}.json"
     if path.exists():
         return json.loads(path.read_text())
     records = scienceworld_records(env, tasks, gold)

@@ -4,10 +4,13 @@
   (``atomic_file``, ``write_text_atomic``, ``write_json_atomic``). A killed writer leaves only that temporary file,
   which ``remove_stale_temp_files`` deletes at the next start-up.
 - A directory is built in a temporary sibling and renamed into place (``atomic_dir``).
+
+``json_digest`` names what a cache entry was built from.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -118,3 +121,8 @@ def remove_stale_temp_files(directory: str | os.PathLike) -> list[Path]:
             removed.append(path)
             log.warning("Removed %s (%.1f MB), left by a write that did not finish", path, size / 1e6)
     return removed
+
+
+def json_digest(obj: Any, n: int = 12) -> str:
+    """The first ``n`` hex digits of the SHA-256 of ``obj`` as JSON (keys sorted, non-JSON values by ``str``)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
