@@ -73,22 +73,25 @@ def _prepare(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
     key = {"format": WARM_START_FORMAT, "base_model": policy_cfg["name_or_path"], "dtype": policy_cfg["dtype"],
            "lora": policy_cfg.get("lora"), "precision": str(cfg.trainer.precision), "train": train,
            "examples": json_digest([[e.prompt_ids, e.response_ids] for e in examples], 64)}
-    reflections, tipped = [], []
-    if ws.get("reflections"):  # a second phase; the key of the actions-only entry it starts from stays as above
-        reflections, tipped = _reflection_examples(cfg, ws, env_cfg, policy, datamodule, records)
-        key["reflections"] = {**_reflection_settings(ws["reflections"]),
-                              "examples": json_digest([[e.prompt_ids, e.response_ids] for e in reflections], 64)}
-        if tipped:
-            key["reflections"]["tipped_examples"] = json_digest([[e.prompt_ids, e.response_ids] for e in tipped], 64)
     env_name = env_cfg["_target_"].rsplit(".", 1)[-1].removesuffix("Env").lower()
     base_name = Path(str(policy_cfg["name_or_path"]).split(":")[-1]).name
-    out_dir = Path(ws["cache_dir"]) / f"{env_name}-{base_name}-{json_digest(key)}"
     val = dict(datamodule.val_cfg or {})
     protocol = {**val, "seed": int(ws["seed"]), "max_steps": datamodule.max_steps, "env": env_cfg,
                 "rollout": asdict(datamodule.rollout_config(use_tips=False, temperature=val.get("temperature")))}
-    return {"policy": policy, "policy_cfg": policy_cfg, "env_cfg": env_cfg, "datamodule": datamodule,
-            "records": records, "examples": examples, "reflections": reflections, "tipped": tipped, "key": key,
-            "out_dir": out_dir, "protocol": protocol}
+    prep = {"policy": policy, "policy_cfg": policy_cfg, "env_cfg": env_cfg, "datamodule": datamodule,
+            "records": records, "examples": examples, "reflections": [], "tipped": [], "key": key,
+            "out_dir": Path(ws["cache_dir"]) / f"{env_name}-{base_name}-{json_digest(key)}", "protocol": protocol}
+    if not ws.get("reflections"):
+        return prep
+    # A second phase, started from the actions-only entry `prep` describes (its key stays as above, so the entries
+    # built before the phase existed are reused).
+    reflections, tipped = _reflection_examples(cfg, ws, env_cfg, policy, datamodule, records)
+    key = {**key, "reflections": {**_reflection_settings(ws["reflections"]),
+                                  "examples": json_digest([[e.prompt_ids, e.response_ids] for e in reflections], 64)}}
+    if tipped:
+        key["reflections"]["tipped_examples"] = json_digest([[e.prompt_ids, e.response_ids] for e in tipped], 64)
+    return {**prep, "reflections": reflections, "tipped": tipped, "key": key, "actions_only": prep,
+            "out_dir": Path(ws["cache_dir"]) / f"{env_name}-{base_name}-{json_digest(key)}"}
 
 
 REFLECTION_SETTINGS = ("max_tokens", "continue_last_prompt", "epochs", "lr", "rehearsal")
@@ -193,8 +196,8 @@ def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: l
     rehearsal: list = []
     if prep["reflections"]:
         settings = prep["key"]["reflections"]
-        base = _ensure(cfg, {**ws, "reflections": None, "eval": False})["path"]
-        policy = _load(prep, base)
+        base = _ensure(cfg, {**ws, "reflections": None, "eval": False}, prep["actions_only"])["path"]
+        policy = _load(prep, base)  # from disk, so a phase 1 built just now and one reused give the same start
         k = round(float(settings["rehearsal"]) * len(examples))
         rehearsal = random.Random(int(ws["seed"])).sample(examples, k)
         examples = prep["reflections"] + prep["tipped"] + rehearsal
@@ -272,10 +275,11 @@ def ensure_warm_start(cfg: DictConfig) -> dict[str, Any] | None:
     return result
 
 
-def _ensure(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
+def _ensure(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Reuse or build the entry ``prep`` (default: ``_prepare(cfg, ws)``) describes, under its file lock."""
     from filelock import FileLock
 
-    prep = _prepare(cfg, ws)
+    prep = prep or _prepare(cfg, ws)
     out_dir, loggers = prep["out_dir"], []
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir) + ".lock"):

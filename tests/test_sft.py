@@ -364,6 +364,11 @@ def test_reflection_examples_train_after_the_actions_only_warm_start(warm_start)
     saved = build_policy(name_or_path=first["path"], cache_dir=str(MODELS)).model.state_dict()
     tuned = build_policy(name_or_path=other["path"], cache_dir=str(MODELS)).model.state_dict()
     assert all(not torch.equal(tensor, saved[name]) for name, tensor in tuned.items() if "norm" not in name)
+    # no actions-only entry yet (another lr): built first, under the key a run without reflections then reuses
+    cold = ensure_warm_start(compose_train(tmp, reflections, "model.warm_start.lr=3e-3", "model.warm_start.eval=false"))
+    actions_only = ensure_warm_start(compose_train(tmp, "model.warm_start.lr=3e-3", "model.warm_start.eval=false"))
+    assert cold["info"]["started_from"] == actions_only["path"] not in (first["path"], cold["path"])
+    assert actions_only["info"]["num_reflection_examples"] == 0 and actions_only["info"]["started_from"] is None
     from src.warm_start import _reflection_settings
 
     with pytest.raises(ValueError, match="rehearsal"):
