@@ -17,6 +17,8 @@ give the mean and a ± standard-error band (std with Bessel correction / sqrt(n)
   (docs/evaluation.md#the-adaptation-protocol).
 - `results.md`: the results table (``results_table``): warm start, final held-out score and success per
   algorithm (mean ± s.e. over seeds), iterations, wall-clock and seconds per iteration.
+- `iterations.md`: one row per run and iteration (``iterations_table``): update mode, rollout score, groups without
+  signal, approx_kl, clip and masked fractions, tips written, tips that are actions, retrieval hit rate.
 - `curves.json`: the plotted numbers.
 
 and logs them as artifacts of a new MLflow run `comparison-...` in the experiment of the compared runs.
@@ -40,7 +42,7 @@ sys.path.insert(0, str(ROOT))  # `python scripts/compare_runs.py` from anywhere:
 from src.evaluation.comparison.adaptation import load_adaptation  # noqa: E402
 from src.evaluation.comparison.figures import plot_adaptation, plot_learning_curves  # noqa: E402
 from src.evaluation.comparison.runs import collect, comparison_title, env_kind, run_info, select_runs  # noqa: E402
-from src.evaluation.comparison.table import results_table  # noqa: E402
+from src.evaluation.comparison.table import iterations_table, results_table  # noqa: E402
 from src.utils.io import write_text_atomic  # noqa: E402
 
 log = logging.getLogger("compare_runs")
@@ -110,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         report["adaptation"] = plot_adaptation(adapt, kind, files[-1])
     files.append(out / "results.md")
     write_text_atomic(files[-1], results_table(client, runs, kind))
+    files.append(out / "iterations.md")
+    write_text_atomic(files[-1], iterations_table(client, runs, kind))
     files.append(out / "curves.json")
     write_text_atomic(files[-1], json.dumps(report, indent=1))
     run_id = None

@@ -177,7 +177,7 @@ def test_main_writes_pngs_json_and_logs_artifacts(store):
     result = compare_runs.main(["--tracking-uri", store["uri"], "--tag", "scienceworld", "--out-dir", str(out),
                                 "--adaptation", *_adaptation_files(store["tmp"])])
     names = {"learning_curves_iteration.png", "learning_curves_wallclock.png", "adaptation.png", "curves.json",
-             "results.md"}
+             "results.md", "iterations.md"}
     assert {f.name for f in result["files"]} == names
     for name in ("learning_curves_iteration.png", "learning_curves_wallclock.png"):
         img = _read_png(out / name)
@@ -231,6 +231,36 @@ def test_warm_start_is_the_validation_point_at_iteration_0(store):
     row = table.results_table(client, [client.get_run(rid)], "scienceworld").splitlines()[2]
     # update time summed within iteration 0 (two optimizer steps), averaged over the run's 2 iterations
     assert row == "| GRPO | 1 | 2 | 10 | – / – / 25 | 12.0 ± 2.0 / 0.25 | 25.0 | 0.50 |"
+
+
+def test_iterations_table_known_answers(store):
+    """EMPO² seed 1: iteration 0 on policy (two optimizer steps, approx_kl 0 then 0.02), iteration 1 off policy
+    (approx_kl 0.5 then 0.1, clip 0.1 and 0.3: mean 0.2; 8 tips, a quarter of them actions, half the queries hit).
+    GRPO logs no memory metrics: dashes."""
+    client, rid = store["client"], store["ids"]["empo1"]
+
+    def at(minutes, ms=0):  # the run's rollouts are at minutes 2 and 6
+        return T0 + int(minutes * MIN) + ms
+
+    metrics = [Metric("rollout/mode_on_policy", 1.0, at(2), 0), Metric("rollout/mode_off_policy", 0.0, at(2), 0),
+               Metric("rollout/mode_on_policy", 0.0, at(6), 2), Metric("rollout/mode_off_policy", 1.0, at(6), 2),
+               Metric("rollout/adv/zero_var_group_frac", 0.5, at(2), 0),
+               Metric("rollout/adv/zero_var_group_frac", 0.0, at(6), 2),
+               Metric("rollout/tips_written", 8.0, at(6), 2), Metric("rollout/tip_action_frac", 0.25, at(6), 2),
+               Metric("rollout/memory/hit_rate", 0.5, at(6), 2)]
+    for minutes, kls, clips in ((3, (0.0, 0.02), (0.0, 0.0)), (7, (0.5, 0.1), (0.1, 0.3))):
+        for k, (kl, clip) in enumerate(zip(kls, clips)):
+            metrics += [Metric("train/approx_kl", kl, at(minutes, k), 10 + k),
+                        Metric("train/clip_frac", clip, at(minutes, k), 10 + k)]
+    client.log_batch(rid, metrics=metrics)
+    runs = [client.get_run(rid), client.get_run(store["ids"]["grpo1"])]
+    lines = table.iterations_table(client, runs, "scienceworld").splitlines()
+    assert lines[0].startswith("| run | iteration | mode | rollout score | zero-variance groups | approx_kl first")
+    assert lines[2] == "| grpo-scienceworld-seed1 | 0 | – | 10.0 | – | – | – | – | – | – | – |"
+    assert lines[4] == ("| empo2-scienceworld-seed1 | 0 | on_policy | 0.0 | 0.50 | 0.000 / 0.020 | 0.000 | – | – | – | "
+                        "– |")
+    assert lines[5] == ("| empo2-scienceworld-seed1 | 1 | off_policy | 50.0 | 0.00 | 0.500 / 0.500 | 0.200 | – | 8 | "
+                        "0.25 | 0.50 |")
 
 
 def test_no_log_writes_files_only(store):

@@ -164,16 +164,24 @@ def run_info(client: mlflow.MlflowClient, run: Run) -> dict[str, Any]:
             "minutes_per_iteration": minutes / iterations if minutes is not None and iterations else None}
 
 
+def per_iteration_values(client: mlflow.MlflowClient, run: Run, key: str) -> dict[float, list[float]]:
+    """``{iteration: [values of key logged during it]}`` in logging order: a value belongs to the latest rollout
+    logged at or before it (an optimizer step's ``train/*`` to the iteration whose rollout it trains on); values
+    logged before the first rollout count with it. Empty when the run never logged ``key`` or no iteration."""
+    iters = iteration_times(client, run)
+    out: dict[float, list[float]] = {}
+    if not iters:
+        return out
+    for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.timestamp, m.step)):
+        it = iteration_at(iters, m.timestamp)
+        out.setdefault(iters[0][1] if it is None else it, []).append(m.value)
+    return out
+
+
 def per_iteration_sum(client: mlflow.MlflowClient, run: Run, key: str) -> float | None:
     """Mean over iterations of a timing metric summed within each iteration (e.g. ``train/update_s`` is logged once
     per optimizer step); None when the run never logged it."""
-    iters = iteration_times(client, run)
-    hist = client.get_metric_history(run.info.run_id, key)
-    if not iters or not hist:
+    values = per_iteration_values(client, run, key)
+    if not values:
         return None
-    sums: dict[float, float] = {}
-    for m in hist:
-        it = iteration_at(iters, m.timestamp)
-        it = iters[0][1] if it is None else it  # logged before the first rollout: counted with it
-        sums[it] = sums.get(it, 0.0) + m.value
-    return float(np.mean([sums.get(it, 0.0) for _, it in iters]))
+    return float(np.mean([sum(values.get(it, [])) for _, it in iteration_times(client, run)]))

@@ -7,7 +7,8 @@ import mlflow
 import numpy as np
 from mlflow.entities import Run
 
-from src.evaluation.comparison.runs import ALGORITHM_LABELS, VAL_KEYS, algorithm_rank, per_iteration_sum, run_info
+from src.evaluation.comparison.runs import (ALGORITHM_LABELS, VAL_KEYS, algorithm_rank, iteration_times,
+                                            per_iteration_sum, per_iteration_values, run_info)
 from src.evaluation.stats import mean_stderr
 
 TIMING_KEYS = {"rollout": "rollout/rollout_s", "tips": "rollout/tip_write_s", "update": "train/update_s"}
@@ -47,4 +48,49 @@ def results_table(client: mlflow.MlflowClient, runs: Sequence[Run], kind: str) -
         lines.append(f"| {ALGORITHM_LABELS.get(algo, algo)} | {', '.join(str(i['seed']) for i in info)} | "
                      f"{np.mean([i['iterations'] for i in info]):.0f} | "
                      f"{np.mean(minutes):.0f} | {' / '.join(timing)} | {ws_txt} | {score} | {success} |")
+    return "\n".join(lines) + "\n"
+
+
+# (column, metric key, how the iteration's values are summarised, digits; None: the score's); "first / max" shows
+# the first optimizer step's value, where the old log-probs are the policy's own (0 on policy; tips in them off
+# policy), and the largest.
+ITERATION_COLUMNS = (
+    ("rollout score", "rollout/score", "last", None),
+    ("zero-variance groups", "rollout/adv/zero_var_group_frac", "last", 2),
+    ("approx_kl first / max", "train/approx_kl", "first/max", 3),
+    ("clip frac", "train/clip_frac", "mean", 3),
+    ("masked frac", "train/masked_frac", "mean", 3),
+    ("tips written", "rollout/tips_written", "last", 0),
+    ("tips that are actions", "rollout/tip_action_frac", "last", 2),
+    ("retrieval hit rate", "rollout/memory/hit_rate", "last", 2),
+)
+
+
+def _summary(values: list[float], how: str, digits: int) -> str:
+    if not values:
+        return "–"
+    if how == "first/max":
+        return f"{values[0]:.{digits}f} / {max(values):.{digits}f}"
+    return f"{(values[-1] if how == 'last' else float(np.mean(values))):.{digits}f}"
+
+
+def iterations_table(client: mlflow.MlflowClient, runs: Sequence[Run], kind: str) -> str:
+    """Markdown table, one row per run and training iteration: the update mode drawn, the rollout score, the
+    share of groups without signal, approx_kl (first optimizer step / largest), mean clip and masked fractions,
+    and the memory's tips written, the share of them that are actions and the retrieval hit rate (``–``: not
+    logged, e.g. GRPO has no memory). Where EMPO² and GRPO part, this says which iteration and which mode did it.
+    """
+    score_digits = 3 if kind == "webshop" else 1
+    lines = ["| run | iteration | mode | " + " | ".join(c[0] for c in ITERATION_COLUMNS) + " |",
+             "|---|---|---|" + "---|" * len(ITERATION_COLUMNS)]
+    for run in sorted(runs, key=lambda r: (algorithm_rank(r.data.params["algorithm/name"]),
+                                           str(r.data.params.get("seed")))):
+        modes = {k.removeprefix("rollout/mode_"): per_iteration_values(client, run, k)
+                 for k in run.data.metrics if k.startswith("rollout/mode_")}
+        columns = [(per_iteration_values(client, run, key), how, score_digits if digits is None else digits)
+                   for _, key, how, digits in ITERATION_COLUMNS]
+        for _, it in iteration_times(client, run):
+            mode = next((m for m, v in modes.items() if v.get(it, [0.0])[-1] == 1.0), "–")
+            cells = [_summary(values.get(it, []), how, digits) for values, how, digits in columns]
+            lines.append(f"| {run.info.run_name} | {it:.0f} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
