@@ -60,6 +60,22 @@ def run_commands(experiment: str, algorithms: Sequence[str], seeds: Sequence[int
             for seed in seeds for algo in algorithms]
 
 
+def _matching_runs(tracking_uri: str, experiment_name: str, algorithms: Sequence[str], env_target: str, model: str,
+                   finished_only: bool = True) -> list:
+    """The newest (at most 200) runs in the store with one of ``algorithms``, the same environment and policy."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    exp = client.get_experiment_by_name(experiment_name)
+    if exp is None:
+        return []
+    runs = client.search_runs([exp.experiment_id], max_results=200, order_by=["attributes.start_time DESC"],
+                              filter_string="attributes.status = 'FINISHED'" if finished_only else "")
+    same = (env_target, model)
+    return [r for r in runs if r.data.params.get("algorithm/name") in algorithms
+            and (r.data.params.get("env/_target_"), r.data.params.get("model/policy/name_or_path")) == same]
+
+
 def measured_minutes_per_iteration(tracking_uri: str, experiment_name: str, algorithm: str, env_target: str,
                                    model: str) -> tuple[float, int] | None:
     """Median minutes per iteration (MLflow run duration / iterations logged: validation included, the process
@@ -70,17 +86,42 @@ def measured_minutes_per_iteration(tracking_uri: str, experiment_name: str, algo
     from src.evaluation.comparison.runs import run_info
 
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-    exp = client.get_experiment_by_name(experiment_name)
-    if exp is None:
-        return None
-    per_iter = []
-    for run in client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
-                                  max_results=200, order_by=["attributes.start_time DESC"]):
-        p = run.data.params
-        if (p.get("algorithm/name"), p.get("env/_target_"), p.get("model/policy/name_or_path")) == (
-                algorithm, env_target, model) and (m := run_info(client, run)["minutes_per_iteration"]):
-            per_iter.append(m)
+    per_iter = [m for run in _matching_runs(tracking_uri, experiment_name, [algorithm], env_target, model)
+                if (m := run_info(client, run)["minutes_per_iteration"])]
     return (statistics.median(per_iter), len(per_iter)) if per_iter else None
+
+
+def measured_peak_rss_gib(tracking_uri: str, experiment_name: str, algorithms: Sequence[str], env_target: str,
+                          model: str) -> float | None:
+    """The largest ``system/peak_rss_gib`` (a training process's peak resident memory, GiB) logged by earlier runs of
+    ``algorithms`` with the same environment and policy, whatever their status (a run killed for memory logged its
+    growth before it died); None if none logged it."""
+    peaks = [run.data.metrics["system/peak_rss_gib"]
+             for run in _matching_runs(tracking_uri, experiment_name, algorithms, env_target, model, False)
+             if "system/peak_rss_gib" in run.data.metrics]
+    return max(peaks) if peaks else None
+
+
+def machine_memory_gib() -> float:
+    """Physical memory of this machine, GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def check_parallel_fits(parallel: int, peak_gib: float | None, total_gib: float) -> str:
+    """The line to print about memory; raises ValueError when ``parallel`` runs of the measured peak do not fit in
+    90% of ``total_gib`` (the rest for the environment workers and the system).
+
+    Two WebShop runs side by side were killed for memory on a 24 GB machine (one process peaked at 10.9 GB), two
+    hours into a study; refusing before the first run costs nothing.
+    """
+    if peak_gib is None:
+        return f"memory: no earlier run logged its peak; {parallel} run(s) side by side on {total_gib:.0f} GiB"
+    fits = max(int(0.9 * total_gib // peak_gib), 1)
+    if parallel > fits:
+        raise ValueError(f"--parallel {parallel}: earlier runs of this experiment peaked at {peak_gib:.1f} GiB "
+                         f"each (system/peak_rss_gib in MLflow), and {parallel} of them do not fit in 90% of this "
+                         f"machine's {total_gib:.0f} GiB; expected --parallel {fits} or less")
+    return f"memory: earlier runs peaked at {peak_gib:.1f} GiB each; {parallel} side by side fit in {total_gib:.0f} GiB"
 
 
 def _thread_env(threads: int | None) -> dict[str, str]:
@@ -180,6 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.iterations} iterations each, {args.parallel} at a time; policy {model}; MLflow {tracking_uri}")
     total = estimate_minutes(args, tracking_uri, exp_name, env_target, model)
     print(f"Estimated total: {total:.0f} min" + (f" (~{total / 60:.1f} h)" if total >= 60 else ""))
+    try:
+        print(check_parallel_fits(args.parallel, measured_peak_rss_gib(tracking_uri, exp_name, args.algorithms,
+                                                                       env_target, model), machine_memory_gib()))
+    except ValueError as e:
+        ap.error(str(e))
     for cmd in commands:
         print("  python src/train.py " + " ".join(cmd[2:]))
     out_dir = args.out_dir or str(ROOT / "logs" / "comparison" / study_tag)

@@ -285,6 +285,28 @@ def test_study_dry_run_prints_plan(tmp_path, capsys):
     assert "--tag study-t1" in out and "Estimated total: 32 min" in out
 
 
+def test_study_refuses_side_by_side_runs_that_do_not_fit_in_memory(tmp_path, capsys):
+    """Known answers: 90% of 24 GiB holds one 10.9-GiB run (two WebShop runs were killed for memory), four 5-GiB
+    runs. run_study reads the peak from any earlier run of the experiment, a failed one included."""
+    with pytest.raises(ValueError, match="--parallel 2: .* 10.9 GiB .* expected --parallel 1 or less"):
+        run_study.check_parallel_fits(2, 10.9, 24.0)
+    assert "5.0 GiB each; 4 side by side fit" in run_study.check_parallel_fits(4, 5.0, 24.0)
+    assert "no earlier run" in run_study.check_parallel_fits(2, None, 24.0)
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp_id = client.create_experiment("empo2", artifact_location=str(tmp_path / "mlartifacts"))
+    cfg = run_study.compose("scienceworld", ["algorithm=grpo", "model=tiny"])
+    rid = _log_run(client, exp_id, "grpo", 1, [(0, 1, 0, 10.0)], status="FAILED")
+    client.log_batch(rid, metrics=[Metric("system/peak_rss_gib", 1000.0, T0, 0)],
+                     params=[Param("model/policy/name_or_path", cfg.model.policy.name_or_path)])
+    args = ["--seeds", "1", "--iterations", "1", "--dry-run", "--parallel", "2", "model=tiny",
+            f"logger.mlflow.tracking_uri={uri}"]
+    with pytest.raises(SystemExit):
+        run_study.main(args)
+    assert "1000.0 GiB each" in capsys.readouterr().err
+    assert run_study.main([*args[:6], "1", *args[7:]]) == 0  # one at a time: nothing to refuse
+
+
 def test_study_commands_compose():
     """The generated overrides (tags list with the study tag) are valid Hydra overrides."""
     cmd = run_study.run_commands("scienceworld", ["grpo"], [7], 5, ["scienceworld", "cpu", "study-x"],

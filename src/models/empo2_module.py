@@ -29,6 +29,7 @@ from src.models.policy import build_policy, reference_is_a_copy
 from src.models.precision import check_trainable_dtype, fsdp_mixed_precision, torch_dtype
 from src.models.update_metrics import MiniBatchMetrics
 from src.utils.distributed import all_reduce, combine_over_ranks
+from src.utils.timing import peak_rss_gib
 
 if TYPE_CHECKING:  # the module reads these types; it builds none of them (the datamodule does)
     from src.data.samples import MicroBatch, StepSample
@@ -305,7 +306,8 @@ class EMPO2Module(L.LightningModule):
     def _log_rollout_metrics(self, batch: MicroBatch) -> None:
         modes = {f"rollout/mode_{m}": float(m == batch.mode) for m in UPDATE_MODES}
         metrics = {**batch.metrics, **modes, "iteration": float(batch.iteration),
-                   "rollout/global_step_at_rollout": float(batch.rollout_global_step)}
+                   "rollout/global_step_at_rollout": float(batch.rollout_global_step),
+                   "system/peak_rss_gib": peak_rss_gib()}  # this rank's process, workers not included
         self._log_metrics(metrics, step=batch.rollout_global_step)
         self.log_dict({k: metrics[k] for k in PROGRESS_BAR_KEYS if k in metrics}, logger=False, prog_bar=True,
                       on_step=True, on_epoch=False, batch_size=1)

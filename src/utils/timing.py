@@ -1,7 +1,10 @@
-"""Wall-clock timing of code blocks into a dict of seconds (rollout, memory and update timings)."""
+"""Wall-clock timing of code blocks into a dict of seconds (rollout, memory and update timings), and the
+process's peak memory (logged per iteration, read by ``scripts/run_study.py`` before it puts runs side by side)."""
 from __future__ import annotations
 
 import contextlib
+import resource
+import sys
 import time
 from typing import Iterator
 
@@ -14,6 +17,13 @@ def timed(timers: dict[str, float], key: str) -> Iterator[None]:
         yield
     finally:
         timers[key] = timers.get(key, 0.0) + time.perf_counter() - tic
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far, in GiB (``getrusage`` ``ru_maxrss``: KiB on Linux, bytes on
+    macOS). Child processes (environment workers) are not included."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def eta_text(elapsed_s: float, done: float, total: float) -> str:
