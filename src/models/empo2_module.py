@@ -300,14 +300,13 @@ class EMPO2Module(L.LightningModule):
         if self._trainer is None or self.trainer.is_global_zero:
             log.warning("Skipped optimizer step at global step %d (iteration %d): the gradient norm is not finite "
                         "(%s); weights and optimizer state are unchanged (%d consecutive, the run stops at "
-                        "algorithm.max_nonfinite_steps=%d)", step, batch.iteration, grad_norm, self._nonfinite_streak,
-                        limit)
+                        "algorithm.max_nonfinite_steps=%d)", step, batch.iteration, grad_norm,
+                        self._nonfinite_streak, limit)
 
     def _log_rollout_metrics(self, batch: MicroBatch) -> None:
-        modes = {f"rollout/mode_{m}": float(m == batch.mode) for m in UPDATE_MODES}
-        metrics = {**batch.metrics, **modes, "iteration": float(batch.iteration),
-                   "rollout/global_step_at_rollout": float(batch.rollout_global_step),
-                   "system/peak_rss_gib": peak_rss_gib()}  # this rank's process, workers not included
+        modes = {f"rollout/mode_{m}": float(m == batch.mode) for m in UPDATE_MODES}  # peak: this rank's process
+        metrics = {**batch.metrics, **modes, "iteration": float(batch.iteration), "system/peak_rss_gib": peak_rss_gib(),
+                   "rollout/global_step_at_rollout": float(batch.rollout_global_step)}
         self._log_metrics(metrics, step=batch.rollout_global_step)
         self.log_dict({k: metrics[k] for k in PROGRESS_BAR_KEYS if k in metrics}, logger=False, prog_bar=True,
                       on_step=True, on_epoch=False, batch_size=1)
