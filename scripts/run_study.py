@@ -14,7 +14,7 @@ built once before any run starts, so that runs side by side never race to build 
 CPU two single-threaded runs finish sooner than two two-threaded runs one after the other, because generation
 and the environment steps leave cores idle. Timings are then per-process timings under that sharing. K runs must
 fit in memory: before the first run starts, K is refused when K times the largest peak resident memory an earlier
-run of the experiment logged (`system/peak_rss_gib`) exceeds 90% of the machine's (a WebShop run peaks at ~8.6 GiB,
+run of the experiment logged (`system/peak_rss_gib`) exceeds 90% of the machine's (a WebShop run peaks at 10–11 GiB,
 so one at a time on 24 GB).
 
 Before starting it prints an estimate of the total time: minutes per iteration measured from earlier finished
@@ -132,7 +132,7 @@ def _thread_env(threads: int | None) -> dict[str, str]:
     # glibc raises its mmap threshold after large frees, so freed activation/logit buffers stay in the heap and a
     # run's resident memory creeps up (measured: 4.7 -> 8 GB over 8 WebShop iterations); a fixed threshold
     # returns buffers over 4 MiB to the system. It does not lower a run's peak: two WebShop runs still do not fit
-    # in 24 GB (each peaks at ~8.6 GiB in its update), which check_parallel_fits refuses.
+    # in 24 GB (each peaks at 10–11 GiB in its updates), which check_parallel_fits refuses.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(4 << 20))
     if threads:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
