@@ -114,8 +114,8 @@ def check_parallel_fits(parallel: int, peak_gib: float | None, total_gib: float)
     """The line to print about memory; raises ValueError when ``parallel`` runs of the measured peak do not fit in
     90% of ``total_gib`` (the rest for the environment workers and the system).
 
-    Two WebShop runs side by side were killed for memory on a 24 GB machine (one process peaked at 10.9 GB), two
-    hours into a study; refusing before the first run costs nothing.
+    Of two WebShop runs side by side on a 24 GB machine, one was killed for memory (at 10.9 GB) 16 minutes into a
+    study; refusing before the first run costs nothing.
     """
     if peak_gib is None:
         return f"memory: no earlier run logged its peak; {parallel} run(s) side by side on {total_gib:.0f} GiB"

@@ -327,7 +327,7 @@ class EMPO2Module(L.LightningModule):
         timing = combine_over_ranks({"tokens": float(self._train_tokens), "update_s": self._train_time},
                                     how=lambda k: "max" if k == "update_s" else "sum")
         tokens, update_s = timing["tokens"], timing["update_s"]
-        out["train/grad_norm"] = grad_norm
+        out["train/grad_norm"], out["system/peak_rss_gib"] = grad_norm, peak_rss_gib()  # the update is the peak
         out["train/update_skipped"] = float(skipped)
         out["train/nonfinite_grad_steps"] = float(self._nonfinite_streak)
         out["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
