@@ -352,4 +352,8 @@ def test_two_real_training_runs(tmp_path):
     for name in ("learning_curves_iteration.png", "learning_curves_wallclock.png"):
         assert _read_png(out / name).shape[:2] == CURVE_PX
     artifacts = {a.path for a in client.list_artifacts(result["comparison_run_id"])}
-    assert artifacts == {"learning_curves_iteration.png", "learning_curves_wallclock.png", "curves.json", "results.md"}
+    assert artifacts == {"learning_curves_iteration.png", "learning_curves_wallclock.png", "curves.json", "results.md",
+                         "iterations.md"}
+    rows = (out / "iterations.md").read_text().splitlines()[2:]  # 2 iterations per run, each with its drawn mode
+    assert len(rows) == 4 and all(any(f" | {m} | " in r for m in ("on_policy", "off_policy", "on_policy_with_tips"))
+                                  for r in rows)
