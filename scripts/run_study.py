@@ -252,10 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = run_all(commands, args.parallel, args.threads)
     if failed:
         print(f"{len(failed)} run(s) failed: {failed}; comparing the finished ones", file=sys.stderr)
-    if len(failed) < len(commands):
-        from scripts.compare_runs import main as compare_main
-
-        compare_main(compare_argv)
+    if len(failed) < len(commands):  # a process of its own: it reads the source as it is now, not at our start
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_runs.py"), *compare_argv], cwd=ROOT,
+                       check=True)
     return len(failed)
 
 
