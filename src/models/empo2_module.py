@@ -304,7 +304,7 @@ class EMPO2Module(L.LightningModule):
                         self._nonfinite_streak, limit)
 
     def _log_rollout_metrics(self, batch: MicroBatch) -> None:
-        modes = {f"rollout/mode_{m}": float(m == batch.mode) for m in UPDATE_MODES}  # peak: this rank's process
+        modes = {f"rollout/mode_{m}": float(m == batch.mode) for m in UPDATE_MODES}
         metrics = {**batch.metrics, **modes, "iteration": float(batch.iteration), "system/peak_rss_gib": peak_rss_gib(),
                    "rollout/global_step_at_rollout": float(batch.rollout_global_step)}
         self._log_metrics(metrics, step=batch.rollout_global_step)

@@ -164,11 +164,13 @@ def run_info(client: mlflow.MlflowClient, run: Run) -> dict[str, Any]:
             "minutes_per_iteration": minutes / iterations if minutes is not None and iterations else None}
 
 
-def per_iteration_values(client: mlflow.MlflowClient, run: Run, key: str) -> dict[float, list[float]]:
+def per_iteration_values(client: mlflow.MlflowClient, run: Run, key: str,
+                         iters: list[tuple[int, float]] | None = None) -> dict[float, list[float]]:
     """``{iteration: [values of key logged during it]}`` in logging order: a value belongs to the latest rollout
     logged at or before it (an optimizer step's ``train/*`` to the iteration whose rollout it trains on); values
-    logged before the first rollout count with it. Empty when the run never logged ``key`` or no iteration."""
-    iters = iteration_times(client, run)
+    logged before the first rollout count with it. Empty when the run never logged ``key`` or no iteration.
+    ``iters``: the run's ``iteration_times`` when the caller already read them."""
+    iters = iteration_times(client, run) if iters is None else iters
     out: dict[float, list[float]] = {}
     if not iters:
         return out
@@ -181,7 +183,8 @@ def per_iteration_values(client: mlflow.MlflowClient, run: Run, key: str) -> dic
 def per_iteration_sum(client: mlflow.MlflowClient, run: Run, key: str) -> float | None:
     """Mean over iterations of a timing metric summed within each iteration (e.g. ``train/update_s`` is logged once
     per optimizer step); None when the run never logged it."""
-    values = per_iteration_values(client, run, key)
+    iters = iteration_times(client, run)
+    values = per_iteration_values(client, run, key, iters)
     if not values:
         return None
-    return float(np.mean([sum(values.get(it, [])) for _, it in iteration_times(client, run)]))
+    return float(np.mean([sum(values.get(it, [])) for _, it in iters]))

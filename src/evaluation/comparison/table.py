@@ -85,11 +85,12 @@ def iterations_table(client: mlflow.MlflowClient, runs: Sequence[Run], kind: str
              "|---|---|---|" + "---|" * len(ITERATION_COLUMNS)]
     for run in sorted(runs, key=lambda r: (algorithm_rank(r.data.params["algorithm/name"]),
                                            str(r.data.params.get("seed")))):
-        modes = {k.removeprefix("rollout/mode_"): per_iteration_values(client, run, k)
+        iters = iteration_times(client, run)
+        modes = {k.removeprefix("rollout/mode_"): per_iteration_values(client, run, k, iters)
                  for k in run.data.metrics if k.startswith("rollout/mode_")}
-        columns = [(per_iteration_values(client, run, key), how, score_digits if digits is None else digits)
+        columns = [(per_iteration_values(client, run, key, iters), how, score_digits if digits is None else digits)
                    for _, key, how, digits in ITERATION_COLUMNS]
-        for _, it in iteration_times(client, run):
+        for _, it in iters:
             mode = next((m for m, v in modes.items() if v.get(it, [0.0])[-1] == 1.0), "–")
             cells = [_summary(values.get(it, []), how, digits) for values, how, digits in columns]
             lines.append(f"| {run.info.run_name} | {it:.0f} | {mode} | " + " | ".join(cells) + " |")
