@@ -15,7 +15,7 @@ CPU two single-threaded runs finish sooner than two two-threaded runs one after 
 and the environment steps leave cores idle. Timings are then per-process timings under that sharing. K runs must
 fit in memory: before the first run starts, K is refused when K times the largest peak resident memory an earlier
 run of the experiment logged (`system/peak_rss_gib`) exceeds 90% of the machine's (a WebShop run peaks at 10–11 GiB,
-so one at a time on 24 GB).
+measured on a 2-core AMX Xeon in bf16-mixed: one at a time on 24 GB).
 
 Before starting it prints an estimate of the total time: minutes per iteration measured from earlier finished
 runs of the same experiment, algorithm and policy in the MLflow store when there are any, else
