@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,15 @@ def _trained(ckpt: dict[str, Any], group: str, key: str, configured: Any) -> Any
 
 
 def _write_model(policy, out: Path, adapter_only: bool, dtype: str | None) -> dict[str, Any]:
-    """Save the model (merged, or the adapter alone) into ``out``; returns ``{"kind", "dtype"}``."""
+    """Save the model (merged, or the adapter alone) into ``out``; returns ``{"kind", "dtype"}`` (and, for a merged
+    LoRA saved below float32, ``update_kept``).
+
+    LoRA is merged in float32: ``W + BA`` rounded to a bf16 base loses every update entry below half a bf16 ulp of
+    its weight (at lr 1e-6 most of them; docs/export.md). With ``dtype`` null the merged weights are saved in float32
+    and a full fine-tune in its master dtype, so the export holds exactly what training changed; a ``dtype`` below
+    that rounds them, and a warning says how much of the update survived (for a merged LoRA, measured on the
+    weights) or may not.
+    """
     from src.models.precision import torch_dtype
 
     model = policy.model
@@ -107,17 +116,55 @@ def _write_model(policy, out: Path, adapter_only: bool, dtype: str | None) -> di
     if adapter_only and not is_peft:
         raise ValueError("export.adapter_only=true needs a LoRA checkpoint (model.policy.lora.enabled=true); this "
                          "one holds full weights: export it without export.adapter_only")
-    if dtype:
-        model = model.to(torch_dtype(dtype))  # before merging: the merge happens in this dtype
+    target = torch_dtype(dtype) if dtype else None
     if adapter_only:
+        if target is not None:
+            model = model.to(target)
         model.save_pretrained(out)
         adapter = next(p for n, p in model.named_parameters() if "lora_" in n)
         return {"kind": "lora_adapter", "dtype": str(adapter.dtype).replace("torch.", ""),
                 "base_model": model.peft_config["default"].base_model_name_or_path}
+    info: dict[str, Any] = {"kind": "merged" if is_peft else "full"}
     if is_peft:
-        model = model.merge_and_unload()
+        rounded = target is not None and torch.finfo(target).eps > torch.finfo(torch.float32).eps
+        # the base weights under the adapters, to measure what rounding the merged ones keeps
+        base = {n.replace(".base_layer", ""): w.detach().clone()
+                for n, w in model.get_base_model().state_dict().items() if ".base_layer." in n} if rounded else {}
+        model = model.to(torch.float32).merge_and_unload()
+        if rounded:
+            info["update_kept"] = rounding_kept_fraction(base, model.state_dict(), target)
+    trained = model.dtype
+    if target is not None and target != model.dtype:
+        model = model.to(target)
+        if torch.finfo(target).eps > torch.finfo(trained).eps:
+            kept = info.get("update_kept")
+            log.warning("export.dtype=%s rounds the trained %s weights: update entries below half a %s ulp of "
+                        "their weight vanish (%s). Leave export.dtype unset to keep the training exactly, or use "
+                        "export.adapter_only=true for a LoRA run (docs/export.md)", dtype,
+                        str(trained).replace("torch.", ""), dtype,
+                        f"{100 * kept:.1f}% of the LoRA update's norm survives" if kept is not None
+                        else "at lr 1e-6 most of them")
     model.save_pretrained(out)
-    return {"kind": "merged" if is_peft else "full", "dtype": str(model.dtype).replace("torch.", "")}
+    info["dtype"] = str(model.dtype).replace("torch.", "")
+    return info
+
+
+def rounding_kept_fraction(base: dict[str, torch.Tensor], trained: dict[str, torch.Tensor],
+                           dtype: torch.dtype) -> float:
+    """The share of a weight update that survives rounding the trained weights to ``dtype``:
+    ``1 − ‖round(W') − W'‖ / ‖W' − W‖`` over the weights of ``base`` (W) that training changed (W', float32);
+    1.0 when nothing changed. Units: a fraction of the update's Frobenius norm in [0, 1]."""
+    err = change = 0.0
+    for name, w in base.items():
+        if name not in trained:
+            continue
+        new = trained[name].float()
+        delta = new - w.float()
+        if not bool(delta.any()):
+            continue
+        err += float((new.to(dtype).float() - new).pow(2).sum())
+        change += float(delta.pow(2).sum())
+    return 1.0 if change == 0 else max(0.0, 1.0 - (err / change) ** 0.5)
 
 
 def _write_memory(cfg: DictConfig, ckpt: dict[str, Any], out: Path) -> dict[str, Any] | None:

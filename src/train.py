@@ -22,60 +22,81 @@ log = logging.getLogger(__name__)
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
-    """Instantiate module, datamodule, memory callback, callbacks, loggers and Trainer from the config."""
+    """Instantiate module, datamodule, memory callback, callbacks, loggers and Trainer from the config.
+
+    The loggers are made last but the Trainer: a run in the tracker exists only once everything else is built, and
+    ends FAILED if the Trainer cannot be made.
+    """
     import lightning as L
 
     from src.models.memory_estimate import check_device_memory
     from src.warm_start import warm_start_model_config
     from src.utils.checkpoint_io import AtomicCheckpointIO
+    from src.utils.config_error import refused_settings
     from src.utils.instantiate import instantiate_callbacks, instantiate_loggers
     from src.utils.precision_choice import resolve_precision
+    from src.utils.run_end import end_tracker_runs
 
-    resolve_precision(cfg)  # trainer.precision=auto: this machine's choice, before anything reads it
+    with refused_settings():
+        resolve_precision(cfg)  # trainer.precision=auto: this machine's choice, before anything reads it
+        check_device_memory(cfg)  # before loading any weights: refuse what cannot fit
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
-    check_device_memory(cfg)  # before loading any weights: refuse what cannot fit
     model_cfg, warm_start = warm_start_model_config(cfg)  # model.warm_start: built once, then reused
     log.info("Instantiating model <%s> from %s", cfg.model._target_, model_cfg.policy.name_or_path)
     module = hydra.utils.instantiate(model_cfg)
     # `memory=none` leaves no `_target_` (an experiment's memory settings may still sit there, unused).
     use_memory = cfg.algorithm.get("use_memory", True) and "_target_" in (cfg.get("memory") or {})
     memory = hydra.utils.instantiate(cfg.memory) if use_memory else None
-    if memory is None and cfg.algorithm.memory_rollout_prob > 0:
-        raise ValueError(f"algorithm {cfg.algorithm.name!r} has memory_rollout_prob="
-                         f"{cfg.algorithm.memory_rollout_prob} but memory is off (memory=none)")
     datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
     callbacks = instantiate_callbacks(cfg.get("callbacks")) + ([memory] if memory is not None else [])
     loggers = instantiate_loggers(cfg.get("logger"))
     # ModelParallelStrategy (FSDP2) writes distributed checkpoints itself and takes no CheckpointIO plugin.
     sharded = "ModelParallelStrategy" in str(cfg.trainer.get("strategy"))
-    trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
-                                      plugins=None if sharded else [AtomicCheckpointIO()])
+    try:
+        trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
+                                          plugins=None if sharded else [AtomicCheckpointIO()])
+    except BaseException:
+        end_tracker_runs(loggers, "FAILED")
+        raise
     return {"module": module, "datamodule": datamodule, "memory": memory, "trainer": trainer, "loggers": loggers,
             "warm_start": warm_start}
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Fit; return the built objects and the final logged metrics."""
-    from src.envs.scienceworld_gold_lengths import warn_gold_paths_over_cap
-    from src.utils.startup_checks import prepare_run
+    """Fit; return the built objects and the final logged metrics.
 
-    prepare_run(cfg)  # refuses/adapts options before anything (even torch) is loaded
-    warn_gold_paths_over_cap(cfg.get("env"))  # ScienceWorld: action caps below a task's gold path
+    Raises:
+        ConfigError: a setting that cannot work, before anything is built (``src/config_checks.py``).
+    """
+    from src.envs.scienceworld_gold_lengths import warn_gold_paths_over_cap
+    from src.utils.config_error import refused_settings
+    from src.config_checks import prepare_run
+
+    with refused_settings():
+        prepare_run(cfg)  # refuses/adapts options before any model or environment is built
+        warn_gold_paths_over_cap(cfg.get("env"))  # ScienceWorld: action caps below a task's gold path
     from src.warm_start import warm_start_metrics
     from src.utils.logging import log_checkpoint, log_config, set_tags
+    from src.utils.run_end import end_status, end_tracker_runs, last_checkpoint_message
 
     objs = build(cfg)
     trainer = objs["trainer"]
-    if trainer.is_global_zero:
-        log_config(cfg, objs["loggers"])
-        set_tags(objs["loggers"], {"precision_used": trainer.precision})  # what Lightning runs with
-        start = warm_start_metrics(objs["warm_start"])  # the point RL starts from: its held-out score
-        for logger in objs["loggers"] if start else []:
-            logger.log_metrics(start, step=0)
     # A user's path is relative to where the command ran, also when hydra.job.chdir=true moved the process.
     ckpt_path = hydra.utils.to_absolute_path(cfg.ckpt_path) if cfg.get("ckpt_path") else None
-    trainer.fit(objs["module"], datamodule=objs["datamodule"], ckpt_path=ckpt_path)
+    try:
+        if trainer.is_global_zero:
+            log_config(cfg, objs["loggers"])
+            set_tags(objs["loggers"], {"precision_used": trainer.precision})  # what Lightning runs with
+            start = warm_start_metrics(objs["warm_start"])  # the point RL starts from: its held-out score
+            for logger in objs["loggers"] if start else []:
+                logger.log_metrics(start, step=0)
+        trainer.fit(objs["module"], datamodule=objs["datamodule"], ckpt_path=ckpt_path)
+    except BaseException:
+        end_tracker_runs(objs["loggers"], end_status())  # never left RUNNING; a signal reads KILLED
+        if trainer.is_global_zero:
+            log.error("Training stopped (%s). %s", end_status(), last_checkpoint_message(trainer, ckpt_path))
+        raise
     ckpt = getattr(trainer.checkpoint_callback, "last_model_path", None) if trainer.checkpoint_callback else None
     if trainer.is_global_zero:
         if cfg.get("log_checkpoint_artifact", True):  # a copy of last.ckpt in the MLflow artifact store

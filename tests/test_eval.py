@@ -96,6 +96,37 @@ def test_bad_eval_settings_are_refused_before_building(tmp_path, override, match
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("damage", ["empty", "truncated", "corrupt", "missing keys"])
+def test_a_damaged_memory_file_is_refused_naming_the_file_before_building(tmp_path, monkeypatch, damage):
+    """eval.memory_file whose memory.json is empty, keys.npy cut short, tips.jsonl not JSON, or keys.npy gone: one
+    error naming the file and what the directory should hold, before the policy is built."""
+    import numpy as np
+
+    import src.evaluation.runner as runner
+    from src.memory.memory_file import write_memory_files
+    from src.utils.config_error import ConfigError
+
+    state = {"dim": 4, "embedder_name": "embedded:all-MiniLM-L6-v2", "partitions": {"t/0": {
+        "keys": np.eye(4, dtype=np.float32)[:2], "entries": [{"content": f"tip {i}", "score": 1.0, "step": i,
+                                                              "created_at": 0.0, "iteration": 0} for i in range(2)]}}}
+    memory = write_memory_files(state, tmp_path / "memory", "variation")
+    name = {"empty": "memory.json", "truncated": "keys.npy", "corrupt": "tips.jsonl", "missing keys": "keys.npy"}[damage]
+    target = memory / name
+    if damage == "empty":
+        target.write_text("")
+    elif damage == "truncated":
+        target.write_bytes(target.read_bytes()[:40])
+    elif damage == "corrupt":
+        target.write_text('{"partition": "t/0", "content": "tip 0"\n')
+    else:
+        target.unlink()
+    monkeypatch.setattr(runner, "_build", lambda cfg: pytest.fail("the policy was built"))
+    cfg = _compose("eval", tmp_path, "experiment=scienceworld", "logger=none", f"eval.memory_file={memory}")
+    with pytest.raises(ConfigError, match=rf"memory file {target} \(.*\) cannot be read: .*holds memory.json, "
+                                          rf"tips.jsonl and keys.npy"):
+        run_eval(cfg)
+
+
 # --------------------------------------------------------------------------- end to end
 def test_standard_eval_without_memory(checkpoint, tmp_path, capsys):
     cfg = _compose("eval", tmp_path, "experiment=scienceworld", f"ckpt_path={checkpoint['path']}",

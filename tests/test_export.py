@@ -194,3 +194,60 @@ def test_eval_reads_the_exported_agent_and_memory_without_the_checkpoint(run, tm
                    f"eval.memory_file={out / 'memory'}", "memory.partition=task", "eval.num_tasks=1")
     with pytest.raises(ValueError, match="was written with memory.partition='variation'"):
         run_eval(bad)
+
+
+@pytest.fixture(scope="module")
+def bf16_lora_checkpoint(tiny_model_dir, model_cache_dir, tmp_path_factory) -> dict:
+    """An adapter-only checkpoint on a bf16 base (the paper setting: a bf16 Qwen2.5 base with fp32 LoRA masters)
+    whose update is small beside each weight, as lr 1e-6 training leaves it: most entries of W + BA move by less than
+    half a bf16 ulp of W."""
+    from src.models.checkpoint_state import base_record, keep_trainable
+
+    tmp = tmp_path_factory.mktemp("bf16_lora")
+    policy_cfg = {"name_or_path": tiny_model_dir, "cache_dir": str(model_cache_dir), "dtype": "bfloat16",
+                  "lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": "all-linear"},
+                  "max_response_tokens": 6}
+    torch.manual_seed(0)
+    policy = build_policy(**policy_cfg)
+    gen = torch.Generator().manual_seed(1)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            p.data = 1e-4 * torch.randn(p.shape, generator=gen)
+    ckpt = {"state_dict": {f"policy.{k}": v for k, v in policy.state_dict().items()}, "global_step": 1,
+            "iteration": 0, "hyper_parameters": {"policy": policy_cfg, "algorithm": {"name": "grpo", "temperature": 1.0}}}
+    stored = keep_trainable(ckpt, policy)
+    ckpt["policy_base"] = base_record(policy, policy_cfg, stored)
+    torch.save(ckpt, tmp / "last.ckpt")
+    return {"tmp": tmp, "policy": policy, "path": tmp / "last.ckpt"}
+
+
+def _kept_fraction(trained: torch.Tensor, base: torch.Tensor, exported: torch.Tensor) -> float:
+    """The share of training's effect on log-probs an export keeps: 1 − mean|exported − trained| / mean|trained − base|."""
+    return 1.0 - float((exported - trained).abs().mean() / (trained - base).abs().mean())
+
+
+def test_the_default_export_of_a_bf16_lora_run_keeps_the_training(bf16_lora_checkpoint, tmp_path):
+    """Merged into its bf16 base in bf16, the small update above kept ~a third of its effect on log-probs; the
+    default export merges in float32 and keeps it whole. Everything is scored in float32 (the bf16 base weights are
+    exact in float32), so only the export's rounding can differ."""
+    from transformers import AutoModelForCausalLM
+
+    policy = bf16_lora_checkpoint["policy"].float().eval()
+    batch = _batch(policy)
+    trained = _log_probs(policy, batch)
+    with policy.model.disable_adapter():
+        base = _log_probs(policy, batch)
+    assert float((trained - base).abs().mean()) > 1e-5  # the update moves the log-probs
+    cfg = _compose("export", tmp_path, "experiment=scienceworld", f"ckpt_path={bf16_lora_checkpoint['path']}",
+                   f"export.out_dir={tmp_path / 'agent'}")
+    info = run_export(cfg)
+    assert info["weights"] == {"kind": "merged", "dtype": "float32"}
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "agent", dtype=torch.float32)
+    assert _kept_fraction(trained, base, _log_probs(Policy(exported, policy.tokenizer), batch)) >= 0.99
+    # asked for bf16 files, the export rounds the update away and says how much of it survived
+    cfg = _compose("export", tmp_path, "experiment=scienceworld", f"ckpt_path={bf16_lora_checkpoint['path']}",
+                   f"export.out_dir={tmp_path / 'agent-bf16'}", "export.dtype=bfloat16")
+    info = run_export(cfg)
+    assert info["weights"]["dtype"] == "bfloat16" and info["weights"]["update_kept"] < 0.9
+    rounded = AutoModelForCausalLM.from_pretrained(tmp_path / "agent-bf16", dtype=torch.float32)
+    assert _kept_fraction(trained, base, _log_probs(Policy(rounded, policy.tokenizer), batch)) < 0.9

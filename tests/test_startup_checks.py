@@ -138,3 +138,87 @@ def test_a_gpu_trainer_without_a_gpu_says_how_to_run_on_the_cpu(tmp_path):
                                          r"trainer.accelerator=cpu trainer.devices=1 trainer.precision=32-true"):
         train(_cfg(tmp_path, "trainer=fsdp", "model.warm_start=null"))
     assert not (tmp_path / "run").exists()
+
+
+# Every setting the start-up checks refuse (src/config_checks.py), with what the message must say; each is also
+# a row of docs/robustness.md's table (test_every_refused_setting_is_documented).
+BAD_SETTINGS = [
+    (["data.group_size=1"], r"data.group_size=1: GRPO's advantage compares the episodes.*expected an int >= 2"),
+    (["algorithm=grpo", "algorithm.use_memory=true"],
+     r"algorithm.use_memory=true with algorithm=grpo: the GRPO baseline has no memory.*contaminated baseline"),
+    (["algorithm=grpo", "algorithm.memory_rollout_prob=0.25"],
+     r"algorithm.memory_rollout_prob=0.25 \(algorithm=grpo\) draws memory rollouts, but algorithm.use_memory=false"),
+    (["memory=none"], r"algorithm.memory_rollout_prob=0.25 \(algorithm=empo2\) draws memory rollouts, but memory=none"),
+    (["trainer.max_epochs=0"], r"trainer.max_epochs=0: the number of training iterations.*expected an int >= 1"),
+    (["+trainer.max_epoch=3"], r"trainer.max_epoch: not an argument of Lightning's Trainer; did you mean "
+                               r"trainer.max_epochs\?"),
+    (["trainer.check_val_every_n_epoch=0"], r"trainer.check_val_every_n_epoch=0: expected an int >= 1"),
+    (["data.val.temperature=0"], r"data.val.temperature=0: validation samples its actions; expected a number > 0"),
+    (["data.temperature=0"], r"data.temperature=0: the rollout sampling temperature; expected a number > 0"),
+    (["data.tasks_per_iteration=0"], r"data.tasks_per_iteration=0: expected an int >= 1"),
+    (["data.micro_batch_size=0"], r"data.micro_batch_size=0: expected an int >= 1"),
+    (["data.history_action=corrected"], r"data.history_action='corrected': expected one of \('raw', 'executed'\)"),
+    (["data.val.num_tasks=0"], r"data.val.num_tasks=0: expected an int >= 1"),
+    (["model.optimizer.lr=-1e-6"], r"model.optimizer.lr=-1e-06: expected a learning rate > 0"),
+    (["model.optimizer.weight_decay=-0.1"], r"model.optimizer.weight_decay=-0.1: expected a number >= 0"),
+    (["model.gradient_clip_val=0"], r"model.gradient_clip_val=0: expected a max gradient norm > 0, or null"),
+    (["model.policy.lora.enabled=true", "model.policy.lora.r=0"], r"model.policy.lora.r=0: expected an int >= 1"),
+    (["algorithm.loss_agg_mode=token-sum"], r"algorithm.loss_agg_mode='token-sum': expected one of"),
+    (["algorithm.gamma=1.5"], r"algorithm.gamma=1.5: expected a value in \[0, 1\]"),
+    (["algorithm.clip_ratio_c=1"], r"algorithm.clip_ratio_low/high/c=0.2/0.3/1.0: expected 0 <= low < 1"),
+    (["+algorithm.lr=1e-5"], r"algorithm.lr: not an algorithm setting; expected keys among"),
+    (["+algorithm.kl_coeff=0.01"], r"algorithm.kl_coeff: not an algorithm setting \(did you mean algorithm.kl_coef\?\)"),
+    (["memory.partition=goal"], r"memory.partition='goal': expected one of \('variation', 'task', 'global'\)"),
+    (["memory.tips_scope=all"], r"memory.tips_scope='all': expected one of \('current', 'all_steps'\)"),
+    (["memory.tip_memory.rank_by=recency"], r"memory.tip_memory.rank_by='recency': expected one of"),
+    (["memory.tip_memory.top_k=0"], r"memory.tip_memory.top_k=0: expected an int >= 1"),
+    (["memory.tip_memory.threshold=1.5"], r"memory.tip_memory.threshold=1.5: a cosine similarity"),
+    (["memory.novelty.threshold=-2"], r"memory.novelty.threshold=-2: a cosine similarity"),
+    (["memory.tip_max_tokens=0"], r"memory.tip_max_tokens=0: expected an int >= 1"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_SETTINGS, ids=[" ".join(o) for o, _ in BAD_SETTINGS])
+def test_an_impossible_setting_is_refused_before_anything_is_built(tmp_path, monkeypatch, overrides, message):
+    import src.train
+    from src.utils.config_error import ConfigError
+
+    monkeypatch.setattr(src.train, "build", lambda cfg: pytest.fail("the run was built"))
+    with pytest.raises(ConfigError, match=message) as err:
+        train(_cfg(tmp_path, "model.warm_start=null", *overrides))
+    assert all("\n" not in line for line in [str(err.value)])  # one line
+    assert not (tmp_path / "run").exists() and not (tmp_path / "logs").exists()  # no run directory, no tracker run
+
+
+def test_every_refused_setting_is_documented():
+    table = (ROOT / "docs" / "robustness.md").read_text()
+    missing = [" ".join(o) for o, _ in BAD_SETTINGS if f"`{' '.join(o)}`" not in table]
+    assert missing == []
+
+
+def test_resuming_onto_another_model_is_refused_naming_both(tmp_path, tiny_model_dir, model_cache_dir):
+    """A checkpoint of the tiny policy resumed with a config that builds another model: refused at start-up from
+    the checkpoint's tensor shapes and the other model's config.json (no weights loaded), naming both."""
+    import torch
+
+    from src.models.hub import build_tiny_model
+    from src.models.policy import build_policy
+    from src.utils.config_error import ConfigError
+
+    policy = build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir))
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"global_step": 2, "hyper_parameters": {"policy": {"name_or_path": tiny_model_dir}},
+                "state_dict": {f"policy.{k}": v for k, v in policy.state_dict().items()}}, ckpt)
+    wider = build_tiny_model(tiny_model_dir, tmp_path / "tiny-wide", hidden_size=32, num_layers=3)
+    with pytest.raises(ConfigError, match=rf"ckpt_path='{ckpt}' holds a policy with layers 2, hidden size 64, "
+                                          rf"vocabulary 49152 \(trained from model.policy.name_or_path="
+                                          rf"'{tiny_model_dir}'\), but this config builds model.policy.name_or_path="
+                                          rf"'{wider}' with layers 3, hidden size 32, vocabulary 49152"):
+        train(_cfg(tmp_path, "model.warm_start=null", f"model.policy.name_or_path={wider}", f"ckpt_path={ckpt}"))
+    with pytest.raises(ConfigError, match=r"holds no LoRA adapters \(a full fine-tune\), but "
+                                          r"model.policy.lora.enabled=true"):
+        train(_cfg(tmp_path, "model.warm_start=null", "model.policy.lora.enabled=true", f"ckpt_path={ckpt}"))
+    train_cfg = _cfg(tmp_path, "model.warm_start=null", f"ckpt_path={ckpt}")
+    from src.utils.startup_checks import check_checkpoint_path
+
+    assert check_checkpoint_path(train_cfg) == ckpt  # the model it was trained on passes

@@ -44,11 +44,11 @@ def empo2_run(tmp_path_factory):
     return {"cfg": cfg, "objs": objs, "tmp": tmp}
 
 
-# every iteration's checkpoint; an entropy bonus gives the tiny random policy a gradient on ScienceWorld, where all
-# its episodes score the same (zero advantages): without it nothing would train and a resume that lost the weights
-# or the optimizer state would go unnoticed
+# the shipped checkpoint settings (last.ckpt after every iteration); an entropy bonus gives the tiny random policy a
+# gradient on ScienceWorld, where all its episodes score the same (zero advantages): without it nothing would train
+# and a resume that lost the weights or the optimizer state would go unnoticed
 EXACT_RUN = ("seed=3", "trainer.max_epochs=4", "data.num_mini_batches=2", "trainer.check_val_every_n_epoch=2",
-             "memory.tip_max_tokens=8", "callbacks.model_checkpoint.save_top_k=-1", "algorithm.entropy_coef=0.01")
+             "memory.tip_max_tokens=8", "algorithm.entropy_coef=0.01")
 
 
 def test_four_iterations_log_metrics_and_checkpoint_memory(empo2_run):
@@ -137,15 +137,24 @@ def launch_dir_is_elsewhere(monkeypatch, tmp_path):
     HydraConfig.instance().cfg = None
 
 
-def test_resume_is_exact(empo2_run, tmp_path, launch_dir_is_elsewhere):
-    """4 iterations uninterrupted == 2 iterations + resume + 2: weights, optimizer state, memory entries, novelty
-    counts and every logged metric (timings aside) are identical. The checkpoint path is relative to the launch
-    dir while the process runs elsewhere (hydra.job.chdir=true)."""
+def test_a_crash_leaves_the_last_iteration_and_resuming_it_is_exact(empo2_run, tmp_path, launch_dir_is_elsewhere):
+    """With the shipped checkpoint settings, a run that crashes inside iteration 2 (after an optimizer step) leaves
+    last.ckpt of iteration 1 and nothing else. Resuming from it: 2 iterations + crash + resume + 2 == 4
+    uninterrupted iterations in weights, optimizer state, memory entries, novelty counts and every logged metric
+    (timings aside). The checkpoint path is relative to the launch dir while the process runs elsewhere
+    (hydra.job.chdir=true)."""
     full = empo2_run["objs"]
     uri_full = empo2_run["cfg"].logger.mlflow.tracking_uri
     grad_norms = [v for _, v in _metric_history(uri_full, full["loggers"][0].run_id, "train/grad_norm")]
     assert len(grad_norms) == 8 and all(v > 0 for v in grad_norms)  # every optimizer step trained
-    saved = Path(full["trainer"].checkpoint_callback.dirpath) / "iter_0001.ckpt"  # written after iteration 1
+    crashed = _cfg(tmp_path / "crashed", *EXACT_RUN, "+callbacks.crash._target_=probes.CrashAtIteration",
+                   "+callbacks.crash.iteration=2")
+    with pytest.raises(RuntimeError, match="injected crash in iteration 2 at global step 5"):
+        train(crashed)
+    saved = tmp_path / "crashed" / "run" / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["last.ckpt"]
+    head = torch.load(saved, map_location="cpu", weights_only=True)
+    assert (head["global_step"], head["iteration"]) == (4, 1)  # iteration 1's end, not the half-done iteration 2
     relative = os.path.relpath(saved, get_original_cwd())
     assert not Path(relative).exists()  # not from the current directory
     cfg = _cfg(tmp_path, *EXACT_RUN, f"ckpt_path={relative}")
@@ -223,9 +232,25 @@ def test_auto_precision_is_tagged_and_only_the_last_checkpoint_is_kept(tmp_path,
     assert [a.path for a in client.list_artifacts(objs["loggers"][0].run_id) if a.path == "checkpoints"] == []
 
 
+def test_checkpoints_follow_every_n_epochs_and_always_hold_the_last_iteration(tmp_path):
+    """The shipped checkpoint settings with every_n_epochs=2 over 3 iterations: last.ckpt appears after iteration 1
+    (global step 2), and the run ends with the final iteration saved (global step 3), one file on disk."""
+    from stub_envs import STUB_CFG
+
+    cfg = _cfg(tmp_path, "algorithm=grpo", "memory=none", "logger=csv", "data.val=null", "trainer.max_epochs=3",
+               "callbacks.model_checkpoint.every_n_epochs=2", "+callbacks.probe._target_=probes.LastCheckpointProbe")
+    cfg.env = OmegaConf.create({**STUB_CFG, "reward_per_char": 0.01, "max_steps": 2})
+    objs = train(cfg)
+    [probe] = [c for c in objs["trainer"].callbacks if type(c).__name__ == "LastCheckpointProbe"]
+    assert probe.seen == [None, None, 2]  # global step of last.ckpt when iterations 0, 1, 2 start
+    last = Path(objs["last_checkpoint"])
+    assert last.name == "last.ckpt" and [p.name for p in last.parent.iterdir()] == ["last.ckpt"]
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 3
+
+
 def test_memory_mode_without_memory_is_refused(tmp_path):
     cfg = _cfg(tmp_path, "memory=none", "trainer.max_epochs=1", "logger=csv")
-    with pytest.raises(ValueError, match="memory is off"):
+    with pytest.raises(ValueError, match="draws memory rollouts, but memory=none builds no memory"):
         train(cfg)
 
 

@@ -223,7 +223,9 @@ def response_ids(policy: Policy, text: str) -> list[int]:
     prompt + target is exactly the template's rendering of the conversation with the reply as the answer.
     """
     tokenizer = policy.tokenizer
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+    # the reply's text as text, even where it spells a control marker (src/models/chat_encoding.py)
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return list(ids) + [tokenizer.eos_token_id]
 
 
 def build_examples(policy: Policy, records: list[dict[str, Any]], system_prompt: str, cfg: RolloutConfig,

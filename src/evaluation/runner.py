@@ -91,20 +91,25 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     """Run the configured protocol; print, save and log the summary; return it.
 
     Raises:
-        ValueError: a bad ``eval`` setting (see ``check_eval_config``), a checkpoint that does not fit the
-            model, memory-on evaluation with ``memory=none``, an empty split.
+        ConfigError: a bad ``eval`` setting (see ``check_eval_config``) or an ``eval.memory_file`` that cannot be
+            read, before anything is built.
+        ValueError: a checkpoint that does not fit the model, memory-on evaluation with ``memory=none``, an empty
+            split.
         RuntimeError: the policy weights changed during the evaluation.
     """
     from src.envs.pool import EnvPool
+    from src.utils.config_error import refused_settings
     from src.utils.precision_choice import resolve_precision
 
-    resolve_precision(cfg)  # trainer.precision=auto: this machine's choice
     ev = cfg.eval
-    check_eval_config(ev)
+    with refused_settings():  # before any model is built
+        resolve_precision(cfg)  # trainer.precision=auto: this machine's choice
+        check_eval_config(ev)
+        memory_file = _read_memory_file(cfg)
     b = _build(cfg)
     module, fabric = b["module"], b["fabric"]
     adaptation = ev.protocol == "adaptation"
-    memory, memory_source, write_tips = _eval_memory(cfg, b)
+    memory, memory_source, write_tips = _eval_memory(cfg, b, memory_file)
 
     hash_before = weights_sha256(module.policy)
     pool = None
@@ -158,27 +163,41 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
-def _eval_memory(cfg: DictConfig, b: dict[str, Any]):
-    """(memory or None, where it comes from: ``none`` / ``file`` / ``checkpoint`` / ``built``, whether reflections
-    are written during the evaluation), attached to the datamodule.
+def _read_memory_file(cfg: DictConfig) -> dict[str, Any] | None:
+    """The tip state of ``eval.memory_file`` (None without one), read and checked before anything is built.
 
     Raises:
-        ValueError: ``eval.memory_file`` stored with another partition setting or embedder than the memory group's.
+        ValueError: a file of it that cannot be read (named), or a memory stored with another partition setting
+            than the memory group's.
+    """
+    ev = cfg.eval
+    if not ev.get("memory_file"):
+        return None
+    from src.memory.memory_file import read_memory_files
+
+    state, info = read_memory_files(hydra.utils.to_absolute_path(str(ev.memory_file)))
+    partition = (cfg.get("memory") or {}).get("partition")
+    if partition is not None and info["partition"] != partition:
+        raise ValueError(f"eval.memory_file={ev.memory_file!r} was written with memory.partition="
+                         f"{info['partition']!r}, but memory.partition={partition!r}: its tips would never "
+                         f"be retrieved; set memory.partition={info['partition']}")
+    return state
+
+
+def _eval_memory(cfg: DictConfig, b: dict[str, Any], memory_file: dict[str, Any] | None):
+    """(memory or None, where it comes from: ``none`` / ``file`` / ``checkpoint`` / ``built``, whether reflections
+    are written during the evaluation), attached to the datamodule. ``memory_file``: ``_read_memory_file``'s state.
+
+    Raises:
+        ValueError: ``eval.memory_file`` stored with another embedder than the memory group's.
     """
     ev = cfg.eval
     memory, memory_source, write_tips = None, "none", False
     if ev.protocol == "adaptation":
         memory, memory_source, write_tips = _build_memory(cfg), "built", True
-    elif ev.get("memory_file"):
-        from src.memory.memory_file import read_memory_files
-
+    elif memory_file is not None:
         memory, memory_source = _build_memory(cfg), "file"
-        state, info = read_memory_files(hydra.utils.to_absolute_path(str(ev.memory_file)))
-        if info["partition"] != memory.partition:
-            raise ValueError(f"eval.memory_file={ev.memory_file!r} was written with memory.partition="
-                             f"{info['partition']!r}, but memory.partition={memory.partition!r}: its tips would never "
-                             f"be retrieved; set memory.partition={info['partition']}")
-        memory.tips.load_state_dict(state)
+        memory.tips.load_state_dict(memory_file)
     elif ev.memory:
         memory = _build_memory(cfg)
         if b["memory_state"] is not None:

@@ -50,6 +50,20 @@ def write_memory_files(tip_state: dict[str, Any], out_dir: str | Path, partition
     return out_dir
 
 
+def _read(path: Path, read):
+    """``read(path)``, with any failure to read or parse it named with the file and what the directory should hold.
+
+    Raises:
+        ValueError: the file is missing, empty, cut short or not in its format.
+    """
+    try:
+        return read(path)
+    except (OSError, ValueError, EOFError) as err:
+        size = f"{path.stat().st_size} bytes" if path.is_file() else "missing"
+        raise ValueError(f"memory file {path} ({size}) cannot be read: {type(err).__name__}: {err}. A memory "
+                         f"directory written by src/export.py holds {INFO}, {TIPS} and {KEYS}; export it again") from err
+
+
 def read_memory_files(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read a memory directory (or its ``memory.json``) back: ``(tip_state, info)``, ``tip_state`` in the form of
     ``TipMemory.state_dict()`` (load it with ``TipMemory.load_state_dict``, which refuses another embedder) and
@@ -57,17 +71,20 @@ def read_memory_files(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]
 
     Raises:
         FileNotFoundError: no ``memory.json`` at ``path``.
-        ValueError: another format, or files that disagree (line and row counts, key width, partition sizes).
+        ValueError: a file that is missing, empty, cut short or not in its format (naming the file), another
+            format, or files that disagree (line and row counts, key width, partition sizes).
     """
     path = Path(path)
     directory = path.parent if path.name == INFO else path
     if not (directory / INFO).is_file():
         raise FileNotFoundError(f"no memory file at {path} (expected a directory with {INFO}, {TIPS}, {KEYS})")
-    info = json.loads((directory / INFO).read_text())
-    if info.get("format") != MEMORY_FILE_FORMAT:
-        raise ValueError(f"{directory / INFO}: format {info.get('format')!r}, expected {MEMORY_FILE_FORMAT!r}")
-    lines = [json.loads(line) for line in (directory / TIPS).read_text(encoding="utf-8").splitlines() if line]
-    keys = np.load(directory / KEYS)
+    info = _read(directory / INFO, lambda f: json.loads(f.read_text()))
+    if not isinstance(info, dict) or info.get("format") != MEMORY_FILE_FORMAT:
+        found = info.get("format") if isinstance(info, dict) else type(info).__name__
+        raise ValueError(f"{directory / INFO}: format {found!r}, expected {MEMORY_FILE_FORMAT!r}")
+    lines = _read(directory / TIPS, lambda f: [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()
+                                               if line])
+    keys = _read(directory / KEYS, lambda f: np.load(f, allow_pickle=False))
     if keys.shape != (len(lines), int(info["dim"])):
         raise ValueError(f"{directory}: {KEYS} has shape {keys.shape}, expected ({len(lines)}, {info['dim']}) "
                          f"(one row per line of {TIPS})")

@@ -28,7 +28,7 @@ from src.memory.tip_entry import TipEntry
 from src.memory.tip_partition import Partition, float32_below, one_blas_thread, stored_keys
 
 STATE_FORMAT = "empo2.tip_memory.v1"
-_RANK_BY = ("score", "similarity")
+RANK_BY = ("score", "similarity")
 
 
 class TipMemory:
@@ -67,8 +67,8 @@ class TipMemory:
             raise ValueError(f"threshold is a cosine and must be in [-1, 1], got {threshold!r}")
         if int(top_k) < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k!r}")
-        if rank_by not in _RANK_BY:
-            raise ValueError(f"rank_by must be one of {_RANK_BY}, got {rank_by!r}")
+        if rank_by not in RANK_BY:
+            raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}")
         self.dim = int(dim)
         self.embedder_name = embedder_name
         self.capacity = int(capacity)

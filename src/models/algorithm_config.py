@@ -7,6 +7,7 @@ baseline's. A bad value or an unknown key is refused at start-up, before any rol
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -91,7 +92,10 @@ class AlgorithmConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown algorithm keys {unknown}; expected keys among {sorted(known)}")
+            close = [m for k in unknown for m in difflib.get_close_matches(k, known, n=1)]
+            hint = f" (did you mean {', '.join(f'algorithm.{m}' for m in close)}?)" if close else ""
+            raise ValueError(f"{', '.join(f'algorithm.{k}' for k in unknown)}: not an algorithm setting{hint}; "
+                             f"expected keys among {sorted(known)}")
         if "mask_modes" in values:
             values["mask_modes"] = list(values["mask_modes"] or [])
         return cls(**values)

@@ -120,11 +120,16 @@ def load_policy_weights(policy: nn.Module, checkpoint: dict[str, Any], where: st
             raise ValueError(f"checkpoint {where!r}: {exc}") from exc
         policy.load_state_dict(state, strict=False)
         return
-    try:
-        policy.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        raise ValueError(f"checkpoint {where!r} does not fit the configured model; use the model=... (and LoRA "
-                         f"settings) it was trained with. {exc}") from exc
+    own = policy.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    reshaped = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in sorted(set(state) & set(own))
+                if tuple(state[k].shape) != tuple(own[k].shape)]
+    if missing or unexpected or reshaped:
+        parts = [f"{len(v)} {name} (e.g. {', '.join(v[:2])})" for name, v in
+                 (("weights missing", missing), ("unknown weights", unexpected), ("shapes differ", reshaped)) if v]
+        raise ValueError(f"checkpoint {where!r} does not fit the configured model {policy_base!r}: "
+                         f"{'; '.join(parts)}. Use the model=... (and LoRA settings) it was trained with.")
+    policy.load_state_dict(state, strict=True)
 
 
 def rebuild_policy_config(checkpoint: dict[str, Any], policy_cfg: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from src.models.batch_layout import pack_batch
+from src.models.chat_encoding import encode_chat
 from src.models.dropout import zero_config_dropout, zero_module_dropout
 from src.models.hub import (adapter_base_model, base_model_setting, load_causal_lm, load_config, load_tokenizer,
                             resolve_name_or_path)
@@ -106,12 +107,12 @@ class Policy(nn.Module):
 
     # ------------------------------------------------------------------ prompts
     def encode(self, messages: list[dict[str, str]], truncate: bool = True) -> list[int]:
-        """Render chat ``messages`` (``[{"role", "content"}]``) to prompt ids ending with the assistant header.
+        """Render chat ``messages`` (``[{"role", "content"}]``) to prompt ids ending with the assistant header; every
+        content is encoded as text, so a control marker it spells is no control token (``encode_chat``).
 
         With ``truncate``, a prompt over ``max_prompt_tokens`` keeps its last ``max_prompt_tokens`` ids.
         """
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        ids = list(ids)
+        ids = encode_chat(self.tokenizer, messages)  # contents stay text, whatever control marker they spell
         if truncate and len(ids) > self.max_prompt_tokens:
             # Keep the end (current observation and the generation header); the prompt builder already
             # bounds the history, so this is a last-resort guard.
@@ -126,8 +127,7 @@ class Policy(nn.Module):
         once more turns follow (then continuing by ids would not match a fresh rendering).
         """
         def render(messages, generation_prompt):
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                           tokenize=True, return_dict=False))
+            return encode_chat(self.tokenizer, messages, add_generation_prompt=generation_prompt)
 
         head = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
         answer = self.tokenizer.encode("A", add_special_tokens=False)

@@ -1,8 +1,9 @@
 """What every entry point (``src/train.py``, ``src/eval.py``, ``src/sft.py``) does first, in one place.
 
 Importing this module imports the ``src`` package, which registers the config resolvers (``${pid:}`` in the run
-directory). Heavy libraries (torch, Lightning) are not imported here: environment workers are spawned processes
-that re-import the entry point, and they should not each load torch.
+directory). Heavy libraries (torch, Lightning) are not imported at module level: environment workers are spawned
+processes that re-import the entry point, and they should not each load torch (``start_run`` runs in the main
+process only).
 """
 from __future__ import annotations
 
@@ -23,10 +24,37 @@ def start_run(cfg: DictConfig) -> None:
 
     - tokenizers run single-threaded unless the user says otherwise (they would fight the env workers for cores);
     - faiss's CPU-feature probing (ModuleNotFoundError lines at INFO, which read like failures) is silenced;
+    - Lightning's log lines go through Hydra's handlers only (they were printed twice);
     - SIGTERM (a job scheduler, ``kill``) unwinds like Ctrl-C, so environment workers, JVMs and file locks are
-      released and no half-built cache entry is kept.
+      released and no half-built cache entry is kept; both signals are recorded (``received_signal``), so the run
+      ends KILLED in the tracker, not FAILED.
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    import lightning  # noqa: F401 - its import gives its loggers console handlers of their own, removed below
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        # with them every Lightning INFO line was printed twice; Hydra's handlers (the console and the run's log
+        # file) print it once
+        logger = logging.getLogger(name)
+        for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
+            logger.removeHandler(handler)
+        logger.propagate = True
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     log.info("Config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+
+
+_received: list[int] = []
+
+
+def _on_signal(signum: int, frame) -> None:
+    _received.append(signum)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    sys.exit(128 + signum)
+
+
+def received_signal() -> int | None:
+    """The first SIGINT or SIGTERM this process received since ``start_run``, or None."""
+    return _received[0] if _received else None

@@ -8,7 +8,8 @@
   file (``check_checkpoint_path``);
 - temporary files of checkpoint saves that a killed run left behind are removed (``clean_checkpoint_dirs``).
 
-torch is imported only by the checks that need it (a GPU accelerator, a ``ckpt_path``). Checks that need to know an
+torch is imported only by the checks that need it (a GPU accelerator, a ``ckpt_path``). ``src/config_checks.py`` runs
+them all with the checks of every setting's value (``prepare_run``). Checks that need to know an
 environment live with it (e.g. ScienceWorld's action caps against its gold paths,
 ``src/envs/scienceworld_gold_lengths.py``) and are called by the entry point.
 """
@@ -72,7 +73,7 @@ def check_trainer_options(cfg: DictConfig) -> None:
             trainer.enable_checkpointing = False
             cfg.logger = None
             for name, callback in list((cfg.get("callbacks") or {}).items()):
-                if callback and str(callback.get("_target_", "")).endswith("ModelCheckpoint"):
+                if callback and str(callback.get("_target_", "")).endswith("Checkpoint"):
                     cfg.callbacks[name] = None
         log.info("fast_dev_run=%s: %d full training iteration(s) with validation, no loggers, no checkpoints",
                  fast, iterations)
@@ -169,11 +170,3 @@ def clean_checkpoint_dirs(cfg: DictConfig) -> list[Path]:
     dirs = [Path(cfg.ckpt_path).parent] if cfg.get("ckpt_path") else []
     dirs += [Path(c.dirpath) for c in (cfg.get("callbacks") or {}).values() if c and c.get("dirpath")]
     return [path for d in dict.fromkeys(dirs) for path in remove_stale_temp_files(d)]
-
-
-def prepare_run(cfg: DictConfig) -> None:
-    """All start-up checks, in order (``cfg`` may be changed: see ``check_trainer_options``)."""
-    check_trainer_options(cfg)
-    check_accelerator(cfg)
-    check_checkpoint_path(cfg)
-    clean_checkpoint_dirs(cfg)

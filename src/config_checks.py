@@ -1,0 +1,275 @@
+"""Settings that cannot work, refused before anything is built (docs/robustness.md, "Settings refused at start-up").
+
+``prepare_run`` is every start-up check of ``src/train.py``: the Lightning options, the GPU and the checkpoint file
+(``src/utils/startup_checks.py``), every setting's value (``check_training_settings``: one ``ConfigError`` listing
+each bad key with its value and what is expected, in the order the groups are built: trainer, data, algorithm,
+model, memory) and the checkpoint's model against the configured one (``check_checkpoint_model``). Nothing here
+loads weights or starts an environment: a checkpoint is memory-mapped, a model known by its ``config.json``.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from src.utils.config_error import ConfigError
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a finite float, or None when it is not a number (a string, a list, NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        return None
+    return float(value)
+
+
+def _container(node: Any) -> dict[str, Any]:
+    if node is None:
+        return {}
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+
+def trainer_problems(trainer: dict[str, Any]) -> list[str]:
+    """Unknown ``trainer.*`` keys (Lightning's ``Trainer`` would raise a TypeError after the model is built) and an
+    iteration count below 1."""
+    from lightning.pytorch import Trainer
+
+    known = set(inspect.signature(Trainer.__init__).parameters) - {"self"}
+    problems = []
+    for key in sorted(set(trainer) - known - {"_target_", "_partial_", "_recursive_", "_convert_"}):
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"; did you mean trainer.{close[0]}?" if close else ""
+        problems.append(f"trainer.{key}: not an argument of Lightning's Trainer{hint}")
+    epochs = trainer.get("max_epochs")
+    if epochs is not None and (not _is_int(epochs) or (epochs < 1 and epochs != -1)):
+        problems.append(f"trainer.max_epochs={epochs!r}: the number of training iterations (one epoch = one "
+                        "iteration); expected an int >= 1 (or -1: no limit)")
+    every = trainer.get("check_val_every_n_epoch")
+    if every is not None and (not _is_int(every) or every < 1):
+        problems.append(f"trainer.check_val_every_n_epoch={every!r}: expected an int >= 1 (validate every N "
+                        "iterations), or null with data.val=null")
+    return problems
+
+
+def data_problems(data: dict[str, Any]) -> list[str]:
+    """Rollout counts, temperatures and the validation settings (``data.*``)."""
+    from src.data.rollout_config import HISTORY_ACTIONS
+
+    problems = []
+    for key in ("tasks_per_iteration", "ppo_epochs", "num_mini_batches", "micro_batch_size", "max_response_tokens"):
+        value = data.get(key)
+        if value is not None and (not _is_int(value) or value < 1):
+            problems.append(f"data.{key}={value!r}: expected an int >= 1")
+    group = data.get("group_size")
+    if group is not None and (not _is_int(group) or group < 2):
+        problems.append(f"data.group_size={group!r}: GRPO's advantage compares the episodes of one task, so a group "
+                        "of fewer than 2 has no learning signal (every advantage is 0); expected an int >= 2 (8 in the "
+                        "paper)")
+    length = data.get("history_length")
+    if length is not None and (not _is_int(length) or length < 0):
+        problems.append(f"data.history_length={length!r}: expected an int >= 0 (past steps shown in the prompt)")
+    if data.get("history_action", "raw") not in HISTORY_ACTIONS:
+        problems.append(f"data.history_action={data.get('history_action')!r}: expected one of {HISTORY_ACTIONS}")
+    temperature = _number(data.get("temperature", 1.0))
+    if temperature is None or temperature <= 0:
+        problems.append(f"data.temperature={data.get('temperature')!r}: the rollout sampling temperature; expected a "
+                        "number > 0 (1.0 in the paper)")
+    val = data.get("val")
+    if val is not None:
+        temperature = _number(val.get("temperature", 0.4))
+        if temperature is None or temperature <= 0:
+            problems.append(f"data.val.temperature={val.get('temperature')!r}: validation samples its actions; "
+                            "expected a number > 0 (0.4 in the paper)")
+        for key in ("num_tasks", "episodes_per_task"):
+            value = val.get(key, 1)
+            if value is not None and (not _is_int(value) or value < 1):
+                problems.append(f"data.val.{key}={value!r}: expected an int >= 1 (or data.val=null: no validation)")
+    return problems
+
+
+def algorithm_problems(cfg: DictConfig) -> list[str]:
+    """The ``algorithm`` group's own checks (``AlgorithmConfig``), and its fit with the memory group."""
+    from src.models.algorithm_config import AlgorithmConfig
+
+    algorithm = _container(cfg.get("algorithm"))
+    try:
+        AlgorithmConfig.from_dict(algorithm)
+    except (ValueError, TypeError) as err:
+        return [str(err)]
+    problems = []
+    name, use_memory = algorithm.get("name"), bool(algorithm.get("use_memory", False))
+    memory_group = "_target_" in _container(cfg.get("memory"))
+    if name == "grpo" and use_memory:
+        problems.append("algorithm.use_memory=true with algorithm=grpo: the GRPO baseline has no memory and no "
+                        "novelty bonus, and a run named grpo-... would build the memory, write tips and add the bonus "
+                        "(a contaminated baseline); use algorithm=empo2, or leave algorithm.use_memory=false")
+    prob = float(algorithm.get("memory_rollout_prob", 0.0))
+    if prob > 0 and not (use_memory and memory_group):
+        off = "algorithm.use_memory=false" if not use_memory else "memory=none"
+        problems.append(f"algorithm.memory_rollout_prob={prob:g} (algorithm={name}) draws memory rollouts, but "
+                        f"{off} builds no memory; set algorithm.memory_rollout_prob=0 or turn the memory on "
+                        "(algorithm.use_memory=true with memory=empo2)")
+    return problems
+
+
+def model_problems(model: dict[str, Any]) -> list[str]:
+    """The optimizer's learning rate and weight decay, gradient clipping, the policy's token limits and LoRA."""
+    problems = []
+    optimizer = model.get("optimizer") or {}
+    lr = _number(optimizer.get("lr", 1e-6))
+    if lr is None or lr <= 0:
+        problems.append(f"model.optimizer.lr={optimizer.get('lr')!r}: expected a learning rate > 0 (1e-6 in the "
+                        "paper)")
+    decay = _number(optimizer.get("weight_decay", 0.0))
+    if decay is None or decay < 0:
+        problems.append(f"model.optimizer.weight_decay={optimizer.get('weight_decay')!r}: expected a number >= 0")
+    clip = model.get("gradient_clip_val")
+    if clip is not None and (_number(clip) is None or _number(clip) <= 0):
+        problems.append(f"model.gradient_clip_val={clip!r}: expected a max gradient norm > 0, or null (no clipping)")
+    policy = model.get("policy") or {}
+    for key in ("max_prompt_tokens", "max_response_tokens"):
+        value = policy.get(key)
+        if value is not None and (not _is_int(value) or value < 1):
+            problems.append(f"model.policy.{key}={value!r}: expected an int >= 1")
+    lora = policy.get("lora") or {}
+    if lora.get("enabled"):
+        for key in ("r", "alpha"):
+            value = lora.get(key)
+            if not _is_int(value) or value < 1:
+                problems.append(f"model.policy.lora.{key}={value!r}: expected an int >= 1")
+    return problems
+
+
+def memory_problems(memory: dict[str, Any]) -> list[str]:
+    """The memory group's settings (checked only when a memory is built)."""
+    from src.callbacks.memory import PARTITIONS
+    from src.memory.novelty import COUNT_MODES
+    from src.memory.tip_memory import RANK_BY
+
+    problems = []
+    choices = {"partition": (memory.get("partition", "variation"), PARTITIONS),
+               "tips_scope": (memory.get("tips_scope", "current"), ("current", "all_steps")),
+               "tip_memory.rank_by": ((memory.get("tip_memory") or {}).get("rank_by", "score"), RANK_BY),
+               "novelty.count": ((memory.get("novelty") or {}).get("count", "visits"), COUNT_MODES)}
+    for key, (value, valid) in choices.items():
+        if value not in valid:
+            problems.append(f"memory.{key}={value!r}: expected one of {tuple(valid)}")
+    tips = memory.get("tip_memory") or {}
+    novelty = memory.get("novelty") or {}
+    for key, value in (("tip_memory.threshold", tips.get("threshold", 0.5)),
+                       ("novelty.threshold", novelty.get("threshold", 0.9))):
+        number = _number(value)
+        if number is None or not -1.0 <= number <= 1.0:
+            problems.append(f"memory.{key}={value!r}: a cosine similarity; expected a number in [-1, 1]")
+    for key, value in (("tip_memory.top_k", tips.get("top_k", 10)), ("tip_memory.capacity", tips.get("capacity", 1)),
+                       ("tip_max_tokens", memory.get("tip_max_tokens", 64))):
+        if not _is_int(value) or value < 1:
+            problems.append(f"memory.{key}={value!r}: expected an int >= 1")
+    if novelty.get("enabled", True) and _number(novelty.get("coef", 1.0)) is None:
+        problems.append(f"memory.novelty.coef={novelty.get('coef')!r}: expected a finite number (the bonus in the "
+                        "environment's reward units)")
+    return problems
+
+
+def check_training_settings(cfg: DictConfig) -> None:
+    """Refuse every setting of a training config that cannot work, naming each key, its value and what is expected.
+
+    Raises:
+        ConfigError: one line per bad setting.
+    """
+    algorithm = _container(cfg.get("algorithm"))
+    problems = trainer_problems(_container(cfg.get("trainer")))
+    problems += data_problems(_container(cfg.get("data")))
+    problems += algorithm_problems(cfg)
+    problems += model_problems(_container(cfg.get("model")))
+    memory = _container(cfg.get("memory"))
+    if algorithm.get("use_memory") and "_target_" in memory:
+        problems += memory_problems(memory)
+    if any(p.startswith("data.temperature=") for p in problems):  # algorithm.temperature is ${data.temperature}
+        problems = [p for p in problems if not p.startswith("algorithm.temperature=")]
+    if problems:
+        raise ConfigError("\n".join(problems) if len(problems) > 1 else problems[0])
+
+
+def _checkpoint_shape(state: dict[str, Any]) -> dict[str, int]:
+    """Layers, hidden size and vocabulary of a checkpoint's policy, read from its tensors' shapes (memory-mapped, not
+    read): every weight of a full checkpoint, the adapters of a LoRA one (no vocabulary there)."""
+    layers = {int(m.group(1)) for k in state if (m := re.search(r"\.layers\.(\d+)\.", k))}
+    shape = {"layers": len(layers)} if layers else {}
+    for key, tensor in state.items():
+        if key.endswith("embed_tokens.weight"):
+            shape["vocabulary"], shape["hidden size"] = (int(n) for n in tensor.shape)
+        elif "hidden size" not in shape and re.search(r"q_proj\.lora_A\.[^.]+\.weight$", key):
+            shape["hidden size"] = int(tensor.shape[1])
+    return shape
+
+
+def check_checkpoint_model(cfg: DictConfig, path: Path) -> None:
+    """Refuse to resume a checkpoint onto another model: LoRA on one side only, or another number of layers, hidden
+    size or vocabulary than the config's ``model.policy`` builds (read from its ``config.json``, no weights).
+
+    A model config that cannot be read here is left to the model builder, which names what is missing.
+
+    Raises:
+        ValueError: naming both models, their shapes and the settings to use.
+    """
+    import torch
+
+    from src.models.hub import adapter_base_model, load_config, resolve_name_or_path
+
+    if path.is_dir():  # a distributed checkpoint: its tensors are not read here
+        return
+    ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    given = str(cfg.ckpt_path)
+    name = f"ckpt_path={given!r}" + (f" ({path})" if str(path) != given else "")
+
+    policy = cfg.model.get("policy") or {}
+    trained = ((ckpt.get("hyper_parameters") or {}).get("policy") or {}).get("name_or_path", "?")
+    lora = bool((policy.get("lora") or {}).get("enabled"))
+    with_lora = any(".lora_" in k for k in ckpt["state_dict"])
+    if with_lora != lora:
+        held = "LoRA adapters" if with_lora else "no LoRA adapters (a full fine-tune)"
+        raise ValueError(f"{name} holds {held}, but model.policy.lora.enabled={str(lora).lower()}: resume with "
+                         f"model.policy.lora.enabled={str(with_lora).lower()} (the run was trained from {trained!r})")
+    try:
+        model = resolve_name_or_path(str(policy.get("name_or_path")), str(policy.get("cache_dir", ".")))
+        config = load_config(adapter_base_model(model) or model)
+    except (OSError, ValueError):
+        return
+    want = {"layers": config.num_hidden_layers, "hidden size": config.hidden_size, "vocabulary": config.vocab_size}
+    have = _checkpoint_shape(ckpt["state_dict"])
+    if all(have[k] == want[k] for k in have):
+        return
+    describe = lambda shape: ", ".join(f"{k} {shape[k]}" for k in want if k in shape)  # noqa: E731
+    raise ValueError(f"{name} holds a policy with {describe(have)} (trained from model.policy.name_or_path="
+                     f"{trained!r}), but this config builds model.policy.name_or_path={policy.get('name_or_path')!r} "
+                     f"with {describe(want)}. Resume with the model the run was trained with (its model=... group), "
+                     "or leave ckpt_path unset to start a new run.")
+
+
+def prepare_run(cfg: DictConfig) -> None:
+    """All start-up checks of a training config, in order (``cfg`` may be changed: see ``check_trainer_options``):
+    Lightning options, every setting's value, the accelerator, the checkpoint to resume and its model; then stale
+    checkpoint temp files are removed.
+
+    Raises:
+        ValueError, OSError: the first check that fails (``src/train.py`` shows them as ``ConfigError``).
+    """
+    from src.utils.startup_checks import (check_accelerator, check_checkpoint_path, check_trainer_options,
+                                          clean_checkpoint_dirs)
+
+    check_trainer_options(cfg)
+    check_training_settings(cfg)
+    check_accelerator(cfg)
+    path = check_checkpoint_path(cfg)
+    if path is not None and cfg.get("model") is not None:
+        check_checkpoint_model(cfg, path)
+    clean_checkpoint_dirs(cfg)

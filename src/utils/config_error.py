@@ -1,0 +1,27 @@
+"""The error of a setting that cannot work (docs/robustness.md, "Settings refused at start-up")."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from hydra.errors import CompactHydraException
+
+
+class ConfigError(CompactHydraException, ValueError):
+    """A bad setting, named with what is expected, found before anything is built.
+
+    Hydra prints a ``CompactHydraException`` raised by a run as its message alone, without the traceback (the
+    traceback is there with ``HYDRA_FULL_ERROR=1``); it is a ``ValueError`` for code that catches those.
+    """
+
+
+@contextlib.contextmanager
+def refused_settings() -> Iterator[None]:
+    """Turn a ``ValueError`` or ``OSError`` raised by start-up checks inside the block into a ``ConfigError`` (the
+    same message, the original as its cause), so Hydra prints the message alone."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as err:
+        raise ConfigError(str(err)) from err
