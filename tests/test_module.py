@@ -83,6 +83,62 @@ def test_update_is_invariant_to_micro_batching(tiny_model_dir, model_cache_dir, 
             torch.testing.assert_close(other[name], d, atol=1e-6, rtol=1e-4)
 
 
+def _task_samples(module: EMPO2Module) -> list[StepSample]:
+    """Steps of two tasks, interleaved, as a rollout collects them: a long system prompt, each task's text, each
+    step's own history; advantages ±1; old log-probs the policy's own."""
+    policy = module.policy
+    system = "You are an agent in a text world. Reply with one action. " * 4
+    prompts = [policy.encode([{"role": "system", "content": system},
+                              {"role": "user", "content": f"Task: {task}. History: {'look ' * k}. What next?"}])
+               for k in range(4) for task in ("boil water in the kitchen", "find the red key")]
+    responses = [[100 + k, 200, 300][: 1 + k % 3] for k in range(len(prompts))]
+    with torch.no_grad():
+        old = policy.log_probs(prompts, responses)["log_probs"]
+    return [StepSample(rollout_prompt_ids=p, update_prompt_ids=p, old_prompt_ids=p, response_ids=r,
+                       rollout_log_probs=old[i, : len(r)].tolist(), advantage=1.0 if i % 3 else -1.0,
+                       old_log_probs=old[i, : len(r)].clone() * 1.01, key=(i, 0))
+            for i, (p, r) in enumerate(zip(prompts, responses))]
+
+
+def test_micro_batches_hold_the_steps_of_one_task(tiny_model_dir, model_cache_dir):
+    """Within a mini-batch the samples go in prompt order, so a micro-batch holds steps of one task and its rows share
+    the system prompt and the task text (the update computes them once)."""
+    module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.SGD, lr=1.0))
+    samples = _task_samples(module)
+    task = {s.key: s.key[0] % 2 for s in samples}
+    batches = _micro_batches(samples, 4)
+    assert len(batches) == 2 and all(len({task[s.key] for s in b.samples}) == 1 for b in batches)
+    policy = module.policy
+    across = policy.shared_prefix_length([samples[0].update_prompt_ids, samples[1].update_prompt_ids])  # system only
+    assert all(policy.shared_prefix_length([s.update_prompt_ids for s in b.samples]) > across + 5 for b in batches)
+
+
+def test_the_update_on_a_shared_prefix_gives_the_unshared_loss_entropy_and_gradients(tiny_model_dir,
+                                                                                      model_cache_dir):
+    """EMPO2Module._loss with the micro-batch's common prompt prefix computed once (the default) against every row
+    computed whole: the same loss, metrics (entropy, clip fraction, approx KL) and gradient of every parameter, up
+    to float rounding."""
+    module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.SGD, lr=1.0))
+    batch = _micro_batches(_task_samples(module), 4)[0]
+    assert module.policy.shared_prefix_length([s.update_prompt_ids for s in batch.samples]) > 70
+    results = []
+    for share in (False, True):
+        module.share_prompt_prefix = share
+        module.policy.zero_grad()
+        loss, metrics, tokens = module._loss(batch)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), metrics, tokens, grads))
+    (loss, metrics, tokens, grads), (loss_s, metrics_s, tokens_s, grads_s) = results
+    assert tokens == tokens_s and metrics.keys() == metrics_s.keys()
+    torch.testing.assert_close(loss_s, loss, atol=1e-6, rtol=1e-5)
+    for key, value in metrics.items():
+        assert metrics_s[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert len(grads) == len(list(module.policy.parameters())) and grads.keys() == grads_s.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_s[name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def _paper_module(tiny_model_dir, experiment: str = "webshop_paper", *overrides: str) -> tuple[EMPO2Module, dict]:
     """The paper experiment's model group (Qwen2.5-7B's settings: weights loaded in bf16, lr 1e-6) instantiated
     like src/train.py does, with the tiny model's weights."""

@@ -83,6 +83,63 @@ def test_generation_from_kept_prompt_keys_values_equals_generation_from_the_whol
         fresh.prompt_kv(0)
 
 
+def _task_prompts(policy: Policy, step: int) -> list[list[int]]:
+    """Two tasks x three episodes as a rollout step renders them: a long system prompt and task text shared by a task's
+    episodes; at step 0 a task's prompts are identical, later each episode has its own history."""
+    system = "You are an agent in a text world. Reply with one action. " * 4
+    prompts = []
+    for task in ("Find the red key in the cellar. " * 6, "Boil water in the kitchen. " * 6):
+        for episode in range(3):
+            history = "" if step == 0 else f" History: step {step}, episode {episode}: " + "look " * (episode + step)
+            prompts.append(policy.encode([{"role": "system", "content": system},
+                                          {"role": "user", "content": f"Task: {task}{history} What next?"}]))
+    return prompts
+
+
+def test_shared_prefill_draws_the_same_tokens_and_keeps_the_same_prompt_keys_values(tiny_policy: Policy):
+    """Policy.generate(shared=SharedPrefixes()): each task's common prefix (at step 0 the whole prompt but its last id)
+    is computed once, and again reused at the next step; with per-row seeds the drawn tokens are the ones generation
+    from the whole prompts draws, the log-probs agree, and the kept prompt keys/values continue like the plain ones."""
+    from src.models.prompt_cache import SharedPrefixes, common_prefix
+
+    shared = SharedPrefixes(16)
+    for step in (0, 1):
+        prompts = _task_prompts(tiny_policy, step)
+        seeds = list(range(100 * step, 100 * step + len(prompts)))
+        plain = tiny_policy.generate(prompts, max_new_tokens=6, seeds=seeds, keep_prompt_kv=True)
+        before = shared.computed_tokens
+        got = tiny_policy.generate(prompts, max_new_tokens=6, seeds=seeds, keep_prompt_kv=True, shared=shared)
+        assert got.response_ids == plain.response_ids
+        for a, b in zip(got.log_probs, plain.log_probs):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+        computed = shared.computed_tokens - before
+        if step == 0:  # one whole prompt per task, then each row's last id
+            assert computed == sum(len(prompts[k]) - 1 for k in (0, 3)) + len(prompts)
+        else:  # each task's prefix continues the part step 0's prefix covers; then each row's own part
+            head = [tiny_policy.shared_prefix_length(prompts[k:k + 3]) for k in (0, 3)]
+            covered = [common_prefix(step0[k], prompts[k]) for k in (0, 3)]
+            assert 0 < min(covered) and all(c < h for c, h in zip(covered, head))
+            assert computed == sum(len(p) for p in prompts) - 3 * sum(head) + sum(h - c for h, c in zip(head, covered))
+        step0 = prompts
+        for i in (0, 4):
+            a, b = got.prompt_kv(i), plain.prompt_kv(i)
+            assert a.length == b.length == len(prompts[i])
+            for (ka, va), (kb, vb) in zip(a.layers, b.layers):
+                torch.testing.assert_close(ka, kb, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(va, vb, atol=1e-5, rtol=1e-4)
+    assert shared.computed_tokens < shared.prompt_tokens / 2
+
+
+def test_shared_runs_group_the_episodes_of_a_task(tiny_policy: Policy):
+    from src.models.prompt_cache import shared_runs
+
+    prompts = _task_prompts(tiny_policy, 0)
+    runs = shared_runs([prompts[i] for i in (0, 3, 1, 4, 2, 5)], 16)  # interleaved tasks
+    assert sorted((sorted(rows), n) for rows, n in runs) == [([0, 2, 4], len(prompts[0]) - 1),
+                                                             ([1, 3, 5], len(prompts[3]) - 1)]
+    assert shared_runs([prompts[0][:10], prompts[0][:10]], 16) == []  # too short to be worth a forward pass
+
+
 def test_encode_next_turn_continues_the_conversation(tiny_policy: Policy):
     system, user, answer = "You are an agent.", "Task: go.", "look around"
     prompt = tiny_policy.encode([{"role": "system", "content": system}, {"role": "user", "content": user}])

@@ -81,7 +81,7 @@ class ReplayPolicy(Policy):
         super().__init__(base.model, base.tokenizer, base.max_response_tokens, base.max_prompt_tokens)
         self.replies = list(replies)
 
-    def generate(self, prompt_ids, max_new_tokens=None, temperature=None, do_sample=True) -> Generation:
+    def generate(self, prompt_ids, max_new_tokens=None, temperature=None, do_sample=True, shared=None) -> Generation:
         assert len(prompt_ids) == 1
         reply = self.replies.pop(0)
         ids = response_ids(self, reply)

@@ -54,9 +54,10 @@ def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict
         order = rng.permutation(len(position))
         for mb, idx in enumerate(np.array_split(order, num_mini_batches)):
             chosen = set(idx.tolist())
-            # Similar lengths share a micro-batch: ~25% less padding computed, and the same gradient (the
-            # mini-batch's loss is a sum over its micro-batches).
-            minibatch = sorted((s for s, p in zip(samples, place) if p in chosen), key=lambda s: s.num_tokens)
+            # Prompts in token order: steps of one task (same system prompt and task text) share micro-batches,
+            # whose common prefix the update computes once; the gradient is the same (the mini-batch's loss is a
+            # sum over its micro-batches, with the mini-batch's global counts).
+            minibatch = sorted((s for s, p in zip(samples, place) if p in chosen), key=prompt_order)
             g_tokens, g_seqs = all_reduce([float(n) for n in denominators(minibatch)])
             n_micro = max(1, math.ceil(len(minibatch) / micro_batch_size))
             n_micro = int(all_reduce([float(n_micro)], op="max")[0])
@@ -72,10 +73,18 @@ def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict
                 first = False
 
 
+def prompt_order(sample: StepSample) -> tuple[list[int], int]:
+    """Sort key that puts samples with long common prompt prefixes next to each other (the update prompt's ids in
+    lexicographic order; the sample's key breaks ties, so the order never depends on the input order)."""
+    return sample.update_prompt_ids, sample.key if sample.key is not None else ()
+
+
 def scoring_chunks(samples: list[StepSample], policy, chunk_size: int = 8) -> list[list[StepSample]]:
-    """The chunks ``EMPO2Module.score_samples`` runs one forward pass each on. Under FSDP (``policy.synced``)
-    every rank gets the same number of chunks: a rank with fewer samples scores a throw-away padding sample
-    to join the other ranks' forward passes."""
+    """The chunks ``EMPO2Module.score_samples`` runs one forward pass each on, in prompt order (``prompt_order``:
+    a chunk's common prompt prefix is computed once). Under FSDP (``policy.synced``) every rank gets the same number
+    of chunks: a rank with fewer samples scores a throw-away padding sample to join the other ranks' forward
+    passes."""
+    samples = sorted(samples, key=prompt_order)
     n_chunks = math.ceil(len(samples) / chunk_size)
     if policy.synced:  # sharded weights: every rank runs the same number of forward passes
         n_chunks = int(all_reduce([float(n_chunks)], op="max")[0])

@@ -20,7 +20,8 @@ import numpy as np
 from src.data.prompts import HistoryItem
 from src.data.rollout_config import RolloutConfig
 from src.data.step_prompt import PROMPT_CUT_KEYS, StepPrompt, step_prompt
-from src.models.policy import Policy
+from src.models.policy import MIN_SHARED_PREFIX, Policy
+from src.models.prompt_cache import SharedPrefixes
 from src.utils.distributed import all_reduce, gather_lists, rank_and_world
 from src.utils.rng import row_seeds
 from src.utils.timing import timed
@@ -140,6 +141,8 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
     t0 = time.perf_counter()
     run = _Rollout(pool, policy, cfg, memory, max_steps,
                    [Episode(task=t, group=g, id=e) for t, g, e in zip(tasks, groups, ids)])
+    # the weights stay fixed for the whole rollout: a prompt prefix computed at one step serves the later ones
+    shared = SharedPrefixes(MIN_SHARED_PREFIX) if cfg.share_prompt_prefix else None
     active = run.reset()
     while _any_active(policy, active):
         prompts = run.step_prompts(active)
@@ -149,7 +152,7 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
                 keep["seeds"] = [row_seeds(cfg.sample_seed, [run.episodes[i].id], len(run.episodes[i].steps))[0]
                                  for i in active]
             gen = policy.generate([p.rollout_ids for p in prompts], max_new_tokens=cfg.max_response_tokens,
-                                  temperature=cfg.temperature, do_sample=cfg.do_sample, **keep)
+                                  temperature=cfg.temperature, do_sample=cfg.do_sample, shared=shared, **keep)
         run.generated_tokens += sum(len(r) for r in gen.response_ids)
         with timed(run.timers, "env_s"):
             results = pool.step([(i, gen.texts[j]) for j, i in enumerate(active)])
@@ -169,6 +172,8 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
     elapsed = time.perf_counter() - t0
     metrics = dict(run.timers, rollout_s=elapsed, generated_tokens=float(run.generated_tokens),
                    rollout_tokens_per_s=run.generated_tokens / max(run.timers["generate_s"], 1e-9),
+                   **({} if shared is None else {"prompt_tokens": float(shared.prompt_tokens),
+                                                 "prompt_tokens_computed": float(shared.computed_tokens)}),
                    **{f"prompt_fit/{k}": v for k, v in run.prompt_cuts.items()})
     return run.episodes, metrics
 

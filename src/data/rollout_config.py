@@ -17,7 +17,9 @@ class RolloutConfig:
     keys/values on the episode (``Episode.reflection_prefix``) so the reflection that continues that prompt does
     not recompute it. ``sample_seed``: draw each episode's tokens from its own streams (``row_seeds(sample_seed,
     episode id, step)``), so an episode is the same whichever rank runs it and whatever else is in its batch; None
-    samples from torch's global generator."""
+    samples from torch's global generator. ``share_prompt_prefix``: compute the prompt prefix the episodes of a task
+    share (system prompt and task text; at the first step the whole prompt) once per rollout
+    (``Policy.generate(shared=...)``)."""
 
     temperature: float = 1.0
     max_response_tokens: int = 32
@@ -30,6 +32,7 @@ class RolloutConfig:
     history_action: str = "raw"
     keep_reflection_prefix: bool = False  # keep each episode's last prompt keys/values for its tip (write_tips)
     sample_seed: int | None = None
+    share_prompt_prefix: bool = True
 
     def __post_init__(self) -> None:
         if self.history_action not in HISTORY_ACTIONS:

@@ -243,6 +243,8 @@ class RolloutDataModule(L.LightningDataModule):
         # this rank's timings and counts -> the whole iteration's (durations: the slowest rank's; counts: summed)
         metrics = combine_over_ranks(metrics)
         metrics["rollout_tokens_per_s"] = metrics["generated_tokens"] / max(metrics["generate_s"], 1e-9)
+        if metrics.get("prompt_tokens"):  # the share of prompt ids the rollout did not compute (shared prefixes)
+            metrics["prompt_shared_frac"] = 1.0 - metrics["prompt_tokens_computed"] / metrics["prompt_tokens"]
         metrics.update(global_metrics)
         metrics.update(adv_metrics)
         metrics.update(episode_metrics(gather_lists([e.summary() for e in episodes])))

@@ -79,6 +79,8 @@ class EMPO2Module(L.LightningModule):
         self._val_iteration: int | None = None  # iteration of the last validation
         self._validation: dict[str, Any] | None = None  # its metrics, saved with each checkpoint
         self._base: dict[str, Any] | None = None  # the LoRA base model's record (adapter-only checkpoints)
+        # compute a batch's common prompt prefix once, forward and backward (Policy.log_probs(share_prefix=True))
+        self.share_prompt_prefix = True
 
     def configure_model(self) -> None:
         """FSDP2 (``trainer=fsdp``: Lightning's ``ModelParallelStrategy``): shard each decoder layer and the root.
@@ -163,10 +165,16 @@ class EMPO2Module(L.LightningModule):
                                                                  disable_adapters=self.ref_policy is None)):
                     s.ref_log_probs = lp
 
+    def _share_prefix(self) -> bool:
+        """Whether forward passes compute a batch's common prompt prefix once. Not under FSDP: the prefix pass is
+        one more forward call only where the rows share a long prefix, and sharded weights need every rank to run
+        the same number of forward calls."""
+        return self.share_prompt_prefix and not self.policy.synced
+
     def _response_log_probs(self, policy, samples: list[StepSample], prompt: str, **kwargs) -> list[torch.Tensor]:
         """Each sample's response log-probs (float32 ``[T_i]`` on the CPU) under its prompt ``prompt``."""
         out = policy.log_probs([getattr(s, prompt) for s in samples], [s.response_ids for s in samples],
-                               temperature=self.algorithm.temperature, **kwargs)
+                               temperature=self.algorithm.temperature, share_prefix=self._share_prefix(), **kwargs)
         return [out["log_probs"][i, : len(s.response_ids)].float().cpu() for i, s in enumerate(samples)]
 
     # ------------------------------------------------------------------ training
@@ -204,7 +212,7 @@ class EMPO2Module(L.LightningModule):
         """(micro-batch loss, its metrics, its response-token count)."""
         algo, samples = self.algorithm, batch.samples
         out = self.policy.log_probs([s.update_prompt_ids for s in samples], [s.response_ids for s in samples],
-                                    temperature=algo.temperature, with_entropy=True)
+                                    temperature=algo.temperature, with_entropy=True, share_prefix=self._share_prefix())
         log_prob, mask = out["log_probs"], out["response_mask"]
         width = log_prob.shape[1]
         old_log_prob = _pad_rows([s.old_log_probs for s in samples], width).to(log_prob.device)

@@ -32,9 +32,10 @@ from src.models.hub import (adapter_base_model, base_model_setting, load_causal_
                             resolve_name_or_path)
 from src.models.logprobs import entropy_from_logits, log_probs_from_logits
 from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
-from src.models.prompt_cache import PromptKV, batch_with_prefixes, row_prompt_kv
+from src.models.prompt_cache import PromptKV, SharedPrefixes, batch_with_prefixes, prompt_spans, row_prompt_kv
 from src.models.sampling import (SampledTokenLogProbs, SeededRowSampler, checkpoint_generation_defaults_off,
                                  dropped_generation_defaults, sampling_config)
+from src.utils.threads import adapt_threads
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +57,15 @@ class Generation:
     log_probs: list[list[float]]
     texts: list[str]
     truncated: list[bool]
-    # (model cache, prompt end column, prompt lengths) when generate(keep_prompt_kv=True)
-    _kv: tuple[Any, int, list[int]] | None = field(default=None, repr=False)
+    # (model cache, each prompt's column spans in it) when generate(keep_prompt_kv=True)
+    _kv: tuple[Any, list[list[tuple[int, int]]]] | None = field(default=None, repr=False)
 
     def prompt_kv(self, i: int) -> PromptKV:
         """A copy of prompt i's keys/values (needs ``generate(keep_prompt_kv=True)``), to continue it later."""
         if self._kv is None:
             raise ValueError("prompt keys/values were not kept; call generate(..., keep_prompt_kv=True)")
-        cache, prompt_end, lengths = self._kv
-        return row_prompt_kv(cache, i, prompt_end, lengths[i])
+        cache, spans = self._kv
+        return row_prompt_kv(cache, i, spans[i])
 
 
 class Policy(nn.Module):
@@ -141,7 +142,8 @@ class Policy(nn.Module):
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], max_new_tokens: int | None = None, temperature: float | None = None,
                  do_sample: bool = True, keep_prompt_kv: bool = False,
-                 prefix_kv: list[PromptKV | None] | None = None, seeds: list[int] | None = None) -> Generation:
+                 prefix_kv: list[PromptKV | None] | None = None, seeds: list[int] | None = None,
+                 shared: SharedPrefixes | None = None) -> Generation:
         """Sample one response per prompt in one batched call.
 
         Tokens are drawn from exactly ``softmax(logits / temperature)`` over the full vocabulary, the distribution
@@ -153,17 +155,17 @@ class Policy(nn.Module):
 
         Prefix caching (``src/models/prompt_cache.py``): ``keep_prompt_kv=True`` keeps the prompts' keys/values
         (``Generation.prompt_kv(i)``); ``prefix_kv[i]``, kept from an earlier call with the same weights, stands
-        for the first ``prefix_kv[i].length`` ids of prompt i, which are then not recomputed.
+        for the first ``prefix_kv[i].length`` ids of prompt i, which are then not recomputed. ``shared`` (one per
+        rollout, not under FSDP) computes the prefixes that rows share once (the episodes of a task: system prompt and
+        task text, at their first step the whole prompt) and reuses them across calls (``SharedPrefixes``); the
+        tokens drawn are the same up to float rounding.
 
         Raises:
-            ValueError: ``temperature <= 0``, ``keep_prompt_kv`` together with ``prefix_kv``, or not one seed per
-                prompt.
+            ValueError: ``temperature <= 0``, or not one seed per prompt.
         """
         if seeds is not None and len(seeds) != len(prompt_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
-        if keep_prompt_kv and prefix_kv is not None:
-            raise ValueError("keep_prompt_kv and prefix_kv cannot be combined (the kept prompt would not be "
-                             "contiguous in the cache)")
+        adapt_threads()  # the cores other processes leave free (src/utils/threads.py)
         max_new_tokens = max_new_tokens or self.max_response_tokens
         temperature = self.temperature if temperature is None else temperature
         if not prompt_ids and not self.synced:
@@ -180,14 +182,16 @@ class Policy(nn.Module):
         pad = self.tokenizer.pad_token_id
         config = sampling_config(max_new_tokens, temperature, do_sample and not seeded, self.eos_token_ids, pad)
         extra = {}
-        if prefix_kv is not None and any(p is not None for p in prefix_kv):
-            batch, extra["cache"] = batch_with_prefixes(prompt_ids, prefix_kv, pad, self.model.config)
-        else:
-            batch = pack_batch(prompt_ids, [[] for _ in prompt_ids], pad)
-        batch = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
         was_training = self.model.training
         self.model.eval()
         try:
+            if shared is not None and prefix_kv is None and not self.synced:
+                prefix_kv = shared.for_batch(self._prompt_prefix_kv, prompt_ids)
+            if prefix_kv is not None and any(p is not None for p in prefix_kv):
+                batch, extra["cache"] = batch_with_prefixes(prompt_ids, prefix_kv, pad, self.model.config)
+            else:
+                batch = pack_batch(prompt_ids, [[] for _ in prompt_ids], pad)
+            batch = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
             with checkpoint_generation_defaults_off(self.model):
                 out = self.model.generate(**batch, generation_config=config, synced_gpus=self.synced,
                                           logits_processor=LogitsProcessorList(processors), **extra)
@@ -207,8 +211,21 @@ class Policy(nn.Module):
             log_probs.append(token_log_probs[i, :n].tolist())
             truncated.append(len(hits) == 0)
         texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-        kv = (out.cache, p_len, [len(p) for p in prompt_ids]) if keep_prompt_kv and not extra else None
+        kv = None
+        if keep_prompt_kv:
+            kept = [0] * len(prompt_ids) if not extra else [0 if p is None else p.length for p in prefix_kv]
+            kv = (out.cache, prompt_spans([len(p) for p in prompt_ids], kept, p_len))
         return Generation(response_ids, log_probs, texts, truncated, kv)
+
+    def _prompt_prefix_kv(self, ids: list[int], past: PromptKV | None = None) -> PromptKV:
+        """Keys/values of one prompt prefix ``ids`` (no grad), continuing ``past`` (those of its first ``past.length``
+        ids) when given, for ``SharedPrefixes``."""
+        start = 0 if past is None else past.length
+        cache = None if past is None else DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in past.layers],
+                                                       config=self.model.config)
+        out = self.model(input_ids=torch.tensor([ids[start:]], device=self.device), cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        return PromptKV([(layer.keys, layer.values) for layer in out.cache.layers], len(ids))
 
     def _warn_dropped_generation_defaults(self) -> None:
         if self._checked_generation_defaults:
@@ -236,6 +253,7 @@ class Policy(nn.Module):
         float rounding (``shared_prefix_length`` says how many tokens are shared; below ``MIN_SHARED_PREFIX`` or
         with gradient checkpointing on, which drops a passed cache, the batch runs as usual).
         """
+        adapt_threads()
         n_shared = self.shared_prefix_length(prompt_ids) if share_prefix else 0
         if n_shared:
             prefix_cache = self._prefix_cache(prompt_ids[0][:n_shared], len(prompt_ids), disable_adapters)

@@ -27,12 +27,24 @@ class PromptKV:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
 
 
-def row_prompt_kv(cache, row: int, prompt_end: int, length: int) -> PromptKV:
-    """Copy row ``row``'s prompt keys/values, columns ``[prompt_end - length, prompt_end)``, out of a batch cache
-    (a ``transformers`` cache with ``layers[l].keys/values`` [B, kv_heads, T, head_dim]) of a left-padded batch."""
-    cols = slice(prompt_end - length, prompt_end)
-    return PromptKV([(layer.keys[row:row + 1, :, cols].clone(), layer.values[row:row + 1, :, cols].clone())
-                     for layer in cache.layers], length)
+def row_prompt_kv(cache, row: int, spans: list[tuple[int, int]]) -> PromptKV:
+    """Copy row ``row``'s prompt keys/values out of a batch cache (a ``transformers`` cache with
+    ``layers[l].keys/values`` [B, kv_heads, T, head_dim]): the columns of ``spans`` (``prompt_spans``), in order."""
+    layers = [(torch.cat([layer.keys[row:row + 1, :, a:b] for a, b in spans], dim=2),
+               torch.cat([layer.values[row:row + 1, :, a:b] for a, b in spans], dim=2)) for layer in cache.layers]
+    return PromptKV(layers, sum(b - a for a, b in spans))
+
+
+def prompt_spans(prompt_lengths: list[int], prefix_lengths: list[int], width: int) -> list[list[tuple[int, int]]]:
+    """Where each prompt's ids sit in a generation batch of ``width`` columns: one span in a left-padded batch (all
+    prefix lengths 0), else the kept prefix's span in the prefix block and the rest's in the rest block
+    (``batch_with_prefixes``'s layout)."""
+    t_len = max(prefix_lengths)
+    spans = []
+    for n_prompt, n_prefix in zip(prompt_lengths, prefix_lengths):
+        rest = [(width - (n_prompt - n_prefix), width)]
+        spans.append(([(t_len - n_prefix, t_len)] if n_prefix else []) + rest)
+    return spans
 
 
 def batch_with_prefixes(prompt_ids: list[list[int]], prefixes: list[PromptKV | None], pad_token_id: int,
@@ -74,3 +86,99 @@ def batch_with_prefixes(prompt_ids: list[list[int]], prefixes: list[PromptKV | N
                 values[i, :, t_len - n:] = v[0]
     cache = DynamicCache(ddp_cache_data=layers, config=config)
     return {"input_ids": input_ids, "attention_mask": mask}, cache
+
+
+def slice_prompt_kv(kv: PromptKV, length: int) -> PromptKV:
+    """The keys/values of the first ``length`` positions of ``kv`` (views, not copies)."""
+    return PromptKV([(k[:, :, :length], v[:, :, :length]) for k, v in kv.layers], length)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    return next((j for j in range(n) if a[j] != b[j]), n)
+
+
+def shared_runs(prompt_ids: list[list[int]], min_length: int) -> list[tuple[list[int], int]]:
+    """Runs of rows whose prompts share a prefix of at least ``min_length`` ids, each computed once:
+    ``[(rows, prefix length)]``, each row in at most one run, a run's prefix leaving each prompt's last id (it must be
+    fed to predict the first response token).
+
+    Rows are taken in token order and cut into the runs that save the most ids (k rows sharing L ids save
+    (k - 1)·L; exact, by dynamic programming over the cut points): the episodes of a task (same system prompt and task
+    text; at their first step the same whole prompt) form one run, not one with every other task over the system
+    prompt alone."""
+    order = sorted(range(len(prompt_ids)), key=lambda i: prompt_ids[i])
+    m = len(order)
+    # lcp[j]: what rows j and j + 1 (in order) share, leaving each one's last id
+    lcp = [min(common_prefix(prompt_ids[a], prompt_ids[b]), len(prompt_ids[a]) - 1, len(prompt_ids[b]) - 1)
+           for a, b in zip(order, order[1:])]
+    best = [0] * (m + 1)  # best[j]: ids saved by the best cut of the first j rows
+    cut: list[tuple[int, int]] = [(0, 0)] * (m + 1)  # (start of the last run, its prefix length)
+    for j in range(1, m + 1):
+        best[j], cut[j] = best[j - 1], (j - 1, 0)
+        shared = None
+        for i in range(j - 2, -1, -1):  # the run order[i:j]
+            shared = lcp[i] if shared is None else min(shared, lcp[i])
+            if shared < min_length:
+                break
+            if best[i] + (j - i - 1) * shared > best[j]:
+                best[j], cut[j] = best[i] + (j - i - 1) * shared, (i, shared)
+    runs, j = [], m
+    while j > 0:
+        i, length = cut[j]
+        if length:
+            runs.append(([order[k] for k in range(i, j)], length))
+        j = i
+    return runs[::-1]
+
+
+class SharedPrefixes:
+    """Keys/values of the prompt prefixes that rows of a generation share, computed once per prefix and reused by
+    every row and by later calls while the weights stay the same (one rollout: ``run_episodes`` makes one).
+
+    ``for_batch`` finds the runs of rows with a common prefix of at least ``min_length`` ids (``shared_runs``) and
+    gives each run's rows one ``PromptKV`` for ``Policy.generate(prefix_kv=...)``: taken from a prefix kept from the
+    previous call where that one covers it (a slice), continued from the part a kept prefix covers, else computed
+    whole; a row in no run reuses the longest kept prefix it starts with. Only the last call's prefixes are kept (the
+    tasks of a rollout's episodes: bounded memory). ``prompt_tokens`` and ``computed_tokens`` count the prompt ids
+    seen and the ones the model had to compute.
+    """
+
+    def __init__(self, min_length: int = 16):
+        self.min_length = int(min_length)
+        self.kept: list[tuple[list[int], PromptKV]] = []
+        self.prompt_tokens = 0
+        self.computed_tokens = 0
+
+    def _longest_kept(self, ids: list[int], limit: int) -> PromptKV | None:
+        """The longest kept prefix ``ids`` starts with, sliced to at most ``limit`` ids (None under ``min_length``)."""
+        best = None
+        for kept_ids, kv in self.kept:
+            n = min(common_prefix(kept_ids, ids), limit)
+            if n >= self.min_length and (best is None or n > best.length):
+                best = slice_prompt_kv(kv, n)
+        return best
+
+    def for_batch(self, compute, prompt_ids: list[list[int]]) -> list[PromptKV | None] | None:
+        """One ``PromptKV`` (or None) per row, or None when no row has one. ``compute(ids, past)`` runs the model on
+        ``ids`` continuing ``past`` (a ``PromptKV`` of their first ``past.length`` ids, or None) and returns the
+        ``PromptKV`` of all of ``ids``."""
+        out: list[PromptKV | None] = [None] * len(prompt_ids)
+        kept: list[tuple[list[int], PromptKV]] = []
+        for rows, n in shared_runs(prompt_ids, self.min_length):
+            ids = prompt_ids[rows[0]][:n]
+            kv = self._longest_kept(ids, n)
+            if kv is None or kv.length < n:
+                self.computed_tokens += n - (0 if kv is None else kv.length)
+                kv = compute(ids, kv)
+            kept.append((ids, kv))
+            for r in rows:
+                out[r] = kv
+        for r, ids in enumerate(prompt_ids):
+            if out[r] is None:
+                out[r] = self._longest_kept(ids, len(ids) - 1)
+        self.prompt_tokens += sum(len(p) for p in prompt_ids)
+        self.computed_tokens += sum(len(p) - (0 if kv is None else kv.length) for p, kv in zip(prompt_ids, out))
+        self.kept = kept or self.kept
+        return out if any(kv is not None for kv in out) else None

@@ -15,14 +15,18 @@ import sys
 from omegaconf import DictConfig, OmegaConf
 
 import src  # noqa: F401 - registers the config resolvers
+from src.utils.threads import configure_threads
 
 log = logging.getLogger(__name__)
+# before anything loads torch's OpenMP runtime (it reads its variables once); child processes inherit it
+THREADS = configure_threads()
 
 
 def start_run(cfg: DictConfig) -> None:
     """Process-wide settings of a run, then the resolved config in the log.
 
     - tokenizers run single-threaded unless the user says otherwise (they would fight the env workers for cores);
+    - how torch's threads wait (``src/utils/threads.py``, set when this module is imported) is logged;
     - faiss's CPU-feature probing (ModuleNotFoundError lines at INFO, which read like failures) is silenced;
     - Lightning's log lines go through Hydra's handlers only (they were printed twice);
     - SIGTERM (a job scheduler, ``kill``) unwinds like Ctrl-C, so environment workers, JVMs and file locks are
@@ -32,6 +36,9 @@ def start_run(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     import lightning  # noqa: F401 - its import gives its loggers console handlers of their own, removed below
+    import torch
+
+    log.info("Threads: %d torch threads; %s", torch.get_num_threads(), THREADS)
 
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         # with them every Lightning INFO line was printed twice; Hydra's handlers (the console and the run's log

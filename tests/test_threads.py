@@ -1,0 +1,51 @@
+"""How torch's threads wait (src/utils/threads.py), in fresh processes as the entry points start: the bounded spin is
+set before torch loads and reaches child processes (environment workers, DDP ranks); a user's setting wins."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# what an entry point does first (src/train.py imports src.utils.entrypoint before torch), then a spawned child
+PROBE = """
+import multiprocessing as mp, os
+import src.utils.entrypoint as entry
+import torch
+
+def child(queue):
+    queue.put(os.environ.get("GOMP_SPINCOUNT"))
+
+if __name__ == "__main__":
+    queue = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(target=child, args=(queue,))
+    proc.start(); proc.join()
+    print(repr((os.environ.get("GOMP_SPINCOUNT"), queue.get(), entry.THREADS)))
+"""
+
+
+def _probe(tmp_path: Path, **env: str) -> tuple:
+    script = tmp_path / "probe.py"  # a file: a spawned child re-imports its parent's main module
+    script.write_text(PROBE)
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS",
+                                                              "EMPO2_THREADS")}
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env={**clean, "PYTHONPATH": str(ROOT), **env},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307 - our own repr
+
+
+def test_a_bounded_spin_is_set_before_torch_and_inherited(tmp_path):
+    from src.utils.threads import SPIN_COUNT
+
+    spin, child, line = _probe(tmp_path)
+    assert spin == child == SPIN_COUNT
+    assert f"GOMP_SPINCOUNT={SPIN_COUNT}" in line and "already loaded" not in line
+
+
+def test_the_users_setting_wins(tmp_path):
+    spin, child, line = _probe(tmp_path, OMP_WAIT_POLICY="PASSIVE")
+    assert spin is None and child is None and line == "as set by the user: OMP_WAIT_POLICY=PASSIVE"
+    spin, _, line = _probe(tmp_path, GOMP_SPINCOUNT="500")
+    assert spin == "500" and "GOMP_SPINCOUNT=500" in line
