@@ -1,10 +1,12 @@
 """How torch's threads wait (src/utils/threads.py), in fresh processes as the entry points start: the bounded spin is
-set before torch loads and reaches child processes (environment workers, DDP ranks); a user's setting wins."""
+set before torch loads and reaches child processes (environment workers, DDP ranks); a user's setting wins; the
+thread count follows the cores other processes take."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,3 +51,27 @@ def test_the_users_setting_wins(tmp_path):
     assert spin is None and child is None and line == "as set by the user: OMP_WAIT_POLICY=PASSIVE"
     spin, _, line = _probe(tmp_path, GOMP_SPINCOUNT="500")
     assert spin == "500" and "GOMP_SPINCOUNT=500" in line
+
+
+def _busy(**kwargs) -> subprocess.Popen:
+    """A pure-Python busy loop: one core taken."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], **kwargs)
+
+
+def _threads_beside(proc: subprocess.Popen) -> int:
+    from src.utils.threads import ThreadGovernor
+
+    governor = ThreadGovernor(max_threads=2, period_s=1.0, cpus=2)
+    try:
+        time.sleep(1.5)
+        return governor.update()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_thread_count_follows_the_cores_other_processes_take():
+    """Another job taking a core (a process of its own session, not ours) leaves one thread; the same load in a
+    process of the run's own (an environment worker, a JVM) is the run's work and leaves both."""
+    assert _threads_beside(_busy(start_new_session=True)) == 1
+    assert _threads_beside(_busy()) == 2

@@ -15,7 +15,7 @@ import sys
 from omegaconf import DictConfig, OmegaConf
 
 import src  # noqa: F401 - registers the config resolvers
-from src.utils.threads import configure_threads
+from src.utils.threads import adapt_threads, configure_threads
 
 log = logging.getLogger(__name__)
 # before anything loads torch's OpenMP runtime (it reads its variables once); child processes inherit it
@@ -26,7 +26,8 @@ def start_run(cfg: DictConfig) -> None:
     """Process-wide settings of a run, then the resolved config in the log.
 
     - tokenizers run single-threaded unless the user says otherwise (they would fight the env workers for cores);
-    - how torch's threads wait (``src/utils/threads.py``, set when this module is imported) is logged;
+    - how torch's threads wait (``src/utils/threads.py``, set when this module is imported) is logged, and the
+      load of the other processes is first read (the thread count follows it from the first generation on);
     - faiss's CPU-feature probing (ModuleNotFoundError lines at INFO, which read like failures) is silenced;
     - Lightning's log lines go through Hydra's handlers only (they were printed twice);
     - SIGTERM (a job scheduler, ``kill``) unwinds like Ctrl-C, so environment workers, JVMs and file locks are
@@ -39,6 +40,7 @@ def start_run(cfg: DictConfig) -> None:
     import torch
 
     log.info("Threads: %d torch threads; %s", torch.get_num_threads(), THREADS)
+    adapt_threads()  # the first reading of the load: the first generation already knows what the others use
 
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         # with them every Lightning INFO line was printed twice; Hydra's handlers (the console and the run's log

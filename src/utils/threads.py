@@ -50,10 +50,10 @@ class ThreadGovernor:
 
     Other processes' load is the machine's busy CPU time (``/proc/stat``) less that of this process and its
     descendants (the run, its environment workers and their JVMs: ``/proc/<pid>/stat``), over the time since the last
-    reading. Threads =
-    cores − (the other processes' cores, rounded up above 0.2), between 1 and ``max_threads``. With the cores to
-    itself a run keeps all its threads; beside another job it drops to what is free, where two threads would wait at
-    every barrier for the one the other job holds.
+    reading. Threads = cores − (the other processes' cores, rounded to the nearest whole core), between 1 and
+    ``max_threads``: half a core of background work (system services, a process of the run's that ended in the
+    window) changes nothing. With the cores to itself a run keeps all its threads; beside another job it drops to
+    what is free, where two threads would wait at every barrier for the one the other job holds.
     """
 
     def __init__(self, max_threads: int, period_s: float = 2.0, cpus: int | None = None):
@@ -105,7 +105,7 @@ class ThreadGovernor:
         others = self.others()
         if others is not None:
             self.last_others = others
-            self.threads = max(1, min(self.max_threads, self.cpus - max(0, math.ceil(others - 0.2))))
+            self.threads = max(1, min(self.max_threads, self.cpus - max(0, math.ceil(others - 0.5))))
         return self.threads
 
 
