@@ -29,10 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # [3, 2] (tips are retrieved after the resume point); the tiny policy's tokens are all below the low-probability
 # threshold, so the off-policy iteration 0 masks every token and the policy-gradient signal comes after it
 SEED, ITERATIONS, TASKS = 10, 3, 2
+# 2 tasks x 2 episodes x 3 steps = 12 rows per iteration, 5 rows per optimizer step: ⌈12 / 5⌉ = 3 steps (4 rows each)
+STEPS = 3
 STUB = ["env._target_=stub_envs.StubEnv", "+env.reward_per_char=0.1", "+env.num_tasks=4"]
-# tiny policy, CSV logger, 3-step episodes; 2 tasks x 2 episodes, two optimizer steps per iteration, a KL term
+# tiny policy, CSV logger, 3-step episodes; 2 tasks x 2 episodes, one optimizer step per 5 rows, a KL term
 RUN = ["experiment=scienceworld", "debug=default", "trainer.precision=32-true", *STUB,
-       f"data.tasks_per_iteration={TASKS}", "data.group_size=2", "data.num_mini_batches=2", "data.micro_batch_size=2",
+       f"data.tasks_per_iteration={TASKS}", "data.group_size=2", "data.num_mini_batches=null", "data.mini_batch_rows=5",
+       "data.micro_batch_size=2",
        "data.val.num_tasks=2", "algorithm.memory_rollout_prob=1.0", "algorithm.skip_zero_advantage=false",
        "algorithm.kl_coef=0.01", f"seed={SEED}", "callbacks.model_checkpoint.save_top_k=-1",
        "~callbacks.rich_progress_bar", "trainer.enable_progress_bar=false"]
@@ -95,7 +98,7 @@ def test_ddp_ranks_run_disjoint_shards_and_share_one_memory(ddp_runs):
     full = ddp_runs["full"]
     console = (full / "console.txt").read_text()
     ckpt = _load(full / "checkpoints" / "last.ckpt")
-    assert ckpt["global_step"] == 2 * ITERATIONS
+    assert ckpt["global_step"] == STEPS * ITERATIONS
     drawn = set()
     for it in range(ITERATIONS):
         picks = np.random.default_rng([SEED, it, 1]).choice(4, size=TASKS, replace=False)
@@ -123,7 +126,7 @@ def test_ddp_logs_the_whole_batch_like_one_process(ddp_runs):
                      "rollout/return", "rollout/intrinsic_return", "rollout/adv/adv_std", "rollout/memory/hit_rate",
                      "rollout/tip_action_frac", "val/score"):
         assert required in keys, required
-    assert all(v > 0 for v in ddp["train/grad_norm"].values()) and len(ddp["train/grad_norm"]) == 2 * ITERATIONS
+    assert all(v > 0 for v in ddp["train/grad_norm"].values()) and len(ddp["train/grad_norm"]) == STEPS * ITERATIONS
     assert sum(ddp["rollout/adv/signal_samples"].values()) > 0
     # validation is logged at Lightning's batch counter, which counts this rank's micro-batches: compare in order
     points = {name: {k: ([v for _, v in sorted(run[k].items())] if k.startswith("val/") else sorted(run[k].items()))
@@ -151,7 +154,7 @@ def test_ddp_resume_is_exact_on_both_ranks(ddp_runs):
     and novelty counts; every save checks that both ranks hold the same), both ranks' generators and every
     metric logged after the resume point."""
     full, resumed = (_load(ddp_runs[k] / "checkpoints" / "last.ckpt") for k in ("full", "resumed"))
-    assert resumed["global_step"] == full["global_step"] == 2 * ITERATIONS
+    assert resumed["global_step"] == full["global_step"] == STEPS * ITERATIONS
     first = _load(ddp_runs["full"] / "checkpoints" / "iter_0000.ckpt")
     moved = [k for k, v in full["state_dict"].items() if not torch.equal(v, first["state_dict"][k])]
     assert moved  # a real gradient: the weights moved after the resume point

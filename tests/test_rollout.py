@@ -4,19 +4,23 @@ generated; the off-policy update prompt has no tips while the rollout prompt had
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from src.data.prompts import TIPS_HEADER
+from src.data.minibatches import mini_batch_count
+from src.data.prompts import AUTHORS_TIPS_HEADER, TIPS_HEADER
 from src.data.rollout import Episode, StepRecord, episode_metrics, run_episodes
 from src.data.rollout_config import RolloutConfig
 from src.data.rollout_datamodule import RolloutDataModule, draw_mode
 from src.data.samples import StepSample
 from src.envs.pool import EnvPool
 from src.models.policy import Generation, Policy, pack_batch
+from src.utils.rng import global_rng_state
 
+ROOT = Path(__file__).resolve().parents[1]
 ENV_CFG = {"_target_": "src.envs.scienceworld.ScienceWorldEnv", "task": "find-non-living-thing", "max_steps": 3}
 TASK = {"task_name": "find-non-living-thing", "variation": 0}
 
@@ -139,6 +143,53 @@ def test_micro_batches_group_similar_lengths():
     assert sorted(s.advantage for m in micro for s in m.samples) == list(range(8))
 
 
+def test_mini_batch_rows_set_the_optimizer_steps_by_the_rollouts_rows():
+    """verl's ppo_mini_batch_size in rows: ⌈N / R⌉ optimizer steps per PPO epoch. The paper's ScienceWorld iteration
+    (16 tasks x 8 episodes x 30 steps = 3,840 rows, 128 rows per step) takes 30; 1,024 rows take 8, one more row 9."""
+    assert mini_batch_count(3840, mini_batch_rows=128) == 30
+    assert mini_batch_count(16 * 64, mini_batch_rows=128) == 8
+    assert mini_batch_count(16 * 64 + 1, mini_batch_rows=128) == 9
+    assert mini_batch_count(0, mini_batch_rows=128) == 1  # the iteration's one (skipped) step
+    assert mini_batch_count(3840, num_mini_batches=4) == mini_batch_count(7, num_mini_batches=4) == 4
+    assert mini_batch_count(3840) == 1
+    with pytest.raises(ValueError, match="data.num_mini_batches=2 and data.mini_batch_rows=128 are both set"):
+        mini_batch_count(10, num_mini_batches=2, mini_batch_rows=128)
+    with pytest.raises(ValueError, match="data.mini_batch_rows=0: expected a positive integer"):
+        mini_batch_count(10, mini_batch_rows=0)
+    # 10 rows at 4 per step, 2 PPO epochs: 3 mini-batches of 4, 3, 3 rows per epoch, each row once per epoch, each
+    # mini-batch's loss over its own rows (global_batch_size) and tokens
+    samples = [StepSample(rollout_prompt_ids=[1, k], update_prompt_ids=[1, k], old_prompt_ids=[1, k],
+                          response_ids=[2] * (1 + k % 3), rollout_log_probs=[-1.0] * (1 + k % 3), advantage=float(k),
+                          key=(k, 0)) for k in range(10)]
+    dm = RolloutDataModule(env=ENV_CFG, algorithm={}, micro_batch_size=2, mini_batch_rows=4, ppo_epochs=2)
+    micro = list(dm.micro_batches(samples, {"iteration": 0, "mode": "on_policy", "rollout_global_step": 0}, {}, 0))
+    for epoch in (0, 1):
+        rows = {mb: [s for m in micro if (m.ppo_epoch, m.mini_batch) == (epoch, mb) for s in m.samples]
+                for mb in range(3)}
+        assert sorted(len(r) for r in rows.values()) == [3, 3, 4]
+        assert {(m.ppo_epoch, m.mini_batch) for m in micro if m.ppo_epoch == epoch} == {(epoch, b) for b in range(3)}
+        assert sorted(s.advantage for r in rows.values() for s in r) == list(range(10))
+        for mb, r in rows.items():
+            parts = [m for m in micro if (m.ppo_epoch, m.mini_batch) == (epoch, mb)]
+            assert all(m.global_batch_size == len(r) for m in parts)
+            assert all(m.batch_num_tokens == sum(len(s.response_ids) for s in r) for m in parts)
+            assert sum(m.last_micro for m in parts) == 1
+
+
+def test_the_iteration_count_is_kept_with_the_checkpoint():
+    """The next iteration is saved with the datamodule's state (the steps per iteration may follow the rollout); a
+    checkpoint from before it was saved derives it from the global step."""
+    dm = RolloutDataModule(env=ENV_CFG, algorithm={}, mini_batch_rows=4)
+    dm.iteration = 7
+    state = {"rng": [global_rng_state()], "no_signal_iterations": 0, "iteration": 7}
+    fresh = RolloutDataModule(env=ENV_CFG, algorithm={}, mini_batch_rows=4)
+    fresh.load_state_dict(state)
+    assert fresh.iteration == 7 and fresh.steps_per_iteration is None
+    old = RolloutDataModule(env=ENV_CFG, algorithm={}, num_mini_batches=2)
+    old.load_state_dict({k: v for k, v in state.items() if k != "iteration"})
+    assert old.iteration is None and old.steps_per_iteration == 2
+
+
 def test_off_policy_update_prompt_has_no_tips(pool, tiny_policy, memory):
     """Tips shown during the rollout are absent from the update prompt of an off-policy sample."""
     obs, info = pool.reset([(0, TASK)])[0]
@@ -161,6 +212,27 @@ def test_off_policy_update_prompt_has_no_tips(pool, tiny_policy, memory):
     dm = _datamodule({"offpolicy_old_logprob": "without_tips"})
     samples, _ = dm.make_samples(episodes, "off_policy")
     assert samples[0].old_prompt_ids == first.update_prompt_ids
+
+
+def test_the_paper_configs_show_tips_under_the_authors_header(tiny_policy):
+    """``data.tips_header``: the paper configs use the authors' line above the tips, the CPU experiments ours; the
+    tip-free update prompt has neither."""
+    from hydra import compose, initialize_config_dir
+
+    from src.data.step_prompt import step_prompt
+
+    for experiment, header in (("scienceworld_paper", AUTHORS_TIPS_HEADER), ("webshop_paper", AUTHORS_TIPS_HEADER),
+                               ("scienceworld", TIPS_HEADER), ("webshop", TIPS_HEADER)):
+        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+            data = compose("train", overrides=[f"experiment={experiment}"]).data
+        dm = RolloutDataModule(env=ENV_CFG, algorithm={}, tips_header=data.tips_header)
+        cfg = dm.rollout_config(use_tips=True, strip_tips_for_update=True)
+        prompt = step_prompt(tiny_policy, cfg, "System.", "Find a chair.", [], "You see a chair.", None, 0, 5,
+                             ["TIP-MARKER: focus on the chair."])
+        text, update = (tiny_policy.tokenizer.decode(ids) for ids in (prompt.rollout_ids, prompt.update_ids))
+        other = TIPS_HEADER if header == AUTHORS_TIPS_HEADER else AUTHORS_TIPS_HEADER
+        assert header in text and other not in text and "TIP-MARKER" in text, experiment
+        assert header not in update and "TIP-MARKER" not in update, experiment
 
 
 def test_failed_episode_is_excluded_from_its_group():

@@ -32,9 +32,13 @@ def _cfg(tmp_path: Path, *overrides: str):
     ("+trainer.limit_train_batches=0.5", "a run of 0 updates"),
     ("+trainer.val_check_interval=3", "check_val_every_n_epoch"),
     ("+trainer.max_steps=4", r"data.num_mini_batches = 2 optimizer steps.*trainer.max_epochs=2\)"),
+    ("data.mini_batch_rows=16", r"trainer.max_steps=4: .*one optimizer step per data.mini_batch_rows rows, a number "
+                                r"that follows the rollout.*trainer.max_epochs"),
 ])
 def test_batch_level_trainer_options_are_refused_at_start_up(tmp_path, override, reason):
-    cfg = _cfg(tmp_path, override, "data.num_mini_batches=2")
+    rule = ["data.num_mini_batches=null", "+trainer.max_steps=4"] if "mini_batch_rows" in override \
+        else ["data.num_mini_batches=2"]
+    cfg = _cfg(tmp_path, override, *rule)
     with pytest.raises(ValueError, match=reason):
         train(cfg)
     assert not (tmp_path / "run").exists()  # refused before anything was built or written
@@ -157,6 +161,9 @@ BAD_SETTINGS = [
     (["data.temperature=0"], r"data.temperature=0: the rollout sampling temperature; expected a number > 0"),
     (["data.tasks_per_iteration=0"], r"data.tasks_per_iteration=0: expected an int >= 1"),
     (["data.micro_batch_size=0"], r"data.micro_batch_size=0: expected an int >= 1"),
+    (["data.num_mini_batches=null", "data.mini_batch_rows=0"], r"data.mini_batch_rows=0: expected an int >= 1"),
+    (["data.mini_batch_rows=64"], r"data.num_mini_batches=2 and data.mini_batch_rows=64 are both set: one rule per "
+                                  r"run.*set the other to null"),
     (["data.history_action=corrected"], r"data.history_action='corrected': expected one of \('raw', 'executed'\)"),
     (["data.val.num_tasks=0"], r"data.val.num_tasks=0: expected an int >= 1"),
     (["model.optimizer.lr=-1e-6"], r"model.optimizer.lr=-1e-06: expected a learning rate > 0"),

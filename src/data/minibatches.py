@@ -1,6 +1,7 @@
 """An iteration's samples as the update consumes them (docs/method.md#one-iteration, step 5): ``ppo_epochs`` passes,
-each split into ``num_mini_batches`` mini-batches (one optimizer step each), each cut into micro-batches of at most
-``micro_batch_size`` samples (one forward/backward each); and the chunks the old/reference log-probs are scored in.
+each split into mini-batches (one optimizer step each: ``num_mini_batches`` of them, or as many as it takes to hold
+the iteration's rows ``mini_batch_rows`` at a time), each cut into micro-batches of at most ``micro_batch_size``
+samples (one forward/backward each); and the chunks the old/reference log-probs are scored in.
 
 Padding and rank alignment happen here and only here: every rank yields the same number of micro-batches (a rank
 with fewer samples gets zero-weight padding micro-batches), because DDP/FSDP need the same number of backward
@@ -29,30 +30,58 @@ def denominators(samples: list[StepSample]) -> tuple[int, int]:
     return loss_denominators(torch.arange(width) < lengths[:, None])
 
 
+def mini_batch_count(rows: int, num_mini_batches: int | None = None, mini_batch_rows: int | None = None) -> int:
+    """Optimizer steps per PPO epoch for an iteration of ``rows`` training rows (agent steps, all ranks together).
+
+    ``mini_batch_rows`` R (the field's ``ppo_mini_batch_size`` counted in rows, as verl counts it after multiplying
+    by the group size: rows per optimizer step over all ranks): ⌈rows / R⌉ steps, so the number of updates follows
+    the rollout's length (128 episodes of 30 steps at R = 128: 30 steps). ``num_mini_batches``: that fixed number of
+    steps whatever the rows. Neither: 1 (the whole iteration in one step). At least 1 (an iteration without rows
+    still takes its skipped step, so every rank agrees on the count).
+
+    Raises:
+        ValueError: both are set, or one is not a positive integer.
+    """
+    if num_mini_batches is not None and mini_batch_rows is not None:
+        raise ValueError(f"data.num_mini_batches={num_mini_batches} and data.mini_batch_rows={mini_batch_rows} "
+                         "are both set; set one (the other to null): a fixed number of optimizer steps per "
+                         "iteration, or rows per optimizer step")
+    for name, value in (("num_mini_batches", num_mini_batches), ("mini_batch_rows", mini_batch_rows)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"data.{name}={value!r}: expected a positive integer or null")
+    if mini_batch_rows is not None:
+        return max(1, math.ceil(rows / mini_batch_rows))
+    return num_mini_batches or 1
+
+
 def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict[str, float], *, seed: int,
-                  iteration: int, ppo_epochs: int, num_mini_batches: int, micro_batch_size: int,
-                  padding: Callable[[], StepSample]) -> Iterator[MicroBatch]:
-    """Yield ``ppo_epochs`` × ``num_mini_batches`` mini-batches, each as micro-batches (a collective under
+                  iteration: int, ppo_epochs: int, micro_batch_size: int, padding: Callable[[], StepSample],
+                  num_mini_batches: int | None = None, mini_batch_rows: int | None = None) -> Iterator[MicroBatch]:
+    """Yield ``ppo_epochs`` passes of ``mini_batch_count`` mini-batches, each as micro-batches (a collective under
     DDP/FSDP).
 
     The mini-batches are drawn (from ``(seed, iteration)``) over all ranks' samples, ordered by ``StepSample.key``,
     each rank training on its own samples of each: a mini-batch holds the same samples whether 1 process or N ranks
-    run the iteration.
+    run the iteration. With ``mini_batch_rows`` R the N rows are split into ⌈N/R⌉ mini-batches of near-equal size
+    (⌊N/k⌋ or ⌈N/k⌉ rows, never more than R): every row is trained on, none is dropped, and each mini-batch's loss
+    is divided by its own token (or row) count, so a smaller mini-batch is not a smaller step.
 
     Args:
         info: ``mode``, ``iteration`` and ``rollout_global_step`` of the iteration (copied into every micro-batch).
         metrics: the iteration's rollout metrics, carried by its first micro-batch.
         padding: a throw-away sample, for a rank without any sample of its own.
+        num_mini_batches, mini_batch_rows: see ``mini_batch_count``.
     """
     rng = np.random.default_rng([seed, iteration, PERMUTATION])
     rank = rank_and_world()[0]
     keys = [s.key if s.key is not None else (rank, i) for i, s in enumerate(samples)]
     position = {key: i for i, key in enumerate(sorted(gather_lists(keys)))}
     place = [position[key] for key in keys]  # this rank's samples' places among all ranks' samples
+    n_mini = mini_batch_count(len(position), num_mini_batches, mini_batch_rows)
     first = True
     for epoch in range(ppo_epochs):
         order = rng.permutation(len(position))
-        for mb, idx in enumerate(np.array_split(order, num_mini_batches)):
+        for mb, idx in enumerate(np.array_split(order, n_mini)):
             chosen = set(idx.tolist())
             # Prompts in token order: steps of one task (same system prompt and task text) share micro-batches,
             # whose common prefix the update computes once; the gradient is the same (the mini-batch's loss is a

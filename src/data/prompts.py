@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The line above the retrieved tips (data.tips_header overrides it). Ours tells the policy the tips can be wrong;
+# AUTHORS_TIPS_HEADER is the EMPO² authors' line (microsoft/agent-lightning v0.x, contrib/agentlightning/contrib/agent/
+# empo2_agent.py), which the paper configs use.
 TIPS_HEADER = "Tips from your memory of earlier attempts (they may be wrong; use your judgement):"
+AUTHORS_TIPS_HEADER = "Here are some memories you collected in your previous exploration:"
 TIP_INSTRUCTION = (
     "Thank you for playing. The episode is over. Write a single line (under 100 words) for your future self: "
     "summarise what you tried in this episode, what you learned about the task, and how far you are from "
@@ -28,17 +32,17 @@ class HistoryItem:
     tips: list[str] = field(default_factory=list)
 
 
-def _tips_block(tips: list[str]) -> str:
+def _tips_block(tips: list[str], header: str = TIPS_HEADER) -> str:
     lines = "\n".join(f"- {t}" for t in tips)
-    return f"<memory>\n{TIPS_HEADER}\n{lines}\n</memory>"
+    return f"<memory>\n{header}\n{lines}\n</memory>"
 
 
 def build_step_messages(system_prompt: str, instruction: str, history: list[HistoryItem], observation: str,
                         tips: list[str] | None = None, admissible_actions: list[str] | None = None,
                         history_length: int = 5, tips_scope: str = "current", step: int = 0,
                         max_steps: int | None = None, history_obs_chars: int | None = None,
-                        admissible_shown: int | None = None,
-                        observation_chars: int | None = None) -> list[dict[str, str]]:
+                        admissible_shown: int | None = None, observation_chars: int | None = None,
+                        tips_header: str = TIPS_HEADER) -> list[dict[str, str]]:
     """Messages for the policy at one step.
 
     Args:
@@ -59,6 +63,8 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
             CPU. ``None`` keeps them whole.
         observation_chars: cut the current observation to its first this many characters (last resort of
             ``fit_prompt`` when the system prompt, task and observation alone exceed the budget; ``None``: whole).
+        tips_header: the line above the tips inside the ``<memory>`` block (``TIPS_HEADER``, or the authors'
+            ``AUTHORS_TIPS_HEADER`` in the paper configs).
 
     Raises:
         ValueError: unknown ``tips_scope``.
@@ -77,7 +83,7 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
                 past = past[:history_obs_chars].rstrip() + " ..."
             lines.append(f"[Step {k}] Observation: {past}")
             if with_tips and tips_scope == "all_steps" and item.tips:
-                lines.append(_tips_block(item.tips))
+                lines.append(_tips_block(item.tips, tips_header))
             lines.append(f"[Step {k}] Action: {item.action}")
         parts.append("\n".join(lines))
     budget = f" (step {step + 1} of {max_steps})" if max_steps else ""
@@ -85,7 +91,7 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
         observation = observation[:observation_chars].rstrip() + " ... [cut to fit the prompt]"
     parts.append(f"Current observation{budget}:\n{observation}")
     if with_tips and tips:
-        parts.append(_tips_block(tips))
+        parts.append(_tips_block(tips, tips_header))
     if admissible_actions:
         parts.append(_admissible_block(admissible_actions, admissible_shown))
     parts.append("What is your next action?")

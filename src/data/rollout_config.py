@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from src.data.prompts import TIPS_HEADER
+
 HISTORY_ACTIONS = ("raw", "executed")
 
 
@@ -19,7 +21,7 @@ class RolloutConfig:
     episode id, step)``), so an episode is the same whichever rank runs it and whatever else is in its batch; None
     samples from torch's global generator. ``share_prompt_prefix``: compute the prompt prefix the episodes of a task
     share (system prompt and task text; at the first step the whole prompt) once per rollout
-    (``Policy.generate(shared=...)``)."""
+    (``Policy.generate(shared=...)``). ``tips_header``: the line above the retrieved tips."""
 
     temperature: float = 1.0
     max_response_tokens: int = 32
@@ -33,6 +35,7 @@ class RolloutConfig:
     keep_reflection_prefix: bool = False  # keep each episode's last prompt keys/values for its tip (write_tips)
     sample_seed: int | None = None
     share_prompt_prefix: bool = True
+    tips_header: str = TIPS_HEADER
 
     def __post_init__(self) -> None:
         if self.history_action not in HISTORY_ACTIONS:

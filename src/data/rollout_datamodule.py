@@ -2,8 +2,9 @@
 
 Each epoch the iterable dataset draws the iteration's update mode and tasks, runs groups of episodes with the *current*
 policy through the environment worker pool, writes tips, computes returns, GRPO advantages and old log-probs, and then
-yields the iteration's micro-batches: ``ppo_epochs`` passes, each split into ``num_mini_batches`` mini-batches (one
-optimizer step each), each split into micro-batches of at most ``micro_batch_size`` samples (one forward/backward each).
+yields the iteration's micro-batches: ``ppo_epochs`` passes, each split into mini-batches (one optimizer step each:
+``num_mini_batches`` of them, or one per ``mini_batch_rows`` rows, ``src/data/minibatches.py``), each split into
+micro-batches of at most ``micro_batch_size`` samples (one forward/backward each).
 
 Why epoch = iteration: Lightning re-creates the iterator at the start of every epoch, after the previous
 epoch's last optimizer step, so every rollout is generated with the latest weights (Lightning prefetches one
@@ -25,7 +26,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, IterableDataset
 
-from src.data.minibatches import micro_batches, scoring_chunks
+from src.data.minibatches import mini_batch_count, micro_batches, scoring_chunks
+from src.data.prompts import TIPS_HEADER
 from src.data.rollout import Episode, episode_metrics, evaluate, log_episodes, run_episodes
 from src.data.rollout_config import RolloutConfig
 from src.data.samples import MicroBatch, StepSample
@@ -86,7 +88,10 @@ class RolloutDataModule(L.LightningDataModule):
         tasks_per_iteration: task instances per iteration over all ranks (16 in the paper).
         group_size: episodes per task instance (N = 8 in the paper).
         train_split: environment split the training tasks come from.
-        ppo_epochs, num_mini_batches, micro_batch_size: see the module docstring.
+        ppo_epochs, micro_batch_size: see the module docstring.
+        num_mini_batches, mini_batch_rows: optimizer steps per PPO epoch, a fixed number of them or one per
+            ``mini_batch_rows`` training rows over all ranks (``src.data.minibatches.mini_batch_count``); at most
+            one is set, neither means one step per epoch.
         temperature: rollout sampling temperature (1.0).
         max_response_tokens: tokens per action (32 ScienceWorld, 512 WebShop).
         history_length: past steps shown in the prompt.
@@ -94,6 +99,9 @@ class RolloutDataModule(L.LightningDataModule):
         history_action: ``raw`` (the model's output, default) or ``executed`` (the action the environment ran)
             as each past step's action in the prompt (``RolloutConfig``).
         max_steps: shown in the prompt as the step budget (the env enforces its cap).
+        tips_header: the line above the retrieved tips in a prompt (None: ``src.data.prompts.TIPS_HEADER``; the
+            paper configs use the authors' ``AUTHORS_TIPS_HEADER``); the warm start's tipped demonstrations, the
+            rollouts and the evaluation all read it from here.
         num_env_workers: pool size; default = the largest number of concurrent episodes needed.
         val: ``{"split", "num_tasks", "episodes_per_task", "temperature"}`` for in-training validation
             (no memory, docs/evaluation.md#evaluating-a-policy), or null.
@@ -106,21 +114,24 @@ class RolloutDataModule(L.LightningDataModule):
     slowest rank's, means over all episodes).
 
     Exact resume: nothing random depends on the generators' state at a checkpoint; ``state_dict`` also saves every
-    rank's global generators and the no-signal guard's counter (the same on every rank: it counts over all ranks).
+    rank's global generators, the next iteration's number and the no-signal guard's counter (the same on every rank:
+    it counts over all ranks).
     """
 
     def __init__(self, env: DictConfig | dict, algorithm: DictConfig | dict, tasks_per_iteration: int = 2,
-                 group_size: int = 4, train_split: str = "train", ppo_epochs: int = 1, num_mini_batches: int = 1,
-                 micro_batch_size: int = 4, temperature: float = 1.0, max_response_tokens: int = 32,
+                 group_size: int = 4, train_split: str = "train", ppo_epochs: int = 1,
+                 num_mini_batches: int | None = None, mini_batch_rows: int | None = None, micro_batch_size: int = 4,
+                 temperature: float = 1.0, max_response_tokens: int = 32,
                  history_length: int = 5, history_obs_chars: int | None = None, history_action: str = "raw",
                  max_steps: int | None = None, num_env_workers: int | None = None,
-                 val: DictConfig | dict | None = None, seed: int = 0, pool_timeout_s: float = 300.0):
+                 val: DictConfig | dict | None = None, seed: int = 0, pool_timeout_s: float = 300.0,
+                 tips_header: str | None = None):
         super().__init__()
         for name, value in (("tasks_per_iteration", tasks_per_iteration), ("group_size", group_size),
-                            ("ppo_epochs", ppo_epochs), ("num_mini_batches", num_mini_batches),
-                            ("micro_batch_size", micro_batch_size)):
+                            ("ppo_epochs", ppo_epochs), ("micro_batch_size", micro_batch_size)):
             if int(value) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {value}")
+        mini_batch_count(0, num_mini_batches, mini_batch_rows)  # refuse both set, or a bad value, at start-up
         to_dict = lambda c: OmegaConf.to_container(c, resolve=True) if isinstance(c, DictConfig) else dict(c or {})
         self.env_cfg = to_dict(env)
         self.algorithm = AlgorithmConfig.from_dict(to_dict(algorithm))
@@ -130,6 +141,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.train_split = train_split
         self.ppo_epochs = ppo_epochs
         self.num_mini_batches = num_mini_batches
+        self.mini_batch_rows = mini_batch_rows
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
         self.max_response_tokens = max_response_tokens
@@ -138,6 +150,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.history_action = history_action
         RolloutConfig(history_action=history_action)  # refuse a bad value at start-up
         self.max_steps = max_steps
+        self.tips_header = TIPS_HEADER if tips_header is None else str(tips_header)
         self.num_env_workers = num_env_workers
         self.seed = seed
         self.pool_timeout_s = pool_timeout_s
@@ -146,6 +159,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.train_tasks: list[dict] = []
         self.val_tasks: list[dict] = []
         self.no_signal_iterations = 0  # consecutive iterations without a policy-gradient signal
+        # the next iteration to run; None: derive it from the global step (a checkpoint from before it was saved)
+        self.iteration: int | None = 0
 
     def rollout_config(self, use_tips: bool, temperature: float | None = None, strip_tips_for_update: bool = False,
                        sample_seed: int | None = None) -> RolloutConfig:
@@ -155,12 +170,15 @@ class RolloutDataModule(L.LightningDataModule):
             max_response_tokens=self.max_response_tokens, history_length=self.history_length,
             history_obs_chars=self.history_obs_chars, use_tips=use_tips, strip_tips_for_update=strip_tips_for_update,
             tips_scope=getattr(self.memory, "tips_scope", "current"), history_action=self.history_action,
-            sample_seed=sample_seed)
+            sample_seed=sample_seed, tips_header=self.tips_header)
 
     @property
-    def steps_per_iteration(self) -> int:
-        """Optimizer steps per iteration: one per mini-batch."""
-        return self.ppo_epochs * self.num_mini_batches
+    def steps_per_iteration(self) -> int | None:
+        """Optimizer steps per iteration (one per mini-batch), or None where it follows the rollout
+        (``mini_batch_rows``)."""
+        if self.mini_batch_rows is not None:
+            return None
+        return self.ppo_epochs * (self.num_mini_batches or 1)
 
     # ------------------------------------------------------------------ setup
     def setup(self, stage: str | None = None) -> None:
@@ -206,9 +224,16 @@ class RolloutDataModule(L.LightningDataModule):
         module = self.trainer.lightning_module
         policy = module.policy
         rollout_step = self.trainer.global_step
-        # Derived from the optimizer step count (restored exactly on resume); Lightning's epoch counter can lag by
-        # one when resuming from a checkpoint written at the end of an epoch.
-        iteration = rollout_step // self.steps_per_iteration
+        # Counted here and saved with the checkpoint: the optimizer steps per iteration may follow the rollout, and
+        # Lightning's epoch counter can lag by one when resuming from a checkpoint written at the end of an epoch.
+        if self.iteration is None:  # a checkpoint written before the count was saved: fixed steps per iteration
+            if self.steps_per_iteration is None:
+                raise ValueError("this checkpoint was written before the iteration count was saved with it, so its "
+                                 "iteration follows from the global step only with a fixed number of optimizer steps "
+                                 "per iteration; resume it with data.num_mini_batches as it was trained "
+                                 "(data.mini_batch_rows=null)")
+            self.iteration = rollout_step // self.steps_per_iteration
+        iteration = self.iteration
         mode = draw_mode(self.seed, iteration, self.algorithm.memory_rollout_prob, self.algorithm.offpolicy_prob)
         if mode != "on_policy" and self.memory is None:
             raise ValueError(f"iteration {iteration} drew mode {mode!r} but memory is off; set "
@@ -254,6 +279,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.check_signal(metrics, iteration)
         info = {"iteration": iteration, "mode": mode, "rollout_global_step": rollout_step}
         yield from self.micro_batches(samples, info, metrics, iteration)
+        # runs when Lightning asks past the last micro-batch, before the epoch ends and its checkpoint is written
+        self.iteration = iteration + 1
 
     def make_samples(self, episodes: list[Episode], mode: str) -> tuple[list[StepSample], dict[str, float]]:
         """One sample per step of every valid episode, carrying its episode's GRPO advantage
@@ -332,8 +359,10 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ checkpointing (exact resume)
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's global generators (rank order; a collective under DDP/FSDP) and the no-signal counter."""
-        return {"rng": gather_objects(global_rng_state()), "no_signal_iterations": self.no_signal_iterations}
+        """Every rank's global generators (rank order; a collective under DDP/FSDP), the next iteration and the
+        no-signal counter."""
+        return {"rng": gather_objects(global_rng_state()), "no_signal_iterations": self.no_signal_iterations,
+                "iteration": self.iteration}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Each rank restores its own generators; a rank the checkpoint has none for (resumed on more ranks) keeps
@@ -347,13 +376,15 @@ class RolloutDataModule(L.LightningDataModule):
             log.info("the checkpoint holds the generators of %d rank(s); rank %d keeps its start-up generators",
                      len(states), rank)
         self.no_signal_iterations = int(state_dict["no_signal_iterations"])
+        self.iteration = state_dict.get("iteration")  # None in older checkpoints: derived from the global step
 
     def micro_batches(self, samples: list[StepSample], info: dict, metrics: dict,
                       iteration: int) -> Iterator[MicroBatch]:
         """The iteration's micro-batches (``src.data.minibatches.micro_batches`` with this datamodule's seed and
         sizes); ``info``: ``mode``, ``iteration`` and ``rollout_global_step`` of the iteration."""
         return micro_batches(samples, info, metrics, seed=self.seed, iteration=iteration, ppo_epochs=self.ppo_epochs,
-                             num_mini_batches=self.num_mini_batches, micro_batch_size=self.micro_batch_size,
+                             num_mini_batches=self.num_mini_batches, mini_batch_rows=self.mini_batch_rows,
+                             micro_batch_size=self.micro_batch_size,
                              padding=lambda: StepSample.padding(self._eos_token_id()))
 
     def _eos_token_id(self) -> int:

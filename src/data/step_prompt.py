@@ -54,7 +54,7 @@ def step_prompt(policy: Policy, cfg: RolloutConfig, system_prompt: str, instruct
     common = dict(system_prompt=system_prompt, instruction=instruction, history=history, observation=observation,
                   admissible_actions=admissible_actions, history_length=cfg.history_length,
                   history_obs_chars=cfg.history_obs_chars, tips_scope=cfg.tips_scope, step=step,
-                  max_steps=max_steps)
+                  max_steps=max_steps, tips_header=cfg.tips_header)
     step_tips, fitted = fit_prompt(policy, common, tips if cfg.use_tips else None, cuts)
     common.update(fitted)  # both prompts show the same fitted history, actions and observation
     ids = policy.encode(build_step_messages(tips=step_tips, **common))

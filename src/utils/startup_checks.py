@@ -44,7 +44,8 @@ def check_trainer_options(cfg: DictConfig) -> None:
         ValueError: naming each refused option, why, and what to use instead.
     """
     trainer, data = cfg.trainer, cfg.get("data") or {}
-    steps_per_iteration = int(data.get("ppo_epochs", 1)) * int(data.get("num_mini_batches", 1))
+    rows_rule = data.get("mini_batch_rows") is not None  # the steps per iteration follow the rollout
+    steps_per_iteration = int(data.get("ppo_epochs", 1)) * int(data.get("num_mini_batches") or 1)
     problems = []
     for key in ("limit_train_batches", "overfit_batches"):
         value = trainer.get(key)
@@ -57,11 +58,16 @@ def check_trainer_options(cfg: DictConfig) -> None:
                         "iterations; use trainer.check_val_every_n_epoch=N (every N iterations).")
     max_steps = trainer.get("max_steps")
     if max_steps not in (None, -1):
-        hint = f" (= trainer.max_epochs={max_steps // steps_per_iteration})" if max_steps % steps_per_iteration == 0 \
-            else ""
-        problems.append(f"trainer.max_steps={max_steps}: {_EPOCH_IS_ITERATION}; an iteration takes data.ppo_epochs x "
-                        f"data.num_mini_batches = {steps_per_iteration} optimizer steps. Set the number of iterations "
-                        f"with trainer.max_epochs{hint}.")
+        if rows_rule:
+            problems.append(f"trainer.max_steps={max_steps}: {_EPOCH_IS_ITERATION}; with data.mini_batch_rows an "
+                            "iteration takes one optimizer step per data.mini_batch_rows rows, a number that follows "
+                            "the rollout. Set the number of iterations with trainer.max_epochs.")
+        else:
+            hint = f" (= trainer.max_epochs={max_steps // steps_per_iteration})" \
+                if max_steps % steps_per_iteration == 0 else ""
+            problems.append(f"trainer.max_steps={max_steps}: {_EPOCH_IS_ITERATION}; an iteration takes "
+                            f"data.ppo_epochs x data.num_mini_batches = {steps_per_iteration} optimizer steps. Set "
+                            f"the number of iterations with trainer.max_epochs{hint}.")
     if problems:
         raise ValueError("Trainer options that do not fit this training loop:\n- " + "\n- ".join(problems))
     fast = trainer.get("fast_dev_run")
