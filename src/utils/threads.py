@@ -78,7 +78,9 @@ class ThreadGovernor:
             except OSError:  # the process ended meanwhile
                 continue
             pid = int(entry.name)
-            parent[pid], ticks[pid] = int(rest[1]), int(rest[11]) + int(rest[12])  # ppid, utime + stime
+            # ppid; utime + stime, and cutime + cstime: the time of children it has reaped (an environment worker
+            # that ended in the window is still the run's work, not another job's)
+            parent[pid], ticks[pid] = int(rest[1]), sum(int(v) for v in rest[11:15])
         children: dict[int, list[int]] = {}
         for pid, ppid in parent.items():
             children.setdefault(ppid, []).append(pid)
