@@ -29,12 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # [3, 2] (tips are retrieved after the resume point); the tiny policy's tokens are all below the low-probability
 # threshold, so the off-policy iteration 0 masks every token and the policy-gradient signal comes after it
 SEED, ITERATIONS, TASKS = 10, 3, 2
-# 2 tasks x 2 episodes x 3 steps = 12 rows per iteration, 5 rows per optimizer step: ⌈12 / 5⌉ = 3 steps (4 rows each)
-STEPS = 3
+# 2 tasks x 2 episodes x 3 steps = 12 rows per iteration, 6 rows per optimizer step (data.mini_batch_rows, counted over
+# both ranks): 2 steps per iteration on 2 ranks as on 1
+STEPS = 2
 STUB = ["env._target_=stub_envs.StubEnv", "+env.reward_per_char=0.1", "+env.num_tasks=4"]
-# tiny policy, CSV logger, 3-step episodes; 2 tasks x 2 episodes, one optimizer step per 5 rows, a KL term
+# tiny policy, CSV logger, 3-step episodes; 2 tasks x 2 episodes, one optimizer step per 6 rows, a KL term
 RUN = ["experiment=scienceworld", "debug=default", "trainer.precision=32-true", *STUB,
-       f"data.tasks_per_iteration={TASKS}", "data.group_size=2", "data.num_mini_batches=null", "data.mini_batch_rows=5",
+       f"data.tasks_per_iteration={TASKS}", "data.group_size=2", "data.num_mini_batches=null", "data.mini_batch_rows=6",
        "data.micro_batch_size=2",
        "data.val.num_tasks=2", "algorithm.memory_rollout_prob=1.0", "algorithm.skip_zero_advantage=false",
        "algorithm.kl_coef=0.01", f"seed={SEED}", "callbacks.model_checkpoint.save_top_k=-1",

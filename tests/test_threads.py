@@ -4,6 +4,7 @@ thread count follows the cores other processes take."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -53,12 +54,19 @@ def test_the_users_setting_wins(tmp_path):
     assert spin == "500" and "GOMP_SPINCOUNT=500" in line
 
 
-def _busy(**kwargs) -> subprocess.Popen:
-    """A pure-Python busy loop: one core taken."""
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"], **kwargs)
+def _busy_child() -> int:
+    """A pure-Python busy loop (one core taken) in a child process of ours; its pid."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"]).pid
 
 
-def _threads_beside(proc: subprocess.Popen) -> int:
+def _busy_other() -> int:
+    """The same loop as another job: started by a shell that exits at once, so it is no descendant of ours."""
+    out = subprocess.run(["sh", "-c", f"'{sys.executable}' -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.strip())
+
+
+def _threads_beside(pid: int) -> int:
     from src.utils.threads import ThreadGovernor
 
     governor = ThreadGovernor(max_threads=2, period_s=1.0, cpus=2)
@@ -66,12 +74,15 @@ def _threads_beside(proc: subprocess.Popen) -> int:
         time.sleep(1.5)
         return governor.update()
     finally:
-        proc.kill()
-        proc.wait()
+        os.kill(pid, signal.SIGKILL)
+        try:
+            os.waitpid(pid, 0)  # our child: reaped; the other job's is not ours to wait for
+        except ChildProcessError:
+            pass
 
 
 def test_the_thread_count_follows_the_cores_other_processes_take():
-    """Another job taking a core (a process of its own session, not ours) leaves one thread; the same load in a
-    process of the run's own (an environment worker, a JVM) is the run's work and leaves both."""
-    assert _threads_beside(_busy(start_new_session=True)) == 1
-    assert _threads_beside(_busy()) == 2
+    """Another job taking a core (no descendant of this process) leaves one thread; the same load in a process of
+    the run's own (an environment worker, a JVM) is the run's work and leaves both."""
+    assert _threads_beside(_busy_other()) == 1
+    assert _threads_beside(_busy_child()) == 2

@@ -118,11 +118,16 @@ _adapting = True
 def adapt_threads() -> None:
     """Set torch's thread count to the cores other processes leave free (``ThreadGovernor``); called before each
     generation and forward pass (``src/models/policy.py``), cheap between re-readings. Off where the user set
-    ``OMP_NUM_THREADS`` or ``EMPO2_ADAPT_THREADS=0``, or without ``/proc``."""
+    ``OMP_NUM_THREADS`` or ``EMPO2_ADAPT_THREADS=0``, without ``/proc``, and in a multi-process run (DDP/FSDP)."""
     global _governor, _adapting
     if not _adapting:
         return
     import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # DDP/FSDP ranks are each other's load, and a thread count that follows their timing would make their float
+        # rounding, and so exact resume and the 1-process equivalence, depend on it
+        return
 
     if _governor is None:
         if "OMP_NUM_THREADS" in os.environ or os.environ.get("EMPO2_ADAPT_THREADS") == "0" \
