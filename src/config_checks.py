@@ -61,19 +61,18 @@ def trainer_problems(trainer: dict[str, Any]) -> list[str]:
 
 def data_problems(data: dict[str, Any]) -> list[str]:
     """Rollout counts, temperatures and the validation settings (``data.*``)."""
+    from src.data.minibatches import mini_batch_count
     from src.data.rollout_config import HISTORY_ACTIONS
 
     problems = []
-    for key in ("tasks_per_iteration", "ppo_epochs", "num_mini_batches", "mini_batch_rows", "micro_batch_size",
-                "max_response_tokens"):
+    for key in ("tasks_per_iteration", "ppo_epochs", "micro_batch_size", "max_response_tokens"):
         value = data.get(key)
         if value is not None and (not _is_int(value) or value < 1):
             problems.append(f"data.{key}={value!r}: expected an int >= 1")
-    if data.get("num_mini_batches") is not None and data.get("mini_batch_rows") is not None:
-        problems.append(f"data.num_mini_batches={data.get('num_mini_batches')!r} and "
-                        f"data.mini_batch_rows={data.get('mini_batch_rows')!r} are both set: one rule per run, a fixed "
-                        "number of optimizer steps per iteration or one step per mini_batch_rows rows; set the other "
-                        "to null (e.g. data.num_mini_batches=null)")
+    try:  # the mini-batch rule: the datamodule's own check
+        mini_batch_count(0, data.get("num_mini_batches"), data.get("mini_batch_rows"))
+    except ValueError as err:
+        problems.append(str(err))
     group = data.get("group_size")
     if group is not None and (not _is_int(group) or group < 2):
         problems.append(f"data.group_size={group!r}: GRPO's advantage compares the episodes of one task, so a group "

@@ -154,7 +154,7 @@ def test_mini_batch_rows_set_the_optimizer_steps_by_the_rollouts_rows():
     assert mini_batch_count(3840) == 1
     with pytest.raises(ValueError, match="data.num_mini_batches=2 and data.mini_batch_rows=128 are both set"):
         mini_batch_count(10, num_mini_batches=2, mini_batch_rows=128)
-    with pytest.raises(ValueError, match="data.mini_batch_rows=0: expected a positive integer"):
+    with pytest.raises(ValueError, match="data.mini_batch_rows=0: expected an int >= 1"):
         mini_batch_count(10, mini_batch_rows=0)
     # 10 rows at 4 per step, 2 PPO epochs: 3 mini-batches of 4, 3, 3 rows per epoch, each row once per epoch, each
     # mini-batch's loss over its own rows (global_batch_size) and tokens

@@ -42,13 +42,13 @@ def mini_batch_count(rows: int, num_mini_batches: int | None = None, mini_batch_
     Raises:
         ValueError: both are set, or one is not a positive integer.
     """
-    if num_mini_batches is not None and mini_batch_rows is not None:
-        raise ValueError(f"data.num_mini_batches={num_mini_batches} and data.mini_batch_rows={mini_batch_rows} "
-                         "are both set; set one (the other to null): a fixed number of optimizer steps per "
-                         "iteration, or rows per optimizer step")
     for name, value in (("num_mini_batches", num_mini_batches), ("mini_batch_rows", mini_batch_rows)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"data.{name}={value!r}: expected a positive integer or null")
+            raise ValueError(f"data.{name}={value!r}: expected an int >= 1")
+    if num_mini_batches is not None and mini_batch_rows is not None:
+        raise ValueError(f"data.num_mini_batches={num_mini_batches!r} and data.mini_batch_rows={mini_batch_rows!r} "
+                         "are both set: one rule per run, a fixed number of optimizer steps per iteration or one "
+                         "step per mini_batch_rows rows; set the other to null (e.g. data.num_mini_batches=null)")
     if mini_batch_rows is not None:
         return max(1, math.ceil(rows / mini_batch_rows))
     return num_mini_batches or 1
