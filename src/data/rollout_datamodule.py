@@ -220,20 +220,28 @@ class RolloutDataModule(L.LightningDataModule):
         picks = rng.choice(len(self.train_tasks), size=self.tasks_per_iteration, replace=replace)
         return [self.train_tasks[int(i)] for i in picks][rank::world]
 
-    def _iterate(self) -> Iterator[dict[str, Any]]:
-        module = self.trainer.lightning_module
-        policy = module.policy
-        rollout_step = self.trainer.global_step
-        # Counted here and saved with the checkpoint: the optimizer steps per iteration may follow the rollout, and
-        # Lightning's epoch counter can lag by one when resuming from a checkpoint written at the end of an epoch.
-        if self.iteration is None:  # a checkpoint written before the count was saved: fixed steps per iteration
+    def _next_iteration(self, global_step: int) -> int:
+        """The iteration to run: counted here and saved with the checkpoint (the optimizer steps per iteration may
+        follow the rollout, and Lightning's epoch counter can lag by one when resuming from a checkpoint written at
+        the end of an epoch); from a checkpoint written before it was saved, derived from the global step.
+
+        Raises:
+            ValueError: such an older checkpoint resumed with ``mini_batch_rows`` (no fixed steps per iteration).
+        """
+        if self.iteration is None:
             if self.steps_per_iteration is None:
                 raise ValueError("this checkpoint was written before the iteration count was saved with it, so its "
                                  "iteration follows from the global step only with a fixed number of optimizer steps "
                                  "per iteration; resume it with data.num_mini_batches as it was trained "
                                  "(data.mini_batch_rows=null)")
-            self.iteration = rollout_step // self.steps_per_iteration
-        iteration = self.iteration
+            self.iteration = global_step // self.steps_per_iteration
+        return self.iteration
+
+    def _iterate(self) -> Iterator[dict[str, Any]]:
+        module = self.trainer.lightning_module
+        policy = module.policy
+        rollout_step = self.trainer.global_step
+        iteration = self._next_iteration(rollout_step)
         mode = draw_mode(self.seed, iteration, self.algorithm.memory_rollout_prob, self.algorithm.offpolicy_prob)
         if mode != "on_policy" and self.memory is None:
             raise ValueError(f"iteration {iteration} drew mode {mode!r} but memory is off; set "
