@@ -15,7 +15,8 @@ from a stand-in for the policy, since a 7B policy cannot sample 1,500-token prom
 Counted as the code counts it: the rollout generates each step's batch (every active episode) with one
 ``SharedPrefixes`` for the whole rollout (``src/models/prompt_cache.py``); the old/ref scoring and the update run in
 chunks of ``data.micro_batch_size`` rows taken in prompt order (``src/data/minibatches.py``), each chunk's common
-prefix once (``Policy.shared_prefix_length``). Per phase: prompt tokens, tokens computed, saved fraction.
+prefix once where that saves enough (``Policy.prefix_to_share``, counted on the prompts). Per phase: prompt tokens,
+tokens computed, saved fraction.
 """
 from __future__ import annotations
 
@@ -54,11 +55,12 @@ def episode_prompts(env, policy, cfg, task: dict, actor: str, seed: int, epsilon
 
 
 def chunked_saving(prompt_ids: list[list[int]], policy, chunk: int) -> int:
-    """Ids not computed when rows in prompt order run in chunks of ``chunk``, each chunk's common prefix once."""
+    """Ids not computed when rows in prompt order run in chunks of ``chunk``, each chunk's common prefix once (where
+    ``Policy.prefix_to_share`` computes it apart; the replies, short beside these prompts, are left out)."""
     rows, saved = sorted(prompt_ids), 0
     for i in range(0, len(rows), chunk):
         part = rows[i:i + chunk]
-        saved += (len(part) - 1) * policy.shared_prefix_length(part)
+        saved += (len(part) - 1) * policy.prefix_to_share(part, [[] for _ in part])
     return saved
 
 
