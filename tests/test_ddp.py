@@ -34,7 +34,7 @@ SEED, ITERATIONS, TASKS = 10, 3, 2
 STEPS = 2
 STUB = ["env._target_=stub_envs.StubEnv", "+env.reward_per_char=0.1", "+env.num_tasks=4"]
 # tiny policy, CSV logger, 3-step episodes; 2 tasks x 2 episodes, one optimizer step per 6 rows, a KL term
-RUN = ["experiment=scienceworld", "debug=default", "trainer.precision=32-true", *STUB,
+RUN = ["experiment=scienceworld", "debug=default", "logger=csv", "trainer.precision=32-true", *STUB,
        f"data.tasks_per_iteration={TASKS}", "data.group_size=2", "data.num_mini_batches=null", "data.mini_batch_rows=6",
        "data.micro_batch_size=2",
        "data.val.num_tasks=2", "algorithm.memory_rollout_prob=1.0", "algorithm.skip_zero_advantage=false",
@@ -204,8 +204,8 @@ def test_fsdp2_two_cpu_processes_train_checkpoint_resume_and_evaluate(tmp_path):
     from src.evaluation.runner import run_eval
     from src.train import train
 
-    common = ["experiment=scienceworld", "debug=default", *STUB, "data.num_mini_batches=1", "trainer=fsdp",
-              "trainer.accelerator=cpu", "trainer.precision=bf16-mixed", "model.policy.dtype=bfloat16",
+    common = ["experiment=scienceworld", "debug=default", "logger=csv", *STUB, "data.num_mini_batches=1",
+              "trainer=fsdp", "trainer.accelerator=cpu", "trainer.precision=bf16-mixed", "model.policy.dtype=bfloat16",
               "data.tasks_per_iteration=2", "algorithm.memory_rollout_prob=1.0", "data.val.num_tasks=1",
               "~callbacks.rich_progress_bar", "trainer.enable_progress_bar=false"]
     first = _train_cli(tmp_path, "a", *common, "trainer.devices=2", "trainer.max_epochs=1")

@@ -2,6 +2,7 @@
 memory callback and checkpoints. Checks rollout freshness (no stale weights), resume with memory, GRPO."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -47,8 +48,10 @@ def empo2_run(tmp_path_factory):
 # the shipped checkpoint settings (last.ckpt after every iteration); an entropy bonus gives the tiny random policy a
 # gradient on ScienceWorld, where all its episodes score the same (zero advantages): without it nothing would train
 # and a resume that lost the weights or the optimizer state would go unnoticed
+# one memory partition for the task: the memory iterations 2 and 3 retrieve what iterations 0 and 1 wrote (each
+# iteration draws another variation)
 EXACT_RUN = ("seed=3", "trainer.max_epochs=4", "data.num_mini_batches=2", "trainer.check_val_every_n_epoch=2",
-             "memory.tip_max_tokens=8", "algorithm.entropy_coef=0.01")
+             "memory.tip_max_tokens=8", "algorithm.entropy_coef=0.01", "memory.partition=task")
 
 
 def test_four_iterations_log_metrics_and_checkpoint_memory(empo2_run):
@@ -69,6 +72,12 @@ def test_four_iterations_log_metrics_and_checkpoint_memory(empo2_run):
     artifacts = {a.path for a in mlflow.MlflowClient(tracking_uri=uri).list_artifacts(logger.run_id)}
     assert {"config.yaml", "checkpoints"} <= artifacts
     assert [v for _, v in _metric_history(uri, logger.run_id, "rollout/mode_off_policy")] == [1.0, 0.0, 0.0, 1.0]
+    # per-iteration metrics against the iteration; the mode as one value (0 on_policy, 1 with tips, 2 off_policy)
+    assert _metric_history(uri, logger.run_id, "rollout/mode") == [(0, 2.0), (1, 0.0), (2, 1.0), (3, 2.0)]
+    assert [step for step, _ in _metric_history(uri, logger.run_id, "rollout/score")] == [0, 1, 2, 3]
+    assert [step for step, _ in _metric_history(uri, logger.run_id, "val/score")] == [2, 4]  # iterations trained
+    # per-update metrics keep the optimizer step and name their iteration
+    assert _metric_history(uri, logger.run_id, "train/iteration") == [(s, float((s - 1) // 2)) for s in range(1, 9)]
     # the novelty bonus is in the return: return = extrinsic + intrinsic (γ = 1), and the bonus is positive
     ret, ext, intr = (dict(_metric_history(uri, logger.run_id, f"rollout/{k}"))
                       for k in ("return", "extrinsic_return", "intrinsic_return"))
@@ -77,6 +86,46 @@ def test_four_iterations_log_metrics_and_checkpoint_memory(empo2_run):
     state = ckpt["callbacks"]["MemoryCallback"]
     assert len(objs["memory"].tips) > 0
     assert sum(len(p["entries"]) for p in state["tips"]["partitions"].values()) == len(objs["memory"].tips)
+
+
+def test_every_iteration_logs_the_tips_it_wrote_and_retrieved(empo2_run, tmp_path):
+    """Each iteration's MLflow artifacts hold a table of the entries written (every entry of the checkpoint's memory
+    is in the table of the iteration that wrote it) and, in memory iterations, of the tips retrieved (each names
+    an entry written in an earlier iteration, with its cosine above the threshold); the run directory holds the same
+    files, and the memory exported from the checkpoint carries every entry's iteration."""
+    from src.callbacks.tip_tables import read_table
+    from src.memory.memory_file import TIPS, write_memory_files
+
+    objs, cfg = empo2_run["objs"], empo2_run["cfg"]
+    client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
+    run_id = objs["loggers"][0].run_id
+    names = sorted(a.path for a in client.list_artifacts(run_id, "tips"))
+    # seed 3: iteration 0 is a memory iteration with an empty memory; 2 and 3 retrieve what 0 and 1 wrote
+    assert names == [f"tips/iteration_{i:04d}_written.json" for i in range(4)][:2] + [
+        "tips/iteration_0002_retrieved.json", "tips/iteration_0002_written.json",
+        "tips/iteration_0003_retrieved.json", "tips/iteration_0003_written.json"]
+    local = Path(cfg.paths.output_dir) / "tips"
+    assert sorted(f"tips/{p.name}" for p in local.iterdir()) == names
+    tables = {name: read_table(client.download_artifacts(run_id, name, str(tmp_path))) for name in names}
+    assert all(read_table(local / Path(name).name) == rows for name, rows in tables.items())
+    written = {(r["iteration"], r["partition"], r["content"]) for name, rows in tables.items() if "written" in name
+               for r in rows}
+    assert all(r["mode"] == mode for i, mode in enumerate(["off_policy", "on_policy", "on_policy_with_tips",
+                                                           "off_policy"])
+               for r in tables[f"tips/iteration_{i:04d}_written.json"])
+    state = torch.load(objs["last_checkpoint"], map_location="cpu", weights_only=False)["callbacks"]["MemoryCallback"]
+    entries = [(e["iteration"], name, e["content"]) for name, p in state["tips"]["partitions"].items()
+               for e in p["entries"]]
+    assert entries and set(entries) <= written
+    assert {i for i, _, _ in entries} == {0, 1, 2, 3}
+    for i in (2, 3):
+        rows = tables[f"tips/iteration_{i:04d}_retrieved.json"]
+        assert rows and all(r["iteration"] == i and r["tip_iteration"] < i and r["similarity"] > 0.5 for r in rows)
+        assert {(r["tip_iteration"], r["partition"], r["content"]) for r in rows} <= set(entries)
+        assert all(0 <= r["rank"] < cfg.memory.tip_memory.top_k for r in rows)
+    out = write_memory_files(state["tips"], tmp_path / "memory", "variation")
+    lines = [json.loads(line) for line in (out / TIPS).read_text().splitlines()]
+    assert len(lines) == len(entries) and all(isinstance(line["iteration"], int) for line in lines)
 
 
 def test_rollouts_use_the_latest_weights(empo2_run):
@@ -94,9 +143,9 @@ def _is_timing(key: str) -> bool:
 
 
 def _metrics_of_iterations_2_and_3(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
-    """Every logged metric point of iterations 2 and 3 (timings aside). Rollout metrics are logged at the
-    iteration's first global step (4 for iteration 2), update metrics after each optimizer step (5..8);
-    validation (after iterations 1 and 3) at Lightning's own batch counter: its last point is iteration 3's."""
+    """Every logged metric point of iterations 2 and 3 (timings aside). Rollout metrics are logged with the
+    iteration as their step (2, 3), update metrics after each optimizer step (5..8), validation (after iterations 1
+    and 3) with the iterations trained (2, 4): its last point is iteration 3's."""
     client = mlflow.MlflowClient(tracking_uri=uri)
     out = {}
     for key in client.get_run(run_id).data.metrics:
@@ -107,7 +156,7 @@ def _metrics_of_iterations_2_and_3(uri: str, run_id: str) -> dict[str, list[tupl
             points = points[-1:]
         else:
             rollout = key.startswith("rollout/") or key == "iteration"
-            points = [(step, v) for step, v in points if step > 4 or (rollout and step == 4)]
+            points = [(step, v) for step, v in points if (step >= 2 if rollout else step > 4)]
         if points:
             out[key] = points
     return out
@@ -301,3 +350,18 @@ def test_experiment_configs_pass_the_algorithm_checks(experiment):
     AlgorithmConfig.from_dict(OmegaConf.to_container(cfg.algorithm, resolve=True))
     if experiment.startswith("webshop"):
         assert cfg.memory.partition == "task"
+
+
+def test_the_smoke_run_updates_the_policy_and_logs_its_tips_to_mlflow(tmp_path):
+    """`python src/train.py experiment=smoke` (the README's first command): 2 iterations that roll out, write tips,
+    retrieve them (iteration 1) and take optimizer steps with a non-zero gradient, all in the MLflow store."""
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=smoke", f"paths.output_dir={tmp_path}/run",
+                                                      f"paths.log_dir={tmp_path}/logs"])
+    objs = train(cfg)
+    uri, run_id = cfg.logger.mlflow.tracking_uri, objs["loggers"][0].run_id
+    grad_norms = _metric_history(uri, run_id, "train/grad_norm")
+    assert len(grad_norms) == 2 and all(v > 0 for _, v in grad_norms)
+    assert all(v == 0 for _, v in _metric_history(uri, run_id, "train/update_skipped"))
+    artifacts = {a.path for a in mlflow.MlflowClient(tracking_uri=uri).list_artifacts(run_id, "tips")}
+    assert {"tips/iteration_0000_written.json", "tips/iteration_0001_retrieved.json"} <= artifacts

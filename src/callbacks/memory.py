@@ -13,6 +13,7 @@ the checkpoint (written by rank 0) holds them whole. ``state_dict`` checks it (`
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -21,6 +22,7 @@ import lightning as L
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_warn
 
+from src.callbacks.tip_tables import log_tip_tables
 from src.data.reflection_prompt import reflection_prompt_ids
 from src.envs.base import is_action_reply
 from src.memory.embedder import Embedder
@@ -63,6 +65,11 @@ def partition_key(task: dict[str, Any], partition: str) -> str:
     if variation is None:
         raise ValueError(f"task {task!r} has no 'variation' or 'goal_idx' for memory.partition=variation")
     return f"{task_name(task)}/{variation}"
+
+
+def task_text(task: dict[str, Any]) -> str:
+    """A task dict as one JSON line (the tip tables' ``task`` column)."""
+    return json.dumps(task, sort_keys=True, default=str)
 
 
 class MemoryCallback(L.Callback):
@@ -111,11 +118,15 @@ class MemoryCallback(L.Callback):
                                      coef=float(novelty.get("coef", 1.0)), count=novelty.get("count", "visits"))
         self._warned_action_tips = False
         self.last_reflections: list[dict[str, Any]] = []
+        self._trainer: L.Trainer | None = None  # set in setup(): training logs each iteration's tip tables
+        self._retrieved: list[dict[str, Any]] = []  # this rank's rows of the retrieved-tips table (training only)
         self._reset_counters()
 
     # ------------------------------------------------------------------ Lightning
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Attach to the Trainer's datamodule, which runs the rollouts that read and write this memory."""
+        if stage == "fit":
+            self._trainer = trainer
         if trainer.datamodule is not None:
             self.attach(trainer.datamodule)
 
@@ -137,15 +148,24 @@ class MemoryCallback(L.Callback):
         """This memory's partition of a task dict (``partition_key`` with ``self.partition``)."""
         return partition_key(task, self.partition)
 
-    def retrieve(self, tasks: list[dict], keys: np.ndarray) -> list[list[str]]:
+    def retrieve(self, tasks: list[dict], keys: np.ndarray, where: list[tuple[int, int]] | None = None
+                 ) -> list[list[str]]:
         """Tip contents for each (task, key [dim]) pair: cosine > threshold, then top-k by score (docs/method.md#memory,
-        "Retrieval")."""
+        "Retrieval"). ``where``: the (episode id, step) of each query; in training each tip shown is then a row of
+        the iteration's retrieved-tips table (``src/callbacks/tip_tables.py``)."""
+        partitions = [self.partition_key(t) for t in tasks]
         with timed(self.counters, "retrieve_s"):
-            hits = self.tips.retrieve([self.partition_key(t) for t in tasks], keys)
+            hits = self.tips.retrieve(partitions, keys, with_similarity=True)
         self.counters["queries"] += len(hits)
         self.counters["hits"] += sum(1 for h in hits if h)
         self.counters["tips_shown"] += sum(len(h) for h in hits)
-        return [[e.content for e in h] for h in hits]
+        if where is not None and self._trainer is not None:
+            for task, partition, (episode, step), hit in zip(tasks, partitions, where, hits):
+                self._retrieved += [{"partition": partition, "task": task_text(task), "episode": int(episode),
+                                     "step": int(step), "rank": rank, "similarity": round(cos, 4), "tip_score": e.score,
+                                     "tip_iteration": e.iteration, "tip_step": e.step, "content": e.content}
+                                    for rank, (e, cos) in enumerate(hit)]
+        return [[e.content for e, _ in h] for h in hits]
 
     def add_novelty_bonus(self, episodes) -> None:
         """Set each step's intrinsic reward: the count-based bonus coef/(N+1) of the state it reached
@@ -173,7 +193,8 @@ class MemoryCallback(L.Callback):
                 s.intrinsic = bonus.get((e.id, t), 0.0)
 
     # ------------------------------------------------------------------ tip writing
-    def write_tips(self, episodes, policy, system_prompt: str, sample_seed: int | None = None) -> dict[str, float]:
+    def write_tips(self, episodes, policy, system_prompt: str, sample_seed: int | None = None,
+                   iteration: int | None = None, mode: str | None = None) -> dict[str, float]:
         """Ask the policy for one reflection per finished episode (one batched call) and store one entry per step.
 
         Entry content: ``<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>.``,
@@ -183,6 +204,8 @@ class MemoryCallback(L.Callback):
         only (e.g. the imitation warm start) answers the reflection prompt with an action, and such tips carry no
         advice; above one half it is warned about once. The kept rollout keys/values (``Episode.reflection_prefix``)
         are released. With ``sample_seed`` each reflection draws from its episode's own stream (``row_seeds``).
+        ``iteration`` is stored with every entry; in training (``iteration`` and ``mode`` given, after ``setup``) the
+        iteration's tip tables are logged (``log_tip_tables``: the entries written and the tips retrieved).
 
         Under DDP/FSDP a collective: every rank adds every rank's entries (in rank order), and the numbers returned
         are over all ranks' reflections (counts summed, durations the slowest rank's).
@@ -213,20 +236,37 @@ class MemoryCallback(L.Callback):
             tip = tip or "No reflection."
             contents = [format_entry(tip, s.action, episode.score, episode.max_score) for s in episode.steps]
             keys = np.stack([s.key for s in episode.steps]).astype(np.float32)
-            batches.append((self.partition_key(episode.task), keys, contents, [episode.score] * len(contents),
-                            list(range(len(contents)))))
-        written = 0
+            partition = self.partition_key(episode.task)
+            rows = [{"partition": partition, "task": task_text(episode.task), "episode": episode.id,
+                     "episode_score": episode.score, "max_score": episode.max_score, "step": k, "action": s.action,
+                     "tip": tip, "content": c} for k, (s, c) in enumerate(zip(episode.steps, contents))]
+            batches.append((partition, keys, contents, [episode.score] * len(contents), list(range(len(contents))),
+                            rows))
+        written, table = 0, []
         # Under DDP every rank writes every rank's entries, so all ranks hold the same memory.
-        for partition, keys, contents, scores, steps in gather_lists(batches):
-            written += self.tips.add(partition, keys, contents, scores, steps)
+        for partition, keys, contents, scores, steps, rows in gather_lists(batches):
+            written += self.tips.add(partition, keys, contents, scores, steps, iteration=iteration)
+            table += rows
         self.counters["tips_written"] += written
+        tables_s = self._log_tables(iteration, mode, table) if iteration is not None and mode is not None else 0.0
         local = {**timers, "tip_write_s": time.perf_counter() - tic,
                  "tip_tokens": float(sum(len(r) for r in gen.response_ids)),
                  "tip_prompt_tokens": float(sum(len(p) for p in prompts)),
                  "tip_prompt_cached_tokens": float(sum(p.length for p in prefixes if p is not None)),
                  "tip_prompts_continued": float(sum(p is not None for p in prefixes)),
-                 "tip_observations_shortened": float(shortened)}
+                 "tip_observations_shortened": float(shortened), "tip_tables_s": tables_s}
         return {"tips_written": float(written), **combine_over_ranks(local), **action_frac}
+
+    def _log_tables(self, iteration: int, mode: str, written: list[dict[str, Any]]) -> float:
+        """Log the iteration's tip tables (every rank's rows; a collective under DDP/FSDP); returns the seconds."""
+        if self._trainer is None:
+            return 0.0
+        tic = time.perf_counter()
+        retrieved, self._retrieved = gather_lists(self._retrieved), []
+        tables = {name: [{"iteration": iteration, "mode": mode, **row} for row in rows]
+                  for name, rows in (("written", written), ("retrieved", retrieved))}
+        log_tip_tables(self._trainer, iteration, tables)
+        return time.perf_counter() - tic
 
     def _check_reflections(self, texts: list[str]) -> dict[str, float]:
         """``{"tip_action_frac": share of all ranks' replies that are actions (an <action> tag or one bare

@@ -36,7 +36,8 @@ class EpisodeMemory(Protocol):
 
     def embed(self, texts: list[str]) -> np.ndarray: ...
 
-    def retrieve(self, tasks: list[dict], keys: np.ndarray) -> list[list[str]]: ...
+    def retrieve(self, tasks: list[dict], keys: np.ndarray,
+                 where: list[tuple[int, int]] | None = None) -> list[list[str]]: ...
 
 
 @dataclass
@@ -216,7 +217,8 @@ class _Rollout:
         tips: list[list[str]] = [[] for _ in active]
         if self.cfg.use_tips and active:
             with timed(self.timers, "memory_s"):
-                tips = self.memory.retrieve([self.episodes[i].task for i in active], self.keys[active])
+                tips = self.memory.retrieve([self.episodes[i].task for i in active], self.keys[active],
+                                            where=[(self.episodes[i].id, len(self.episodes[i].steps)) for i in active])
         return [step_prompt(self.policy, self.cfg, self.pool.system_prompt, self.episodes[i].instruction,
                             self.histories[i], self.observations[i], self.infos[i].get("admissible_actions"),
                             len(self.episodes[i].steps), self.max_steps, tips[j], self.prompt_cuts)

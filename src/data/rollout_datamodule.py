@@ -267,8 +267,9 @@ class RolloutDataModule(L.LightningDataModule):
             if self.memory is not None:
                 if self.memory.novelty_enabled:
                     self.memory.add_novelty_bonus(episodes)
-                global_metrics.update(self.memory.write_tips(episodes, policy, self.pool.system_prompt,
-                                                             sample_seed=stream_seed(self.seed, iteration, REFLECTION)))
+                global_metrics.update(self.memory.write_tips(
+                    episodes, policy, self.pool.system_prompt, iteration=iteration, mode=mode,
+                    sample_seed=stream_seed(self.seed, iteration, REFLECTION)))
             samples, adv_metrics = self.make_samples(episodes, mode)
             with timed(metrics, "old_log_prob_s"):
                 module.score_samples(self.scoring_chunks(samples, policy))

@@ -166,12 +166,14 @@ class TipMemory:
         self._counters["evicted"] += extra
 
     # ------------------------------------------------------------------ read
-    def retrieve(self, partitions: list[str], queries: np.ndarray) -> list[list[TipEntry]]:
+    def retrieve(self, partitions: list[str], queries: np.ndarray, with_similarity: bool = False
+                 ) -> list[list[TipEntry]] | list[list[tuple[TipEntry, float]]]:
         """Tips for a batch of queries (all queries of one partition read together).
 
         Args:
             partitions: B partition keys, one per query.
             queries: float [B, dim], L2-normalised state embeddings.
+            with_similarity: return ``(entry, cosine)`` pairs instead of entries (what the tip tables log).
 
         Returns:
             B lists of at most ``top_k`` ``TipEntry``: entries of the query's partition with cosine > threshold
@@ -193,20 +195,21 @@ class TipMemory:
             self._check_partition(p)
             groups.setdefault(p, []).append(qi)
 
-        out: list[list[TipEntry]] = [[] for _ in partitions]
+        out: list[list] = [[] for _ in partitions]
         for p, qidx in groups.items():
             part = self._parts.get(p)
             if part is None or not part.entries:
                 continue
             with one_blas_thread():
                 top = self._top_rows(part, queries[qidx])
-            for qi, rows in zip(qidx, top):
-                out[qi] = [part.entries[j] for j in rows]
+            for qi, (rows, cos) in zip(qidx, top):
+                out[qi] = ([(part.entries[j], float(c)) for j, c in zip(rows, cos)] if with_similarity
+                           else [part.entries[j] for j in rows])
         return out
 
-    def _top_rows(self, part: Partition, queries: np.ndarray) -> list[np.ndarray]:
-        """For each of Q queries, the row ids of its top ``top_k`` candidates in ``rank_by`` order (row index =
-        age: smaller is older)."""
+    def _top_rows(self, part: Partition, queries: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """For each of Q queries, (the row ids of its top ``top_k`` candidates in ``rank_by`` order (row index =
+        age: smaller is older), their cosines)."""
         keys = stored_keys(part.index)
         if self.rank_by == "score":
             q, rows, cos = self._candidates_in_score_order(part, keys, queries)
@@ -214,11 +217,12 @@ class TipMemory:
             q, rows, cos = self._candidates_by_similarity(keys, queries)
         score = part.scores[rows]
         order = np.lexsort((rows, -cos, -score, q) if self.rank_by == "score" else (rows, -score, -cos, q))
-        q, rows = q[order], rows[order]
+        q, rows, cos = q[order], rows[order], cos[order]
         first = np.searchsorted(q, np.arange(len(queries)))
         keep = np.arange(len(q)) - first[q] < self.top_k
-        q, rows = q[keep], rows[keep]
-        return np.split(rows, np.searchsorted(q, np.arange(1, len(queries))))
+        q, rows, cos = q[keep], rows[keep], cos[keep]
+        cuts = np.searchsorted(q, np.arange(1, len(queries)))
+        return list(zip(np.split(rows, cuts), np.split(cos, cuts)))
 
     def _candidates_by_similarity(self, keys: np.ndarray, queries: np.ndarray):
         """(query, row, cosine) of the candidates that can be in a query's top k by similarity: one matrix product

@@ -312,10 +312,14 @@ class EMPO2Module(L.LightningModule):
                         self._nonfinite_streak, limit)
 
     def _log_rollout_metrics(self, batch: MicroBatch) -> None:
+        """The iteration's rollout and memory metrics, one point each with the iteration as its step; the update mode
+        also as one value, ``rollout/mode`` = its index in ``UPDATE_MODES`` (0 on_policy, 1 on_policy_with_tips,
+        2 off_policy)."""
         modes = {f"rollout/mode_{m}": float(m == batch.mode) for m in UPDATE_MODES}
-        metrics = {**batch.metrics, **modes, "iteration": float(batch.iteration), "system/peak_rss_gib": peak_rss_gib(),
+        metrics = {**batch.metrics, **modes, "rollout/mode": float(UPDATE_MODES.index(batch.mode)),
+                   "iteration": float(batch.iteration), "system/peak_rss_gib": peak_rss_gib(),
                    "rollout/global_step_at_rollout": float(batch.rollout_global_step)}
-        self._log_metrics(metrics, step=batch.rollout_global_step)
+        self._log_metrics(metrics, step=batch.iteration)
         self.log_dict({k: metrics[k] for k in PROGRESS_BAR_KEYS if k in metrics}, logger=False, prog_bar=True,
                       on_step=True, on_epoch=False, batch_size=1)
 
@@ -341,6 +345,7 @@ class EMPO2Module(L.LightningModule):
         out["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
         out["train/tokens_per_s"] = tokens / max(update_s, 1e-9)
         out["train/update_s"] = update_s
+        out["train/iteration"] = float(batch.iteration)  # per-update metrics keep the global step; this maps it
         self._train_tokens, self._train_time = 0, 0.0
         self._log_metrics(out, step=self.global_step)
         self.log_dict({k: out[k] for k in PROGRESS_BAR_KEYS if k in out}, logger=False, prog_bar=True, on_step=True,
@@ -399,9 +404,15 @@ class EMPO2Module(L.LightningModule):
             self._val_iteration = self.current_epoch
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        # already summarised over all ranks' episodes by `evaluate`
-        self.log_dict({f"val/{k}": v for k, v in batch["metrics"].items()}, on_step=False, on_epoch=True,
-                      batch_size=1)
+        """Log the held-out metrics (already summarised over all ranks' episodes by ``evaluate``) with the number of
+        iterations trained as their step (validation runs after an iteration: after iteration 4 it is step 5, as
+        ``warm_start/score``, the score RL starts from, is step 0); also kept as callback metrics (checkpoints
+        record them)."""
+        metrics = {f"val/{k}": v for k, v in batch["metrics"].items()}
+        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1, logger=False)
+        if not self.trainer.sanity_checking:
+            done = getattr(self.trainer.datamodule, "iteration", None)  # the datamodule counts iterations run
+            self._log_metrics(metrics, step=done if isinstance(done, int) else self.current_epoch + 1)
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]

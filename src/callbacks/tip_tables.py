@@ -1,0 +1,108 @@
+"""What the memory did in each iteration, as two tables a person can read (docs/usage.md#reading-the-tips).
+
+- ``written``: one row per entry stored after the iteration's episodes: the iteration and its update mode, the
+  partition and task, the episode (id, final score and the score's maximum, in environment units: points for
+  ScienceWorld, [0, 1] for WebShop), the step and the action executed there, the reflection (``tip``) and the stored
+  line (``content``, what a prompt shows).
+- ``retrieved`` (memory-mode iterations): one row per tip put into a step's prompt: the episode and step whose prompt
+  it went into, its rank there, its cosine to the query, and the stored entry's score, iteration, step and line.
+
+Each table is a JSON file ``{"columns": [...], "data": [[...], ...]}`` (MLflow's own table format, which its UI
+shows as a table): ``<run dir>/tips/iteration_0003_written.json`` for every run, and, with the MLflow logger, the
+same file as the run's artifact ``tips/iteration_0003_written.json`` (``MlflowClient.log_table``). With the W&B
+logger the rows also go to a ``wandb.Table``; with TensorBoard the written tips to a text summary.
+``scripts/show_tips.py`` prints them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from src.utils.io import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+TABLES = ("written", "retrieved")
+COLUMNS = {
+    "written": ("iteration", "mode", "partition", "task", "episode", "episode_score", "max_score", "step", "action",
+                "tip", "content"),
+    "retrieved": ("iteration", "mode", "partition", "task", "episode", "step", "rank", "similarity", "tip_score",
+                  "tip_iteration", "tip_step", "content"),
+}
+DIRECTORY = "tips"
+TENSORBOARD_ROWS = 200  # a text summary is a markdown table: enough rows to read, not a dump
+
+
+def table_name(iteration: int, table: str) -> str:
+    """``tips/iteration_0003_written.json``: the file (and MLflow artifact) of one table of one iteration."""
+    if table not in TABLES:
+        raise ValueError(f"tip table must be one of {TABLES}, got {table!r}")
+    return f"{DIRECTORY}/iteration_{int(iteration):04d}_{table}.json"
+
+
+def as_table(rows: list[dict[str, Any]], table: str) -> dict[str, list]:
+    """Rows (dicts with the table's ``COLUMNS``) as ``{"columns": [...], "data": [[...], ...]}``.
+
+    Raises:
+        ValueError: a row without one of the table's columns.
+    """
+    columns = COLUMNS[table]
+    for row in rows:
+        missing = [c for c in columns if c not in row]
+        if missing:
+            raise ValueError(f"tip table {table!r}: a row lacks the columns {missing} (has {sorted(row)})")
+    return {"columns": list(columns), "data": [[row[c] for c in columns] for row in rows]}
+
+
+def log_tip_tables(trainer, iteration: int, tables: dict[str, list[dict[str, Any]]]) -> float:
+    """Write an iteration's tables (rank 0 only): a file in the run directory, and to each logger that shows tables
+    (MLflow: an artifact; W&B: a ``wandb.Table``; TensorBoard: the written tips as text). Returns the seconds it
+    took (``rollout/tip_tables_s``). Empty tables are not written."""
+    tic = time.perf_counter()
+    if not trainer.is_global_zero:
+        return 0.0
+    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
+
+    root = Path(trainer.default_root_dir)
+    for table, rows in tables.items():
+        if not rows:
+            continue
+        data, name = as_table(rows, table), table_name(iteration, table)
+        write_json_atomic(root / name, data, ensure_ascii=False)
+        for logger in trainer.loggers:
+            if isinstance(logger, MLFlowLogger):
+                logger.experiment.log_table(logger.run_id, data={c: [r[c] for r in rows] for c in data["columns"]},
+                                            artifact_file=name)
+            elif isinstance(logger, WandbLogger):
+                logger.log_table(key=f"tips/{table}", columns=data["columns"], data=data["data"],
+                                 step=trainer.global_step)
+            elif isinstance(logger, TensorBoardLogger) and table == "written":
+                logger.experiment.add_text("tips/written", markdown_table(data, TENSORBOARD_ROWS), iteration)
+    return time.perf_counter() - tic
+
+
+def markdown_table(data: dict[str, list], max_rows: int) -> str:
+    """A ``{"columns", "data"}`` table as markdown (TensorBoard renders it), at most ``max_rows`` rows."""
+    def cell(v: Any) -> str:
+        return str(v).replace("|", "/").replace("\n", " ")
+
+    lines = ["| " + " | ".join(data["columns"]) + " |", "|" + "---|" * len(data["columns"])]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in data["data"][:max_rows]]
+    if len(data["data"]) > max_rows:
+        lines.append(f"({len(data['data']) - max_rows} more rows in {DIRECTORY}/ of the run directory)")
+    return "\n".join(lines)
+
+
+def read_table(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a table file written by ``log_tip_tables`` (a run directory's or an MLflow artifact).
+
+    Raises:
+        ValueError: the file is not a ``{"columns", "data"}`` table.
+    """
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or not {"columns", "data"} <= set(data):
+        raise ValueError(f"{path} is not a tip table (expected a JSON object with 'columns' and 'data')")
+    return [dict(zip(data["columns"], row)) for row in data["data"]]
