@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # the module reads these types; it builds none of them (the d
 
 log = logging.getLogger(__name__)
 
-PROGRESS_BAR_KEYS = ("rollout/return", "rollout/score", "rollout/success_rate", "train/pg_loss")
+PROGRESS_BAR_KEYS = ("rollout/return", "rollout/score", "rollout/success_rate", "train/pg_loss", "train/grad_norm")
 
 
 def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:

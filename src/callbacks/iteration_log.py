@@ -1,0 +1,53 @@
+"""One log line per training iteration: what the rollout scored, what the memory did and what the update did.
+
+The metrics go to the tracker; this line is what ``train.log`` (and the console) says of each iteration, so a run
+can be followed without opening the tracker, and a run whose update does nothing (no gradient) shows it at once.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import lightning as L
+
+log = logging.getLogger(__name__)
+
+
+class IterationLog(L.Callback):
+    """Logs, at each iteration's end (rank 0): mode, rollout score / return / success, tips written and retrieved,
+    optimizer steps and their gradient norms, the rollout's time (episodes, tips, old log-probs) and the update's
+    (s)."""
+
+    def __init__(self) -> None:
+        self._rollout: dict[str, float] = {}
+        self._mode, self._iteration, self._grad_norms, self._start = "?", 0, [], 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if getattr(batch, "metrics", None):  # the iteration's first micro-batch carries its rollout metrics
+            self._rollout, self._mode, self._iteration = batch.metrics, batch.mode, batch.iteration
+            self._start = time.perf_counter()  # the update starts (the rollout has run when its batch exists)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        if getattr(batch, "last_micro", False) and "train/grad_norm" in trainer.callback_metrics:
+            self._grad_norms.append(float(trainer.callback_metrics["train/grad_norm"]))
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero or not self._rollout:
+            return
+        r = self._rollout
+        memory = ""
+        if "rollout/tips_written" in r:
+            memory = f"; {r['rollout/tips_written']:g} tips written"
+            if "rollout/memory/hit_rate" in r:
+                memory += (f", {r.get('rollout/memory/tips_per_query', 0.0):.1f} tips per prompt (hit rate "
+                           f"{r['rollout/memory/hit_rate']:.2f})")
+        norms = self._grad_norms
+        span = f"{norms[0]:.3g}" if len(set(norms)) == 1 else f"{min(norms):.3g}..{max(norms):.3g}"
+        update = f"{len(norms)} optimizer step(s), grad norm {span}" if norms else "no optimizer step"
+        rollout_s = sum(r.get(f"rollout/{k}", 0.0) for k in ("rollout_s", "tip_write_s", "old_log_prob_s"))
+        log.info("iteration %d (%s): score %.3g, return %.3g, success %.2f%s; %s; rollout %.1f s, update %.1f s",
+                 self._iteration, self._mode, r.get("rollout/score", float("nan")),
+                 r.get("rollout/return", float("nan")), r.get("rollout/success_rate", float("nan")), memory, update,
+                 rollout_s, time.perf_counter() - self._start)
+        self._grad_norms, self._rollout = [], {}
