@@ -26,11 +26,12 @@ from src.utils.io import write_json_atomic
 log = logging.getLogger(__name__)
 
 TABLES = ("written", "retrieved")
+# what a reader looks at first comes first (the MLflow table view shows the leftmost columns)
 COLUMNS = {
-    "written": ("iteration", "mode", "partition", "task", "episode", "episode_score", "max_score", "step", "action",
-                "tip", "content"),
-    "retrieved": ("iteration", "mode", "partition", "task", "episode", "step", "rank", "similarity", "tip_score",
-                  "tip_iteration", "tip_step", "content"),
+    "written": ("iteration", "episode", "step", "action", "episode_score", "tip", "max_score", "partition", "mode",
+                "task", "content"),
+    "retrieved": ("iteration", "episode", "step", "rank", "similarity", "tip_score", "content", "tip_iteration",
+                  "tip_step", "partition", "mode", "task"),
 }
 DIRECTORY = "tips"
 TENSORBOARD_ROWS = 200  # a text summary is a markdown table: enough rows to read, not a dump
