@@ -20,17 +20,18 @@ class IterationLog(L.Callback):
 
     def __init__(self) -> None:
         self._rollout: dict[str, float] = {}
-        self._mode, self._iteration, self._grad_norms, self._start = "?", 0, [], 0.0
+        self._mode, self._iteration, self._grad_norms, self._start, self._update_s = "?", 0, [], 0.0, 0.0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if getattr(batch, "metrics", None):  # the iteration's first micro-batch carries its rollout metrics
             self._rollout, self._mode, self._iteration = batch.metrics, batch.mode, batch.iteration
-            self._start = time.perf_counter()  # the update starts (the rollout has run when its batch exists)
+            self._start = time.perf_counter()  # the update starts: the rollout has run when its first batch exists
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
                            batch_idx: int) -> None:
         if getattr(batch, "last_micro", False) and "train/grad_norm" in trainer.callback_metrics:
             self._grad_norms.append(float(trainer.callback_metrics["train/grad_norm"]))
+            self._update_s = time.perf_counter() - self._start  # to the last optimizer step (not validation or saving)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero or not self._rollout:
@@ -49,5 +50,5 @@ class IterationLog(L.Callback):
         log.info("iteration %d (%s): score %.3g, return %.3g, success %.2f%s; %s; rollout %.1f s, update %.1f s",
                  self._iteration, self._mode, r.get("rollout/score", float("nan")),
                  r.get("rollout/return", float("nan")), r.get("rollout/success_rate", float("nan")), memory, update,
-                 rollout_s, time.perf_counter() - self._start)
-        self._grad_norms, self._rollout = [], {}
+                 rollout_s, self._update_s)
+        self._grad_norms, self._rollout, self._update_s = [], {}, 0.0
