@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the download is a few kB
 
 from src.callbacks.tip_tables import DIRECTORY, TABLES, read_table  # noqa: E402
 
@@ -34,15 +35,21 @@ def table_files(source: str, tracking_uri: str, into: Path) -> dict[tuple[int, s
     """
     path = Path(source)
     if path.is_dir():
-        folder = path / DIRECTORY
+        folder = path if path.name == DIRECTORY else path / DIRECTORY
         if not folder.is_dir():
             raise SystemExit(f"{path} has no {DIRECTORY}/ folder: not a training run directory, or a run from before "
                              "tip tables were logged, or a run without memory (algorithm=grpo)")
+    elif os.sep in source or source.startswith("."):
+        raise SystemExit(f"no directory {source!r} (expected a run directory such as logs/train/runs/<run>, or an "
+                         "MLflow run id)")
     else:
         import mlflow
 
-        client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        store = tracking_uri.removeprefix("sqlite:///")
+        if tracking_uri.startswith("sqlite:///") and not Path(store).is_file():
+            raise SystemExit(f"no MLflow store at {store} (--tracking-uri {tracking_uri})")
         try:
+            client = mlflow.MlflowClient(tracking_uri=tracking_uri)
             client.get_run(source)
         except Exception as err:  # noqa: BLE001 - MLflow raises its own exception types
             raise SystemExit(f"{source!r} is neither a directory nor a run id in {tracking_uri} ({err})") from err
@@ -82,12 +89,20 @@ def show_retrieved(rows: list[dict], limit: int | None) -> None:
                   f"{t['tip_iteration']}, step {t['tip_step']}): {t['content']}")
 
 
+def positive(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", help="a run directory (logs/train/runs/<run>) or an MLflow run id")
     ap.add_argument("--iteration", type=int, default=None, help="only this iteration (default: all)")
     ap.add_argument("--table", choices=[*TABLES, "both"], default="both")
-    ap.add_argument("--limit", type=int, default=None, help="at most this many episodes / prompts per table")
+    ap.add_argument("--limit", type=positive, default=None, help="at most this many episodes / prompts per table")
     ap.add_argument("--tracking-uri", default=f"sqlite:///{ROOT / 'logs' / 'mlflow.db'}")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,11 +112,18 @@ def main() -> None:
             if args.iteration not in iterations:
                 raise SystemExit(f"no tip tables for iteration {args.iteration}; the run has {iterations}")
             iterations = [args.iteration]
+        if not iterations:
+            raise SystemExit(f"{args.source}: no tip tables in its {DIRECTORY}/ folder")
         for it in iterations:
             for table in TABLES if args.table == "both" else [args.table]:
-                if (it, table) not in files:
+                if (it, table) not in files:  # empty tables are not written
+                    print(f"iteration {it}, {table}: none" + (" (an on_policy iteration, or nothing in the memory "
+                                                               "was close enough)" if table == "retrieved" else ""))
                     continue
-                rows = read_table(files[it, table])
+                try:
+                    rows = read_table(files[it, table])
+                except ValueError as err:
+                    raise SystemExit(str(err)) from err
                 print(f"iteration {it} ({rows[0]['mode'] if rows else '?'}), {table}:")
                 (show_written if table == "written" else show_retrieved)(rows, args.limit)
 

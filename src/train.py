@@ -82,6 +82,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     objs = build(cfg)
     trainer = objs["trainer"]
+    log.info("Run directory: %s (train.log, checkpoints/, tips/)", trainer.default_root_dir)
     # A user's path is relative to where the command ran, also when hydra.job.chdir=true moved the process.
     ckpt_path = hydra.utils.to_absolute_path(cfg.ckpt_path) if cfg.get("ckpt_path") else None
     try:

@@ -608,3 +608,25 @@ def test_novelty_bonus_is_scored_step_by_step_over_all_episodes(embedder):
     assert bonus == [[1.0, pytest.approx(1 / 3), 1.0], [1.0, 1.0], [1.0]]
     assert set(visits) == {"t"} and sorted(visits["t"]) == [1, 1, 1, 3]
     assert run([2, 0, 1]) == (bonus, visits)
+
+
+def test_the_written_table_holds_the_entries_stored_once_each(embedder, tiny_policy, tmp_path):
+    """An episode that repeats an action writes the same line twice; the memory stores it once, and the iteration's
+    written-tips table (a real Trainer's run directory) holds exactly the entries stored, with their iteration."""
+    import lightning as L
+
+    from src.callbacks.memory import MemoryCallback
+    from src.callbacks.tip_tables import read_table
+
+    memory = MemoryCallback(embedder, TipMemory(embedder.dim, embedder.name), tip_max_tokens=4)
+    memory.setup(L.Trainer(default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False), None, "fit")
+    episode = _long_episode(3, embedder.dim)
+    episode.steps[1].action = episode.steps[0].action  # steps 0 and 1: the same tip, action and score
+    metrics = memory.write_tips([episode], tiny_policy, "You are an agent.", iteration=4, mode="on_policy")
+    stored = memory.tips.entries("t/0")
+    assert metrics["tips_written"] == 2 and [t.step for t in stored] == [0, 2]
+    rows = read_table(tmp_path / "tips" / "iteration_0004_written.json")
+    assert [(r["step"], r["content"], r["iteration"], r["mode"]) for r in rows] == [
+        (t.step, t.content, 4, "on_policy") for t in stored]
+    assert all(t.iteration == 4 for t in stored)
+    assert not (tmp_path / "tips" / "iteration_0004_retrieved.json").exists()  # nothing retrieved: no table

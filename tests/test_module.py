@@ -506,3 +506,27 @@ def test_a_lora_adapter_passed_as_the_policy_is_trained_and_is_the_reference(sft
     with module.rollout_context():
         module.score_samples([samples])
     torch.testing.assert_close(_pad_rows([s.ref_log_probs for s in samples], sft.shape[1]), ref, atol=0, rtol=0)
+
+
+def test_the_iteration_log_line_counts_skipped_steps_apart(tiny_model_dir, model_cache_dir, caplog):
+    """IterationLog (src/callbacks/iteration_log.py): of an iteration's two optimizer steps, one skipped (a NaN
+    gradient entry) is reported as skipped, not as a step that trained; the line carries the rollout's score."""
+    import dataclasses
+    import logging
+
+    from src.callbacks.iteration_log import IterationLog
+
+    module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.AdamW, lr=1e-3))
+    samples = _samples(module)
+    _poison_gradient(module, {1})
+    batches = [b for _ in range(2) for b in _micro_batches(copy.deepcopy(samples), 4)]
+    batches[0] = dataclasses.replace(batches[0], metrics={"rollout/score": 0.25, "rollout/return": 0.5,
+                                                          "rollout/success_rate": 0.0})
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[IterationLog()])
+    with caplog.at_level(logging.INFO, logger="src.callbacks.iteration_log"):
+        trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    line = next(r.getMessage() for r in caplog.records if r.name == "src.callbacks.iteration_log")
+    assert line.startswith("iteration 0 (on_policy): score 0.25, return 0.5, success 0.00; 1 optimizer step(s)")
+    assert "1 skipped (train/update_skipped" in line

@@ -245,8 +245,9 @@ class MemoryCallback(L.Callback):
         written, table = 0, []
         # Under DDP every rank writes every rank's entries, so all ranks hold the same memory.
         for partition, keys, contents, scores, steps, rows in gather_lists(batches):
-            written += self.tips.add(partition, keys, contents, scores, steps, iteration=iteration)
-            table += rows
+            stored = self.tips.add_rows(partition, keys, contents, scores, steps, iteration=iteration)
+            written += len(stored)
+            table += [rows[i] for i in stored]  # a repeated line (same tip, action and score) is stored once
         self.counters["tips_written"] += written
         tables_s = self._log_tables(iteration, mode, table) if iteration is not None and mode is not None else 0.0
         local = {**timers, "tip_write_s": time.perf_counter() - tic,

@@ -78,8 +78,7 @@ def log_tip_tables(trainer, iteration: int, tables: dict[str, list[dict[str, Any
                 logger.experiment.log_table(logger.run_id, data={c: [r[c] for r in rows] for c in data["columns"]},
                                             artifact_file=name)
             elif isinstance(logger, WandbLogger):
-                logger.log_table(key=f"tips/{table}", columns=data["columns"], data=data["data"],
-                                 step=trainer.global_step)
+                logger.log_table(key=f"tips/{table}", columns=data["columns"], data=data["data"], step=iteration)
             elif isinstance(logger, TensorBoardLogger) and table == "written":
                 logger.experiment.add_text("tips/written", markdown_table(data, TENSORBOARD_ROWS), iteration)
     return time.perf_counter() - tic
@@ -101,9 +100,12 @@ def read_table(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a table file written by ``log_tip_tables`` (a run directory's or an MLflow artifact).
 
     Raises:
-        ValueError: the file is not a ``{"columns", "data"}`` table.
+        ValueError: the file cannot be read or parsed, or is not a ``{"columns", "data"}`` table (naming it).
     """
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"tip table {path} cannot be read: {type(err).__name__}: {err}") from err
     if not isinstance(data, dict) or not {"columns", "data"} <= set(data):
         raise ValueError(f"{path} is not a tip table (expected a JSON object with 'columns' and 'data')")
     return [dict(zip(data["columns"], row)) for row in data["data"]]

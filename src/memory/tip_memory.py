@@ -89,6 +89,18 @@ class TipMemory:
         steps: list[int] | np.ndarray,
         iteration: int | None = None,
     ) -> int:
+        """Store N tips in one partition; returns how many were stored (``add_rows`` says which)."""
+        return len(self.add_rows(partition, keys, contents, scores, steps, iteration))
+
+    def add_rows(
+        self,
+        partition: str,
+        keys: np.ndarray,
+        contents: list[str],
+        scores: list[float] | np.ndarray,
+        steps: list[int] | np.ndarray,
+        iteration: int | None = None,
+    ) -> list[int]:
         """Store N tips in one partition.
 
         Args:
@@ -100,9 +112,9 @@ class TipMemory:
             iteration: optional training iteration stored on every entry.
 
         Returns:
-            Number of entries stored: N minus contents already in the partition or repeated in the batch, and
-            minus the oldest of the batch itself when the batch alone exceeds ``capacity``. Older entries beyond
-            ``capacity`` are evicted (FIFO).
+            The indices (into the N given) of the entries stored: all but contents already in the partition or
+            repeated earlier in the batch, and but the oldest of the batch itself when the batch alone exceeds
+            ``capacity``. Older entries beyond ``capacity`` are evicted (FIFO).
 
         Raises:
             TypeError: partition is not a str.
@@ -138,7 +150,7 @@ class TipMemory:
         # Entries that would be evicted by the same call never enter.
         keep = keep[-self.capacity:] if keep else keep
         if not keep:
-            return 0
+            return []
 
         now = time.time()
         it = None if iteration is None else int(iteration)
@@ -149,7 +161,7 @@ class TipMemory:
         part.set_scores(np.concatenate([part.scores, [scores[i] for i in keep]]))
         self._counters["added"] += len(keep)
         self._evict(part)
-        return len(keep)
+        return keep
 
     def _evict(self, part: Partition) -> None:
         extra = len(part.entries) - self.capacity

@@ -317,7 +317,7 @@ class EMPO2Module(L.LightningModule):
         2 off_policy)."""
         modes = {f"rollout/mode_{m}": float(m == batch.mode) for m in UPDATE_MODES}
         metrics = {**batch.metrics, **modes, "rollout/mode": float(UPDATE_MODES.index(batch.mode)),
-                   "iteration": float(batch.iteration), "system/peak_rss_gib": peak_rss_gib(),
+                   "iteration": float(batch.iteration), "system/rollout_peak_rss_gib": peak_rss_gib(),
                    "rollout/global_step_at_rollout": float(batch.rollout_global_step)}
         self._log_metrics(metrics, step=batch.iteration)
         self.log_dict({k: metrics[k] for k in PROGRESS_BAR_KEYS if k in metrics}, logger=False, prog_bar=True,
@@ -343,13 +343,17 @@ class EMPO2Module(L.LightningModule):
         out["train/update_skipped"] = float(skipped)
         out["train/nonfinite_grad_steps"] = float(self._nonfinite_streak)
         out["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
-        out["train/tokens_per_s"] = tokens / max(update_s, 1e-9)
+        if not skipped:  # a skipped step trained no token in ~no time: no throughput to speak of
+            out["train/tokens_per_s"] = tokens / max(update_s, 1e-9)
         out["train/update_s"] = update_s
         out["train/iteration"] = float(batch.iteration)  # per-update metrics keep the global step; this maps it
         self._train_tokens, self._train_time = 0, 0.0
         self._log_metrics(out, step=self.global_step)
         self.log_dict({k: out[k] for k in PROGRESS_BAR_KEYS if k in out}, logger=False, prog_bar=True, on_step=True,
                       on_epoch=False, batch_size=1)
+        # for the iteration's log line (src/callbacks/iteration_log.py)
+        self.log("train/update_skipped", out["train/update_skipped"], logger=False, on_step=True, on_epoch=False,
+                 batch_size=1)
 
     # ------------------------------------------------------------------ checkpointing
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
