@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT))  # `python scripts/compare_runs.py` from anywhere:
 
 from src.evaluation.comparison.adaptation import load_adaptation  # noqa: E402
 from src.evaluation.comparison.figures import plot_adaptation, plot_learning_curves  # noqa: E402
-from src.evaluation.comparison.runs import collect, comparison_title, env_kind, run_info, select_runs  # noqa: E402
+from src.evaluation.comparison.runs import (collect, comparison_title, run_environment, run_info,  # noqa: E402
+                                           select_runs)
 from src.evaluation.comparison.table import iterations_table, results_table  # noqa: E402
 from src.utils.io import write_text_atomic  # noqa: E402
 
@@ -91,17 +92,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     client = mlflow.MlflowClient(tracking_uri=args.tracking_uri)
     runs = select_runs(client, args.experiment, args.tag, args.run_ids, args.algorithms, args.include_unfinished)
-    kind = env_kind(runs)
+    env = run_environment(runs)
     for r in runs:
         log.info("run %s %s (%s)", r.info.run_id, r.info.run_name, r.info.status)
     out = Path(args.out_dir)
     data = collect(client, runs)
-    title = comparison_title(runs, kind)
+    title = comparison_title(runs, env)
     files = [out / "learning_curves_iteration.png", out / "learning_curves_wallclock.png"]
-    aggs = plot_learning_curves(data, kind, "iteration", title, files[0])
-    plot_learning_curves(data, kind, "minutes", title, files[1])
+    aggs = plot_learning_curves(data, env, "iteration", title, files[0])
+    plot_learning_curves(data, env, "minutes", title, files[1])
     report: dict[str, Any] = {
-        "env": kind, "title": title, "tracking_uri": args.tracking_uri,
+        "env": env.display_name, "title": title, "tracking_uri": args.tracking_uri,
         "runs": {a: [r.info.run_id for r in runs if r.data.params["algorithm/name"] == a] for a in data},
         "run_info": [run_info(client, r) for r in runs],
         "curves": {a: {k: agg.to_json() for k, agg in per.items()} for a, per in aggs.items()},
@@ -109,11 +110,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.adaptation:
         adapt = load_adaptation(args.adaptation)
         files.append(out / "adaptation.png")
-        report["adaptation"] = plot_adaptation(adapt, kind, files[-1])
+        report["adaptation"] = plot_adaptation(adapt, env, files[-1])
     files.append(out / "results.md")
-    write_text_atomic(files[-1], results_table(client, runs, kind))
+    write_text_atomic(files[-1], results_table(client, runs, env))
     files.append(out / "iterations.md")
-    write_text_atomic(files[-1], iterations_table(client, runs, kind))
+    write_text_atomic(files[-1], iterations_table(client, runs, env))
     files.append(out / "curves.json")
     write_text_atomic(files[-1], json.dumps(report, indent=1))
     run_id = None

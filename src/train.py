@@ -49,6 +49,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     use_memory = cfg.algorithm.get("use_memory", True) and "_target_" in (cfg.get("memory") or {})
     memory = hydra.utils.instantiate(cfg.memory) if use_memory else None
     datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
+    if memory is not None:
+        memory.attach(datamodule)  # rollouts read and write it; Lightning saves it in every checkpoint
     callbacks = instantiate_callbacks(cfg.get("callbacks")) + ([memory] if memory is not None else [])
     loggers = instantiate_loggers(cfg.get("logger"))
     # ModelParallelStrategy (FSDP2) writes distributed checkpoints itself and takes no CheckpointIO plugin.
@@ -69,13 +71,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     Raises:
         ConfigError: a setting that cannot work, before anything is built (``src/config_checks.py``).
     """
-    from src.envs.scienceworld_gold_lengths import warn_gold_paths_over_cap
+    from omegaconf import OmegaConf
+
+    from src.envs.base import environment_class
     from src.utils.config_error import refused_settings
     from src.config_checks import prepare_run
 
     with refused_settings():
         prepare_run(cfg)  # refuses/adapts options before any model or environment is built
-        warn_gold_paths_over_cap(cfg.get("env"))  # ScienceWorld: action caps below a task's gold path
+        environment_class(cfg.env).startup_warnings(OmegaConf.to_container(cfg.env, resolve=True))
     from src.warm_start import warm_start_metrics
     from src.utils.logging import log_checkpoint, log_config, set_tags
     from src.utils.run_end import end_status, end_tracker_runs, last_checkpoint_message

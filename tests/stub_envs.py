@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from src.envs.base import Environment
+
 STUB_CFG = {"_target_": "stub_envs.StubEnv"}
 # the states an action leads to with reward_per_char > 0 (MiniLM cosine ~0.4 between rooms, > 0.99 within one)
 ROOMS = ("You are in a dark cellar full of barrels.", "A sunny garden with roses and a fountain.",
@@ -17,7 +19,7 @@ STUB_ENV_VARS = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().par
                                                 os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
 
 
-class StubEnv:
+class StubEnv(Environment):
     """Every step is valid and gives ``reward`` (NaN at step ``nan_step`` of variation ``nan_variation``); the
     observation names the variation and the step; episodes are cut after ``max_steps`` steps.
 

@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from scripts import compare_runs, run_study  # noqa: E402
 from src.evaluation.comparison import adaptation, curves, table  # noqa: E402
+from src.envs.scienceworld import ScienceWorldEnv  # noqa: E402
 from src.evaluation.comparison import runs as comparison_runs  # noqa: E402
 
 T0 = 1_700_000_000_000  # run start (ms since epoch)
@@ -83,8 +84,9 @@ def test_select_runs_by_tag_status_and_algorithm(store):
     with pytest.raises(ValueError, match=r"tags \['absent'\]"):
         comparison_runs.select_runs(client, "empo2", tags=["absent"])
     with pytest.raises(ValueError, match="mix environments"):
-        comparison_runs.env_kind(comparison_runs.select_runs(client, "empo2", tags=["cpu"]))
-    assert comparison_runs.env_kind(comparison_runs.select_runs(client, "empo2", tags=["webshop"])) == "webshop"
+        comparison_runs.run_environment(comparison_runs.select_runs(client, "empo2", tags=["cpu"]))
+    webshop = comparison_runs.run_environment(comparison_runs.select_runs(client, "empo2", tags=["webshop"]))
+    assert webshop.display_name == "WebShop" and webshop.score_unit == "score in [0, 1]"
 
 
 def test_curves_carry_iterations_minutes_and_values(store):
@@ -184,7 +186,7 @@ def test_main_writes_pngs_json_and_logs_artifacts(store):
         assert img.shape[:2] == CURVE_PX and img[..., :3].std() > 0.05  # not blank
     assert _read_png(out / "adaptation.png").shape[:2] == ADAPT_PX
     report = json.loads((out / "curves.json").read_text())
-    assert report["env"] == "scienceworld" and "find-non-living-thing" in report["title"]
+    assert report["env"] == "ScienceWorld" and "find-non-living-thing" in report["title"]
     score = report["curves"]["grpo"]["rollout/score"]
     assert score["iteration"] == [0, 1] and score["mean"] == [20, 40] and score["minutes"] == [1.5, 3.5]
     np.testing.assert_allclose(score["sem"], [10, 20])
@@ -213,7 +215,7 @@ def test_results_table_known_answers(store):
     minutes, no timings and no warm start logged."""
     client = store["client"]
     runs = comparison_runs.select_runs(client, "empo2", tags=["scienceworld"])
-    lines = table.results_table(client, runs, "scienceworld").splitlines()
+    lines = table.results_table(client, runs, ScienceWorldEnv).splitlines()
     assert lines[2] == "| GRPO | 1, 2 | 2 | 10 | – / – / – | none | 30.0 ± 5.0 | 0.50 ± 0.00 |"
     assert lines[3] == "| EMPO² | 1 | 2 | 10 | – / – / – | none | 40.0 | 0.50 |"
 
@@ -228,7 +230,7 @@ def test_warm_start_is_the_validation_point_at_iteration_0(store):
     curve = comparison_runs.val_curve(client, client.get_run(rid), "val/score")
     assert curve.iteration.tolist() == [0, 2] and curve.value.tolist() == [12.0, 25.0]
     assert curve.minutes.tolist() == [0.0, 4.0]
-    row = table.results_table(client, [client.get_run(rid)], "scienceworld").splitlines()[2]
+    row = table.results_table(client, [client.get_run(rid)], ScienceWorldEnv).splitlines()[2]
     # update time summed within iteration 0 (two optimizer steps), averaged over the run's 2 iterations
     assert row == "| GRPO | 1 | 2 | 10 | – / – / 25 | 12.0 ± 2.0 / 0.25 | 25.0 | 0.50 |"
 
@@ -254,7 +256,7 @@ def test_iterations_table_known_answers(store):
                         Metric("train/clip_frac", clip, at(minutes, k), 10 + k)]
     client.log_batch(rid, metrics=metrics)
     runs = [client.get_run(rid), client.get_run(store["ids"]["grpo1"])]
-    lines = table.iterations_table(client, runs, "scienceworld").splitlines()
+    lines = table.iterations_table(client, runs, ScienceWorldEnv).splitlines()
     assert lines[0].startswith("| run | iteration | mode | rollout score | zero-variance groups | approx_kl first")
     assert lines[2] == "| grpo-scienceworld-seed1 | 0 | – | 10.0 | – | – | – | – | – | – | – |"
     assert lines[4] == ("| empo2-scienceworld-seed1 | 0 | on_policy | 0.0 | 0.50 | 0.000 / 0.020 | 0.000 | – | – | – | "

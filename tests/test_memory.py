@@ -452,7 +452,7 @@ def test_webshop_memory_is_shared_by_all_goals(embedder):
         cfg = compose(config_name="train", overrides=["experiment=webshop"]).memory
     tip_cfg = {k: v for k, v in cfg.tip_memory.items() if not k.startswith("_")}
     memory = MemoryCallback(embedder, partial(TipMemory, **tip_cfg), partition=cfg.partition)
-    goal = lambda i, split="train": {"task_name": "webshop", "goal_idx": i, "split": split}  # noqa: E731 (tasks())
+    goal = lambda i, split="train": {"task_name": "webshop", "goal_idx": i, "split": split, "variation": i}  # noqa: E731
     page = "WebShop [SEP] Instruction: [SEP] {} [SEP] Search"
     written = page.format("i need a long sleeve red shirt for men, and price lower than 40.00 dollars")
     memory.tips.add(memory.partition_key(goal(3)), embedder.encode([written]), ["search the colour first"], [1.0], [0])
@@ -536,10 +536,16 @@ def test_action_replies_to_the_reflection_prompt_are_measured_and_warned_once(em
     policy.replies = ["<action>click[buy now]</action>"] * 3 + ["Open the door first."]
     with pytest.warns(UserWarning, match=r"75% of the 4 reflections .* actions, not advice.*click\[buy now\]"):
         assert memory.write_tips(episodes, policy, "sys")["tip_action_frac"] == 0.75
-    # bare commands are actions too (ScienceWorld replies carry no tag); advice that names a command is not
+    # an environment's bare commands are actions too (ScienceWorld replies carry no tag); advice that names a command
+    # is not, nor another environment's command
+    memory.use_environment({"_target_": "src.envs.scienceworld.ScienceWorldEnv"})
     policy.replies = ["open door to hallway", " Focus on the red box\n", "click[grey]",
+                      "Score 0: I ran out of steps. Next time open the door to the kitchen, then focus on a chair."]
+    assert memory.write_tips(episodes, policy, "sys")["tip_action_frac"] == 0.5
+    memory.use_environment({"_target_": "src.envs.webshop.WebShopEnv"})
+    policy.replies = ["open door to hallway", "click[grey]", "search[red shirt] first",
                       "Score 0: I never clicked grey. Next time choose grey, then buy now."]
-    assert memory.write_tips(episodes, policy, "sys")["tip_action_frac"] == 0.75
+    assert memory.write_tips(episodes, policy, "sys")["tip_action_frac"] == 0.25
     policy.replies = ["<action>look around</action>"] * 4
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once already: no second warning
@@ -571,14 +577,15 @@ def test_paper_experiments_use_the_paper_tip_budget(experiment):
     assert cfg.memory.tip_max_tokens == 512 and cfg.model.policy.max_prompt_tokens >= 4096
 
 
-def test_partition_key_one_derivation_for_both_environments():
+def test_partition_key_one_derivation_for_every_environment():
     from src.callbacks.memory import partition_key
 
-    sw, shop = {"task_name": "boil", "variation": 3}, {"task_name": "webshop", "goal_idx": 7, "split": "train"}
+    sw = {"task_name": "boil", "variation": 3}
+    shop = {"task_name": "webshop", "goal_idx": 7, "split": "train", "variation": 7}  # WebShopEnv.tasks()
     assert [partition_key(sw, p) for p in ("variation", "task", "global")] == ["boil/3", "boil", "global"]
     assert partition_key(shop, "variation") == "webshop/7"
-    # neither key: every variation would silently share the partition "<task>/0"
-    with pytest.raises(ValueError, match="no 'variation' or 'goal_idx'"):
+    # no variation: every variation would silently share the partition "<task>/0"
+    with pytest.raises(ValueError, match="no 'variation'"):
         partition_key({"task_name": "boil", "split": "train"}, "variation")
     with pytest.raises(ValueError, match="'episode'"):
         partition_key(sw, "episode")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from src.data.demonstrations import _run_logged
+from src.envs.scienceworld_demos import _run_logged
 from src.utils.timing import EtaLog, eta_text
 
 
@@ -26,7 +26,7 @@ def test_eta_log_reports_counts_and_always_the_last_item(caplog):
 
 def test_the_gold_subprocess_output_is_logged_as_it_comes(caplog):
     code = "import sys; print('gold paths: 1/2'); print('gold paths: 2/2', file=sys.stderr); sys.exit(1)"
-    with caplog.at_level(logging.INFO, logger="src.data.demonstrations"):
+    with caplog.at_level(logging.INFO, logger="src.envs.scienceworld_demos"):
         returncode, output = _run_logged([sys.executable, "-c", code], timeout_s=60)
     assert returncode == 1
     assert output == "gold paths: 1/2\ngold paths: 2/2\n"

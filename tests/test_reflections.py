@@ -8,15 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from src.data.reflections import (
-    fit_tip,
-    reflection_examples,
-    reflection_records,
-    scienceworld_tip,
-    tipped_demonstrations,
-    webshop_records,
-    webshop_tip,
-)
+from src.data.reflections import fit_tip, reflection_examples, reflection_records, tipped_demonstrations
+from src.envs.scienceworld_demos import scienceworld_tip
+from src.envs.webshop.demos import webshop_records, webshop_tip
 from src.data.rollout_config import RolloutConfig
 from src.envs.base import extract_action
 from src.envs.webshop.baselines import MISTAKES, FlawedExpertPolicy
@@ -90,7 +84,7 @@ def test_webshop_trajectories_go_right_and_wrong_and_tips_use_only_what_the_agen
 
 def test_each_deliberate_mistake_shows_in_the_trajectory(webshop_env):
     task = webshop_env.tasks("train")[0]  # asks for the option "2 cameras"
-    from src.data.demonstrations import webshop_expert_records
+    from src.envs.webshop.demos import webshop_expert_records
 
     runs = {m: webshop_expert_records(webshop_env, [task], FlawedExpertPolicy(webshop_env, m))[0] for m in MISTAKES}
     assert "click[2 cameras]" not in runs["wrong_option"]["actions"] and runs["wrong_option"]["score"] < 1
@@ -104,13 +98,13 @@ def test_each_deliberate_mistake_shows_in_the_trajectory(webshop_env):
 
 
 def test_scienceworld_tips_use_only_what_the_agent_saw(tmp_path, monkeypatch):
-    import src.data.reflections as reflections
+    import src.envs.scienceworld_demos as scienceworld_demos
 
     cfg = {**SCIENCEWORLD_CFG, "num_test_variations": 1}
     records, write_tip, _ = reflection_records(cfg, 2, tmp_path)  # gold paths generated in a subprocess
     # the replays are cached next to the gold paths (the simulator orders a room's objects differently per process)
     assert len(list(tmp_path.glob("reflection_replays-*.json"))) == 1
-    monkeypatch.setattr(reflections, "scienceworld_records", lambda *a: pytest.fail("replayed again"))
+    monkeypatch.setattr(scienceworld_demos, "scienceworld_records", lambda *a: pytest.fail("replayed again"))
     assert reflection_records(cfg, 2, tmp_path)[0] == records
     assert write_tip is scienceworld_tip and len(records) == 4
     assert any(r["success"] for r in records) and any(not r["success"] for r in records)
@@ -148,7 +142,8 @@ def test_reflection_examples_are_the_memorys_prompt_and_a_short_tip(tiny_policy,
 
 def test_tipped_demonstrations_show_the_other_trajectorys_tip_as_the_memory_stores_it(tiny_policy, webshop_env,
                                                                                       webshop_reflections):
-    from src.data.demonstrations import build_examples, webshop_expert_records
+    from src.data.demonstrations import build_examples
+    from src.envs.webshop.demos import webshop_expert_records
     from src.memory.tip_entry import format_entry
 
     tasks = webshop_env.tasks("train")[:3]

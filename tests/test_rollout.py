@@ -549,7 +549,8 @@ def test_reflection_continues_the_last_rollout_prompt_from_its_kept_keys_values(
 def test_a_reflection_example_is_the_prompt_the_memory_reflects_under(pool, tiny_policy, memory):
     """The warm start's reflection examples (src/data/reflections.py) are rendered from a trajectory exactly as the
     memory renders the reflection on the same episode after a rollout: continued and fresh, token for token."""
-    from src.data.reflections import reflection_examples, scienceworld_tip
+    from src.data.reflections import reflection_examples
+    from src.envs.scienceworld_demos import scienceworld_tip
 
     torch.manual_seed(7)
     cfg = RolloutConfig(max_response_tokens=4, history_length=1, keep_reflection_prefix=True)

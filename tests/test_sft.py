@@ -16,14 +16,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import lightning as L  # noqa: E402
 
-from src.data.demonstrations import (  # noqa: E402
-    build_examples,
-    demonstration_records,
-    ensure_gold,
-    gold_records,
-    response_ids,
-    webshop_expert_records,
-)
+from src.data.demonstrations import build_examples, demonstration_records, response_ids  # noqa: E402
+from src.envs.scienceworld_demos import ensure_gold, gold_records  # noqa: E402
+from src.envs.webshop.demos import webshop_expert_records  # noqa: E402
 from src.data.rollout import run_episodes  # noqa: E402
 from src.data.rollout_config import RolloutConfig  # noqa: E402
 from src.envs.pool import EnvPool  # noqa: E402

@@ -201,8 +201,8 @@ def test_observation_without_the_instruction(tmp_path, env):
 
 def test_wrapper_success_reward_mode_and_tasks(tmp_path, env):
     env_s = WebShopEnv(tmp_path / "cache", env.data.source_dir, reward_mode="success", num_test_goals=1)
-    assert env_s.tasks("test") == [{"task_name": "webshop", "goal_idx": 0, "split": "test"}]
-    assert env_s.tasks("train") == [{"task_name": "webshop", "goal_idx": 1, "split": "train"}]
+    assert env_s.tasks("test") == [{"task_name": "webshop", "goal_idx": 0, "split": "test", "variation": 0}]
+    assert env_s.tasks("train") == [{"task_name": "webshop", "goal_idx": 1, "split": "train", "variation": 1}]
     for asin, opts, expected in (("B000000000", ["black", "large"], 10.0), ("B000000000", [], 0.0)):
         obs, info = env_s.reset({"goal_idx": _idx(env_s, "B000000000")})
         assert info["task_id"] == f"webshop-{_idx(env_s, 'B000000000')}" and info["max_score"] == 1.0

@@ -48,12 +48,13 @@ def partition_key(task: dict[str, Any], partition: str) -> str:
     """The tip-memory partition of a task dict, the one derivation used for reads and writes (docs/method.md#memory,
     "Partitions").
 
-    ``global``: one partition; ``task``: the task name; ``variation``: ``<task name>/<variation>`` with the
-    ScienceWorld ``variation`` or the WebShop ``goal_idx``.
+    ``global``: one partition; ``task``: the task name; ``variation``: ``<task name>/<variation>``, with the
+    ``variation`` every environment's task dicts carry (src/envs/base.py: ScienceWorld's variation, WebShop's goal
+    index).
 
     Raises:
-        ValueError: an unknown ``partition``, or ``variation`` for a task dict with neither key (all its
-            variations would silently share one partition).
+        ValueError: an unknown ``partition``, or ``variation`` for a task dict without one (all its variations
+            would silently share one partition).
     """
     if partition == "global":
         return "global"
@@ -61,9 +62,10 @@ def partition_key(task: dict[str, Any], partition: str) -> str:
         return task_name(task)
     if partition != "variation":
         raise ValueError(f"memory partition must be one of {PARTITIONS}, got {partition!r}")
-    variation = task.get("variation", task.get("goal_idx"))
+    variation = task.get("variation")
     if variation is None:
-        raise ValueError(f"task {task!r} has no 'variation' or 'goal_idx' for memory.partition=variation")
+        raise ValueError(f"task {task!r} has no 'variation' for memory.partition=variation (an environment's task "
+                         "dicts name their variation: docs/extending.md)")
     return f"{task_name(task)}/{variation}"
 
 
@@ -120,19 +122,26 @@ class MemoryCallback(L.Callback):
         self.last_reflections: list[dict[str, Any]] = []
         self._trainer: L.Trainer | None = None  # set in setup(): training logs each iteration's tip tables
         self._retrieved: list[dict[str, Any]] = []  # this rank's rows of the retrieved-tips table (training only)
+        self.bare_command = None  # the environment's bare-command pattern (is_action_reply), set by use_environment
         self._reset_counters()
 
     # ------------------------------------------------------------------ Lightning
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Attach to the Trainer's datamodule, which runs the rollouts that read and write this memory."""
+        """Keep the Trainer of a fit: each training iteration's tip tables go to its run directory and loggers."""
         if stage == "fit":
             self._trainer = trainer
-        if trainer.datamodule is not None:
-            self.attach(trainer.datamodule)
 
     def attach(self, datamodule) -> None:
-        """Make ``datamodule`` (a ``RolloutDataModule``) roll out with this memory: tips, novelty, tip writing."""
+        """Make ``datamodule`` (a ``RolloutDataModule``) roll out with this memory: tips, novelty, tip writing
+        (``src/train.py`` wires them where it builds them)."""
         datamodule.memory = self
+        self.use_environment(datamodule.env_cfg)
+
+    def use_environment(self, env_cfg: dict[str, Any]) -> None:
+        """Read the environment's facts the memory needs: what a bare command looks like (``tip_action_frac``)."""
+        from src.envs.base import environment_class
+
+        self.bare_command = environment_class(env_cfg).bare_command
 
     # ------------------------------------------------------------------ used by the rollout runner
     @staticmethod
@@ -272,7 +281,7 @@ class MemoryCallback(L.Callback):
     def _check_reflections(self, texts: list[str]) -> dict[str, float]:
         """``{"tip_action_frac": share of all ranks' replies that are actions (an <action> tag or one bare
         command, ``is_action_reply``)}`` ({} for none); warns once above 1/2 (a collective under DDP/FSDP)."""
-        actions = [t for t in texts if is_action_reply(t)]
+        actions = [t for t in texts if is_action_reply(t, self.bare_command)]
         n_actions, n_texts = all_reduce([float(len(actions)), float(len(texts))])
         if not n_texts:
             return {}

@@ -1,4 +1,6 @@
-"""The environment contract shared by every text environment (docs/environments.md#the-contract).
+"""The environment contract shared by every text environment (docs/environments.md#the-contract), and
+``Environment``, the class every environment derives from: the contract's calls plus what the rest of the code needs
+to know of an environment (docs/extending.md: a new environment in one file and one config).
 
 Every environment is a plain Python object (not a gymnasium subclass, to keep workers light) with:
 
@@ -24,6 +26,7 @@ Both environments read the action with one rule, ``extract_action``: the first `
 from __future__ import annotations
 
 import re
+from typing import Any, Callable
 
 _OPEN_TAG = re.compile(r"<action>", re.IGNORECASE)
 _CLOSE_TAG = re.compile(r"</action>", re.IGNORECASE)
@@ -47,15 +50,138 @@ def extract_action(response: str) -> tuple[str | None, bool]:
     return action, len(opens) == 1 and close is not None
 
 
-# One command and nothing else: a WebShop search[...]/click[...] or a ScienceWorld command (its verbs, as in
-# ScienceWorldEnv's action list), the way a policy trained on actions answers a prompt that asks for prose.
-_BARE_COMMAND = re.compile(
-    r"(?:search|click)\[[^\]]*\]|(?:open|close|go to|teleport to|look around|look at|look in|pick up|put down|"
-    r"move|pour|mix|activate|deactivate|use|connect|read|eat|focus on|wait1?|inventory)\b[^.;:\n]*")
+def is_action_reply(text: str, bare_command: re.Pattern | None = None) -> bool:
+    """Whether a reply is an action rather than prose: it holds an ``<action>`` tag, or it is one bare command of
+    the environment (``bare_command``, its ``Environment.bare_command``: ``open door to hallway``, ``click[grey]``;
+    ScienceWorld replies need no tag). Used to tell a reflection that is advice from one that is an action
+    (``rollout/tip_action_frac``)."""
+    if extract_action(text)[0] is not None:
+        return True
+    return bare_command is not None and bare_command.fullmatch(text.strip().lower()) is not None
 
 
-def is_action_reply(text: str) -> bool:
-    """Whether a reply is an action rather than prose: it holds an ``<action>`` tag, or it is one bare command
-    (``open door to hallway``, ``click[grey]``: ScienceWorld replies need no tag). Used to tell a reflection
-    that is advice from one that is an action (``rollout/tip_action_frac``)."""
-    return extract_action(text)[0] is not None or _BARE_COMMAND.fullmatch(text.strip().lower()) is not None
+def replay(env, task: dict[str, Any], replies: list[str]) -> dict[str, Any]:
+    """Run ``replies`` in ``env`` from ``task``'s reset until the episode ends: a trajectory record (the format
+    ``Environment.demonstrations`` returns).
+
+    A record holds ``task``, ``instruction``, ``initial_observation``, per step ``responses`` (the reply as
+    written), ``actions`` (the action the environment executed), ``observations`` (the observation after it) and
+    ``admissible_actions`` (the valid actions listed in the prompt at that state, or None for the whole record
+    when the environment lists none), and ``success``, ``score`` and ``max_score`` (environment units)."""
+    observation, info = env.reset(task)
+    record = {"task": task, "instruction": info["instruction"], "initial_observation": observation,
+              "responses": [], "actions": [], "observations": [], "admissible_actions": [],
+              "max_score": float(info.get("max_score", getattr(env, "max_score", 1.0)))}
+    for reply in replies:
+        record["admissible_actions"].append(info.get("admissible_actions"))
+        observation, _, done, truncated, info = env.step(reply)
+        record["responses"].append(reply)
+        record["actions"].append(info["action"])
+        record["observations"].append(observation)
+        if done or truncated:
+            break
+    record["success"], record["score"] = bool(info["success"]), float(info["score"])
+    if not any(record["admissible_actions"]):
+        record["admissible_actions"] = None
+    return record
+
+
+class Environment:
+    """What every environment is: the contract above (``reset``, ``step``, ``tasks``, ``close``, ``system_prompt``)
+    and the facts and hooks the trainer, the memory, the warm start and the comparisons read from it. A new
+    environment subclasses this in one file and sets what differs (docs/extending.md).
+
+    Class attributes:
+        display_name: the environment's name in tables and figures.
+        score_unit: what ``info["score"]`` is measured in ("points" or "score in [0, 1]"), for reports.
+        max_score: the best score of an episode (environment units).
+        novelty_coef: the default coefficient of the novelty bonus, in score units (``memory.novelty.coef``:
+            ScienceWorld 1.0 point, WebShop 0.01 of its [0, 1] score; docs/method.md#count-based-novelty-bonus).
+        bare_command: one action of this environment written without ``<action>`` tags (``is_action_reply``), or
+            None when the environment reads tagged actions only.
+
+    Task dicts (``tasks(split)``) carry ``task_name`` and ``variation``: the memory's per-variation partition is
+    ``<task_name>/<variation>``.
+
+    Hooks of the imitation warm start (``src/warm_start.py``), which an environment without demonstrations leaves
+    as they are (the warm start then says what is missing):
+
+    - ``warm_start_config`` / ``warm_start_tasks``: the environment and the training tasks it demonstrates on;
+    - ``demonstrations``: successful trajectory records (``replay``'s format) of those tasks, e.g. gold paths;
+    - ``reflection_records`` and ``hindsight_tip``: trajectories that go right and wrong, and the tip an agent
+      could write on one in hindsight, from what the trajectory showed it only (the reflection examples).
+    """
+
+    display_name = "environment"
+    score_unit = "score in [0, 1]"
+    max_score = 1.0
+    novelty_coef = 0.01
+    bare_command: re.Pattern | None = None
+    system_prompt = ""
+
+    def reset(self, task: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    def step(self, response: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        raise NotImplementedError
+
+    def tasks(self, split: str) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    @classmethod
+    def startup_warnings(cls, env_cfg: dict[str, Any]) -> None:
+        """Warn at start-up about settings that run but may not do what the user meant (default: nothing)."""
+
+    # ------------------------------------------------------------------ the imitation warm start
+    @classmethod
+    def warm_start_config(cls, env_cfg: dict[str, Any], num_tasks: int | None) -> dict[str, Any]:
+        """The config the warm start builds its environment from, ``model.warm_start.num_tasks`` given (default:
+        the run's own)."""
+        return env_cfg
+
+    def warm_start_tasks(self, num_tasks: int | None) -> list[dict[str, Any]]:
+        """The training tasks the warm start demonstrates (default: the first ``num_tasks`` of the train split;
+        None: all). Never a held-out task."""
+        return self.tasks("train")[:num_tasks]
+
+    def demonstrations(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str
+                       ) -> list[dict[str, Any]]:
+        """Trajectory records (``replay``'s format) that solve ``tasks``; ``data_dir`` is where they may be cached.
+
+        Raises:
+            NotImplementedError: the environment has no demonstrations (no imitation warm start).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no demonstrations for the imitation warm start "
+                                  "(Environment.demonstrations; set model.warm_start=null)")
+
+    def reflection_records(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str
+                           ) -> list[dict[str, Any]]:
+        """Trajectory records of ``tasks`` that go right and wrong, to write hindsight tips on.
+
+        Raises:
+            NotImplementedError: the environment has no reflection examples.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no reflection examples (Environment."
+                                  "reflection_records; set model.warm_start.reflections=null)")
+
+    hindsight_tip: Callable[[dict[str, Any]], list[str]]
+    """``hindsight_tip(record) -> sentences in order of importance``: the tip on a trajectory record, from what the
+    agent saw (instruction, observations, actions, score), never from hidden task data. A staticmethod."""
+
+
+def environment_class(env_cfg: dict[str, Any] | str) -> type[Environment]:
+    """The ``Environment`` subclass an env config (or its ``_target_``) builds, imported without building it.
+
+    Raises:
+        TypeError: the target is not an ``Environment`` subclass.
+    """
+    import hydra
+
+    target = env_cfg if isinstance(env_cfg, str) else env_cfg["_target_"]
+    cls = hydra.utils.get_class(target)
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise TypeError(f"env._target_={target!r} is not a subclass of src.envs.base.Environment (docs/extending.md)")
+    return cls

@@ -16,7 +16,8 @@ import re
 import shutil
 from typing import Any
 
-from src.envs.base import extract_action
+from src.envs.base import Environment, extract_action
+from src.envs.scienceworld_demos import scienceworld_tip
 from src.envs.scienceworld_tasks import default_max_steps, resolve_task
 from src.utils.environ import temporary_environ
 
@@ -78,7 +79,7 @@ def start_jvm(jvm_heap: str):
         return _PackageEnv("")
 
 
-class ScienceWorldEnv:
+class ScienceWorldEnv(Environment):
     """One ScienceWorld simulator (one JVM) behind the contract of ``src/envs/base.py``
     (docs/environments.md#scienceworld).
 
@@ -126,7 +127,14 @@ class ScienceWorldEnv:
         RuntimeError: ``java`` not on PATH (says how to install Java 17); step before reset or after the end.
     """
 
+    display_name = "ScienceWorld"
+    score_unit = "points"
     max_score = MAX_SCORE
+    novelty_coef = 1.0  # points (-100..100)
+    # one command without tags: the simulator's verbs (its action list), as a policy trained on actions writes it
+    bare_command = re.compile(r"(?:open|close|go to|teleport to|look around|look at|look in|pick up|put down|"
+                              r"move|pour|mix|activate|deactivate|use|connect|read|eat|focus on|wait1?|"
+                              r"inventory)\b[^.;:\n]*")
 
     def __init__(self, task: str | int | list[str | int] = "find-non-living-thing", simplification: str = "easy",
                  num_train_variations: int = 5, num_test_variations: int = 20, max_steps: int | None = None,
@@ -335,6 +343,40 @@ class ScienceWorldEnv:
                 "from the observation): " + "; ".join(commands) + ".\n"
                 "Use 'focus on OBJ' only on the object the task tells you to focus on: focusing on a wrong "
                 "object ends the task as a failure.")
+
+    # ------------------------------------------------------------------ Environment hooks
+    @classmethod
+    def startup_warnings(cls, env_cfg: dict[str, Any]) -> None:
+        """Warn when the action cap cuts a task's gold path short (``scienceworld_gold_lengths``)."""
+        from src.envs.scienceworld_gold_lengths import warn_gold_paths_over_cap
+
+        warn_gold_paths_over_cap(env_cfg)
+
+    @classmethod
+    def warm_start_config(cls, env_cfg: dict[str, Any], num_tasks: int | None) -> dict[str, Any]:
+        """Every training variation has a gold path, so the warm start may imitate more of them than RL trains on
+        (RL keeps the paper's first 5): ``num_tasks`` training variations of each task (None: those RL trains on)."""
+        return env_cfg if num_tasks is None else {**env_cfg, "num_train_variations": int(num_tasks)}
+
+    def warm_start_tasks(self, num_tasks: int | None) -> list[dict[str, Any]]:
+        return self.tasks("train")  # num_train_variations already says how many (warm_start_config)
+
+    def demonstrations(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[dict]:
+        """The gold paths of ``tasks``, cut to the action cap (``scienceworld_demos.gold_records``)."""
+        from src.envs.scienceworld_demos import gold_records
+
+        return gold_records(tasks, env_cfg, data_dir)
+
+    def reflection_records(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str
+                           ) -> list[dict]:
+        """Per variation the gold path and the gold path after needless looks, replayed here under the step cap
+        (cached next to the gold paths: ``scienceworld_demos.cached_replays``)."""
+        from src.envs.scienceworld_demos import cached_replays, ensure_gold
+
+        gold = ensure_gold(tasks, data_dir, env_cfg.get("simplification", "easy"), env_cfg.get("jvm_heap", "768m"))
+        return cached_replays(self, env_cfg, tasks, gold, data_dir)
+
+    hindsight_tip = staticmethod(scienceworld_tip)
 
     def close(self) -> None:
         """Shut the JVM down (idempotent)."""

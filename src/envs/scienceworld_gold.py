@@ -13,16 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from src.envs.scienceworld import ScienceWorldEnv, start_jvm
+from src.envs.scienceworld_demos import gold_file, load_gold  # noqa: F401 - the cache's reader, used here and re-exported
 from src.envs.scienceworld_tasks import resolve_task
 from src.utils.io import write_json_atomic
 from src.utils.timing import EtaLog
 
 logger = logging.getLogger(__name__)
-
-
-def gold_file(out_dir: str | os.PathLike, task: str | int) -> Path:
-    """Path of a task's gold cache: ``<out_dir>/<task_name>.json``."""
-    return Path(out_dir) / f"{resolve_task(task)}.json"
 
 
 def generate_gold(tasks: list[dict[str, Any]], simplification: str = "easy",
@@ -109,21 +105,3 @@ def save_gold(out_dir: str | os.PathLike, records: list[dict[str, Any]]) -> list
         write_json_atomic(path, data, indent=1)
         paths.append(path)
     return paths
-
-
-def load_gold(task: str | int, out_dir: str | os.PathLike = "data/scienceworld_gold",
-              simplification: str = "easy") -> dict[int, dict[str, Any]]:
-    """Read a task's cached gold trajectories: ``{variation: record}`` (record as in ``generate_gold``).
-
-    Raises FileNotFoundError (saying how to create the cache) or ValueError on a simplification mismatch.
-    """
-    path = gold_file(out_dir, task)
-    if not path.exists():
-        raise FileNotFoundError(f"No gold trajectories at {path}; create them with "
-                                f"`python scripts/cache_gold_trajectories.py --task {resolve_task(task)} "
-                                f"--out-dir {out_dir}`")
-    data = json.loads(path.read_text())
-    if data.get("simplification") != simplification:
-        raise ValueError(f"{path} holds simplification {data.get('simplification')!r}, expected "
-                         f"{simplification!r}")
-    return {int(v): rec for v, rec in data["variations"].items()}

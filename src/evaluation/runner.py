@@ -84,7 +84,9 @@ def _build_memory(cfg: DictConfig):
     if not cfg.get("memory") or "_target_" not in cfg.memory:
         raise ValueError("memory-on evaluation (eval.memory=true or eval.protocol=adaptation) needs the memory "
                          "group (memory=empo2); it is memory=none")
-    return hydra.utils.instantiate(cfg.memory)
+    memory = hydra.utils.instantiate(cfg.memory)
+    memory.use_environment(OmegaConf.to_container(cfg.env, resolve=True))
+    return memory
 
 
 def run_eval(cfg: DictConfig) -> dict[str, Any]:

@@ -3,6 +3,9 @@
 ``${pid:}``: this process's id. Run directories are ``<time>_<pid>`` (configs/hydra/default.yaml), so runs started
 in the same second (``scripts/run_study.py`` side by side) never share a directory, log file or checkpoints.
 Lightning's DDP launcher passes the resolved directory to its child processes, so one run keeps one directory.
+
+``${env_default:${env._target_},novelty_coef}``: a class attribute of the environment class a target names (the
+environment's defaults, ``src.envs.base.Environment``), imported without building the environment.
 """
 from __future__ import annotations
 
@@ -11,7 +14,23 @@ import os
 from omegaconf import OmegaConf
 
 
+def env_default(target: str, name: str):
+    """The class attribute ``name`` of the class ``target`` names (e.g. ``novelty_coef`` of the environment).
+
+    Raises:
+        AttributeError: the class has no such attribute.
+    """
+    import hydra
+
+    cls = hydra.utils.get_class(target)
+    if not hasattr(cls, name):
+        raise AttributeError(f"{target} has no default {name!r} (src.envs.base.Environment lists them)")
+    return getattr(cls, name)
+
+
 def register_resolvers() -> None:
     """Register the resolvers (idempotent)."""
     if not OmegaConf.has_resolver("pid"):
         OmegaConf.register_new_resolver("pid", os.getpid, use_cache=True)
+    if not OmegaConf.has_resolver("env_default"):
+        OmegaConf.register_new_resolver("env_default", env_default)

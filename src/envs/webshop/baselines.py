@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from src.envs.webshop.env import SEARCH_PLACEHOLDER, WebShopEnv
+from src.envs.webshop.pages import SEARCH_PLACEHOLDER
 from src.envs.webshop.reward import option_matches
 
 _FIXED = {"back to search", "< prev", "next >", "description", "features", "reviews", "buy now"}
@@ -23,7 +23,7 @@ class ExpertPolicy:
     """Oracle expert: searches the instruction words, pages through the hits to the goal's product (falling
     back to a search on its title), clicks the goal's options and buys. Reads the goal from ``env.goal``."""
 
-    def __init__(self, env: WebShopEnv):
+    def __init__(self, env):
         self.env = env
         self.reset()
 
@@ -83,7 +83,7 @@ class FlawedExpertPolicy(ExpertPolicy):
         ValueError: an unknown ``mistake``.
     """
 
-    def __init__(self, env: WebShopEnv, mistake: str):
+    def __init__(self, env, mistake: str):
         if mistake not in MISTAKES:
             raise ValueError(f"mistake={mistake!r}: expected one of {MISTAKES}")
         self.mistake = mistake
@@ -131,7 +131,7 @@ class RandomPolicy:
         return f"<action>{action}</action>"
 
 
-def run_policy(env: WebShopEnv, policy, tasks: list[dict]) -> dict[str, float]:
+def run_policy(env, policy, tasks: list[dict]) -> dict[str, float]:
     """Run one episode per task; returns {'mean_score', 'success_rate', 'mean_steps', 'episodes'}."""
     scores, successes, steps = [], [], []
     for task in tasks:

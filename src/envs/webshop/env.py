@@ -14,15 +14,16 @@ import re
 from pathlib import Path
 from typing import Any
 
-from src.envs.base import extract_action
+from src.envs.base import Environment, extract_action
 from src.envs.webshop import pages
+from src.envs.webshop.pages import SEARCH_PLACEHOLDER
 from src.envs.webshop.catalog import ensure_generated_catalog
 from src.envs.webshop.data import WebShopData, load_webshop_data, split_goal_indices
+from src.envs.webshop.demos import webshop_tip
 from src.envs.webshop.reward import check_noun_tagger, get_reward
 from src.envs.webshop.search import SearchEngine
 
 ACTION_RE = re.compile(r'(.+)\[(.+)\]')  # the original's parse_action
-SEARCH_PLACEHOLDER = "search[<query>]"
 TASK_NAME = "webshop"
 TOP_K = 50  # the original shows the top-50 hits
 SUB_PAGES = ("description", "features", "reviews")
@@ -191,7 +192,7 @@ def _load(source_dir: str, cache_dir: str, num_products: int | None, human_goals
     return data, SearchEngine(data.products, cache_dir, stemmer=stemmer)
 
 
-class WebShopEnv:
+class WebShopEnv(Environment):
     """The WebShop environment for agents (src/envs/base.py contract; docs/environments.md#webshop).
 
     Data: ``real_data_dir`` (or the ``WEBSHOP_DATA_DIR`` environment variable) names a directory with the
@@ -219,6 +220,12 @@ class WebShopEnv:
             given the goal; the catalog and prices have their own seeds).
     Raises ValueError for a bad setting, WebShopDataError for missing/malformed data files.
     """
+
+    display_name = "WebShop"
+    score_unit = "score in [0, 1]"
+    max_score = 1.0
+    novelty_coef = 0.01  # of the [0, 1] score
+    bare_command = re.compile(r"(?:search|click)\[[^\]]*\]")  # one action without tags
 
     def __init__(self, data_dir: str | os.PathLike = "data/webshop", real_data_dir: str | None = None, *,
                  num_products: int | None = None, human_goals: bool = True, catalog_size: int = 1000,
@@ -248,10 +255,27 @@ class WebShopEnv:
 
     # ------------------------------------------------------------------ contract
     def tasks(self, split: str) -> list[dict[str, Any]]:
-        """``[{"task_name": "webshop", "goal_idx": i, "split": split}, ...]`` for the split's goal indices (see
-        data.split_goal_indices). Every goal is a variation of the one task ``webshop`` (memory partitions)."""
+        """``[{"task_name": "webshop", "goal_idx": i, "split": split, "variation": i}, ...]`` for the split's goal
+        indices (see data.split_goal_indices). Every goal is a variation of the one task ``webshop`` (memory
+        partitions)."""
         idx = split_goal_indices(len(self.data.goals), split, self.num_test_goals, self.num_dev_goals)
-        return [{"task_name": TASK_NAME, "goal_idx": i, "split": split} for i in idx]
+        return [{"task_name": TASK_NAME, "goal_idx": i, "split": split, "variation": i} for i in idx]
+
+    # ------------------------------------------------------------------ Environment hooks
+    def demonstrations(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[dict]:
+        """The scripted expert's episodes on ``tasks`` (``webshop.demos.webshop_expert_records``)."""
+        from src.envs.webshop.demos import webshop_expert_records
+
+        return webshop_expert_records(self, tasks)
+
+    def reflection_records(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str
+                           ) -> list[dict]:
+        """Per goal the expert's episode and the expert's with one deliberate mistake (``webshop_records``)."""
+        from src.envs.webshop.demos import webshop_records
+
+        return webshop_records(self, tasks)
+
+    hindsight_tip = staticmethod(webshop_tip)
 
     @property
     def goal(self) -> dict:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 
+# the admissible action that stands for "type a query" on the search page
+SEARCH_PLACEHOLDER = "search[<query>]"
+
 SEP = " [SEP] "
 RESULTS_PER_PAGE = 10
 

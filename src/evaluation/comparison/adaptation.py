@@ -12,10 +12,15 @@ from src.evaluation.comparison.runs import ALGORITHM_LABELS
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def env_kind_of_target(target: str | None) -> str | None:
-    """``"scienceworld"``, ``"webshop"`` or None from an environment's ``_target_``."""
-    t = (target or "").lower()
-    return "scienceworld" if "scienceworld" in t else "webshop" if "webshop" in t else None
+def environment_of_target(target: str | None):
+    """The ``Environment`` class an environment's ``_target_`` names, or None (no target, or one this checkout cannot
+    import)."""
+    from src.envs.base import environment_class
+
+    try:
+        return environment_class(target) if target else None
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
 
 
 def _adaptation_label(doc: dict, path: Path) -> str:

@@ -10,7 +10,7 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from src.evaluation.comparison.adaptation import env_kind_of_target  # noqa: E402
+from src.evaluation.comparison.adaptation import environment_of_target  # noqa: E402
 from src.evaluation.comparison.curves import Aggregate, Curve, aggregate  # noqa: E402
 from src.evaluation.comparison.runs import ALGORITHM_LABELS, ROLLOUT_KEYS, VAL_KEYS, algorithm_rank  # noqa: E402
 from src.evaluation.stats import best_relative_gain  # noqa: E402
@@ -21,14 +21,10 @@ FIGSIZE, DPI = (16.0, 5.0), 110  # learning-curve figures: 1760 x 550 pixels
 ADAPT_FIGSIZE = (8.0, 5.0)       # adaptation figure: 880 x 550 pixels
 
 
-def units(kind: str) -> dict[str, str]:
-    """Axis labels per metric for an environment kind (ScienceWorld points, WebShop [0, 1])."""
-    if kind == "scienceworld":
-        return {"rollout/return": "episode return (points; EMPO² adds the novelty bonus)",
-                "rollout/score": "episode score (points, −100…100)",
-                "rollout/success_rate": "success rate (fraction of episodes, 0…1)"}
+def units(env) -> dict[str, str]:
+    """Axis labels per metric for an ``Environment`` class (its score unit: ScienceWorld points, WebShop [0, 1])."""
     return {"rollout/return": "episode return (Σ reward; EMPO² adds the novelty bonus)",
-            "rollout/score": "episode score (0…1)",
+            "rollout/score": f"episode score ({env.score_unit})",
             "rollout/success_rate": "success rate (fraction of episodes, 0…1)"}
 
 
@@ -54,14 +50,14 @@ def _band(ax, x: np.ndarray, mean: np.ndarray, sem: np.ndarray, color: str, styl
         ax.fill_between(x[ok], (mean - sem)[ok], (mean + sem)[ok], color=color, alpha=0.18, linewidth=0)
 
 
-def plot_learning_curves(data: dict[str, dict[str, list[Curve]]], kind: str, x_axis: str, title: str,
+def plot_learning_curves(data: dict[str, dict[str, list[Curve]]], env, x_axis: str, title: str,
                          path: Path) -> dict[str, dict[str, Aggregate]]:
     """Three panels (return, score, success rate) for ``x_axis`` ``"iteration"`` or ``"minutes"``; each algorithm
     in its colour, training rollouts solid, validation dashed, single seeds as faint dots. Returns the aggregates.
     """
     if x_axis not in ("iteration", "minutes"):
         raise ValueError(f"x_axis={x_axis!r}: expected 'iteration' or 'minutes'")
-    labels = units(kind)
+    labels = units(env)
     # shared x: validation points sit one iteration past the last rollout, all panels should line up
     fig, axes = plt.subplots(1, 3, figsize=FIGSIZE, dpi=DPI, sharex=True)
     aggs: dict[str, dict[str, Aggregate]] = {}
@@ -85,7 +81,7 @@ def plot_learning_curves(data: dict[str, dict[str, list[Curve]]], kind: str, x_a
         ax.set_xlabel("training iterations completed" if x_axis == "iteration"
                       else "wall-clock time since run start (minutes)")
         ax.set_title(key.split("/")[1].replace("_", " "))
-        if key == "rollout/success_rate" or (kind == "webshop" and key == "rollout/score"):
+        if key == "rollout/success_rate" or (env.max_score == 1.0 and key == "rollout/score"):
             ax.set_ylim(-0.03, 1.03)
         if x_axis == "iteration":
             ax.xaxis.get_major_locator().set_params(integer=True)
@@ -105,11 +101,12 @@ def plot_learning_curves(data: dict[str, dict[str, list[Curve]]], kind: str, x_a
     return aggs
 
 
-def plot_adaptation(adapt: dict[str, dict[str, Any]], kind: str | None, path: Path) -> dict[str, Any]:
+def plot_adaptation(adapt: dict[str, dict[str, Any]], env, path: Path) -> dict[str, Any]:
     """Score per trial (trial 0 without memory, then memory trials) per label.
 
     Band: ± standard error over files with one label, or, for a single file, the summary's own per-trial
-    standard error over its episodes (and seeds). Units from the summaries' ``env`` (else ``kind``).
+    standard error over its episodes (and seeds). Units from the summaries' ``env`` (else ``env``, an
+    ``Environment`` class or None).
     Returns ``{label: {"mean": [...], "sem": [...], "best_relative_gain": float | None, "files": [...]}}`` with
     the gain as ``src.evaluation.stats.best_relative_gain`` defines it (max over trials ≥ 1 of (score − score₀) / |score₀|).
     """
@@ -133,15 +130,14 @@ def plot_adaptation(adapt: dict[str, dict[str, Any]], kind: str | None, path: Pa
         ax.axhline(mean[0], color=color, linestyle=":", linewidth=1)
         summary[label] = {"mean": mean.tolist(), "sem": [None if np.isnan(s) else float(s) for s in sem],
                           "best_relative_gain": gain, "files": entry["files"]}
-    envs = {env_kind_of_target(e["env"]) for e in adapt.values()} - {None}
-    kind = envs.pop() if len(envs) == 1 else kind
+    envs = {environment_of_target(e["env"]) for e in adapt.values()} - {None}
+    env = envs.pop() if len(envs) == 1 else env
     tasks = sorted({str(e["task"]) for e in adapt.values() if e["task"]})
     ax.set_xlabel("trial (0: no memory; 1…K: memory on, tips from earlier trials; no weight updates)")
-    ax.set_ylabel({"scienceworld": "mean episode score (points, −100…100)",
-                   "webshop": "mean episode score (0…1)"}.get(kind or "", "mean episode score"))
+    ax.set_ylabel(f"mean episode score ({env.score_unit})" if env else "mean episode score")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
-    where = {"scienceworld": "ScienceWorld", "webshop": "WebShop"}.get(kind or "", "")
+    where = env.display_name if env else ""
     ax.set_title(f"OOD adaptation with memory{' on ' + where if where else ''}"
                  f"{' (' + ', '.join(tasks) + ')' if tasks else ''}\n"
                  "line: mean score per trial, band: ± 1 standard error, dotted: trial 0 level", fontsize=10)

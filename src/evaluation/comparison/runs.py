@@ -65,29 +65,33 @@ def select_runs(client: mlflow.MlflowClient, experiment: str | None, tags: Seque
     return runs
 
 
-def env_kind(runs: Sequence[Run]) -> str:
-    """``"scienceworld"`` or ``"webshop"`` from the runs' ``env/_target_``; ValueError if mixed or unknown."""
-    kinds = set()
-    for run in runs:
-        target = run.data.params.get("env/_target_", "").lower()
-        kind = "scienceworld" if "scienceworld" in target else "webshop" if "webshop" in target else None
-        if kind is None:
-            raise ValueError(f"run {run.info.run_id} has env/_target_={target!r}: expected a ScienceWorld or "
-                             "WebShop environment")
-        kinds.add(kind)
-    if len(kinds) != 1:
-        raise ValueError(f"the selected runs mix environments {sorted(kinds)}; compare one environment at a time "
+def run_environment(runs: Sequence[Run]):
+    """The ``Environment`` class (src/envs/base.py) the runs trained in, from their ``env/_target_``: its name, score
+    unit and best score label the tables and figures.
+
+    Raises:
+        ValueError: the runs mix environments, or one names no environment class that can be imported.
+    """
+    from src.envs.base import environment_class
+
+    targets = {run.data.params.get("env/_target_", "") for run in runs}
+    if len(targets) != 1:
+        raise ValueError(f"the selected runs mix environments {sorted(targets)}; compare one environment at a time "
                          "(filter with --tag or --run-ids)")
-    return kinds.pop()
+    target = targets.pop()
+    try:
+        return environment_class(target)
+    except (ImportError, AttributeError, TypeError, ValueError) as err:
+        raise ValueError(f"the runs' env/_target_={target!r} is not an environment this checkout can import "
+                         f"({type(err).__name__}: {err})") from err
 
 
-def comparison_title(runs: Sequence[Run], kind: str) -> str:
+def comparison_title(runs: Sequence[Run], env) -> str:
     """The figures' title: the algorithms compared (GRPO first), the environment and the tasks."""
-    env = {"scienceworld": "ScienceWorld", "webshop": "WebShop"}[kind]
     tasks = sorted({r.data.params.get("env/task") for r in runs} - {None, "None"})
     algos = sorted({r.data.params["algorithm/name"] for r in runs}, key=algorithm_rank)
-    return f"{' vs '.join(ALGORITHM_LABELS.get(a, a) for a in algos)} on {env}" + (f" ({', '.join(tasks)})"
-                                                                                    if tasks else "")
+    return f"{' vs '.join(ALGORITHM_LABELS.get(a, a) for a in algos)} on {env.display_name}" + (
+        f" ({', '.join(tasks)})" if tasks else "")
 
 
 # ---------------------------------------------------------------------------------------------------- curves

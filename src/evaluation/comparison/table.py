@@ -20,12 +20,12 @@ def _fmt(values: Sequence[float], digits: int) -> str:
     return f"{stats['mean']:.{digits}f}" + ("" if stats["stderr"] is None else f" ± {stats['stderr']:.{digits}f}")
 
 
-def results_table(client: mlflow.MlflowClient, runs: Sequence[Run], kind: str) -> str:
+def results_table(client: mlflow.MlflowClient, runs: Sequence[Run], env) -> str:
     """Markdown table of the compared runs, per algorithm: warm-start held-out score and success, final held-out
     score and success (the last validation of each run; mean ± s.e. over runs), iterations, wall-clock minutes,
     seconds per iteration (rollout / tips / update) and the seeds. Every number is read from the MLflow store."""
-    digits = 3 if kind == "webshop" else 1
-    unit = "score in [0, 1]" if kind == "webshop" else "points"
+    digits = 3 if env.max_score <= 1 else 1
+    unit = env.score_unit
     lines = [f"| algorithm | seeds | iterations | wall-clock (min) | s / iteration: rollout / tips / update | "
              f"warm start: held-out score ({unit}) / success | final held-out score | final success |",
              "|---|---|---|---|---|---|---|---|"]
@@ -74,13 +74,13 @@ def _summary(values: list[float], how: str, digits: int) -> str:
     return f"{(values[-1] if how == 'last' else float(np.mean(values))):.{digits}f}"
 
 
-def iterations_table(client: mlflow.MlflowClient, runs: Sequence[Run], kind: str) -> str:
+def iterations_table(client: mlflow.MlflowClient, runs: Sequence[Run], env) -> str:
     """Markdown table, one row per run and training iteration: the update mode drawn, the rollout score, the
     share of groups without signal, approx_kl (first optimizer step / largest), mean clip and masked fractions,
     and the memory's tips written, the share of them that are actions and the retrieval hit rate (``–``: not
     logged, e.g. GRPO has no memory). Where EMPO² and GRPO part, this says which iteration and which mode did it.
     """
-    score_digits = 3 if kind == "webshop" else 1
+    score_digits = 3 if env.max_score <= 1 else 1
     lines = ["| run | iteration | mode | " + " | ".join(c[0] for c in ITERATION_COLUMNS) + " |",
              "|---|---|---|" + "---|" * len(ITERATION_COLUMNS)]
     for run in sorted(runs, key=lambda r: (algorithm_rank(r.data.params["algorithm/name"]),
