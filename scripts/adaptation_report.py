@@ -35,6 +35,17 @@ SCIENCEWORLD_ROOMS = ("kitchen", "bedroom", "hallway", "workshop", "greenhouse",
                       "bathroom", "foundry", "outside")
 
 
+def _bare_command(env: str):
+    """The bare-command pattern of the environment class a summary names (None where this checkout has no such
+    class, e.g. a summary of a renamed one)."""
+    from src.envs.base import environment_class
+
+    try:
+        return environment_class(env).bare_command
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+
+
 def usable_tip(tip: str, instruction: str, env: str) -> bool:
     """Whether a reflection names something the next attempt can use, and is not an action reply.
 
@@ -42,7 +53,7 @@ def usable_tip(tip: str, instruction: str, env: str) -> bool:
     such as a colour or size, an attribute, the product's noun; stop words and the price clause excluded).
     ScienceWorld: a room, a box of the instruction ("red box"), or an object acted on (``focus on``/``move``).
     """
-    if is_action_reply(tip):
+    if is_action_reply(tip, _bare_command(env)):
         return False
     low = tip.lower()
     if "webshop" in env.lower():
@@ -86,7 +97,8 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
         ax.legend(fontsize=8)
         reflections = doc.get("reflections") or []
         usable = [usable_tip(r["tip"], r["instruction"], str(doc["env"])) for r in reflections]
-        actions = [is_action_reply(r["tip"]) for r in reflections]
+        bare = _bare_command(str(doc["env"]))
+        actions = [is_action_reply(r["tip"], bare) for r in reflections]
         last = doc["paired"][-1]
         lines += [f"## {label}", "",
                   f"{doc['num_tasks']} held-out tasks × {doc['episodes_per_task']} episode(s) × seeds {doc['seeds']}, "
@@ -96,7 +108,7 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
                   "| off: success | tip_action_frac |", "|---|---|---|---|---|---|---|"]
         for row, ctrl, diff in zip(doc["trials"], doc["control_trials"], doc["paired"]):
             # recounted from the reflections with today's is_action_reply (older summaries counted tags only)
-            written = [is_action_reply(r["tip"]) for r in reflections if r.get("trial") == row["trial"]]
+            written = [is_action_reply(r["tip"], bare) for r in reflections if r.get("trial") == row["trial"]]
             frac = sum(written) / len(written) if written else row.get("tip_action_frac")
             lines.append(f"| {row['trial']} | {_fmt(row['score'], row['score_stderr'], digits)} | "
                          f"{_fmt(ctrl['score'], ctrl['score_stderr'], digits)} | "

@@ -48,7 +48,7 @@ def _generate_old(policy, prompts, tokens: int, temperature: float = 1.0) -> lis
     """The previous implementation: ``output_logits=True`` keeps every step's [B, V] logits, stacked afterwards."""
     import torch
 
-    from src.models.logprobs import log_probs_from_logits
+    from src.models.log_probs import log_probs_from_logits
     from src.models.policy import pack_batch
 
     batch = pack_batch(prompts, [[] for _ in prompts], policy.tokenizer.pad_token_id)

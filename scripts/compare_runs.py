@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tag", action="append", default=[], help="keep runs whose Hydra tags include this "
                     "(repeatable: all must match)")
     ap.add_argument("--run-ids", nargs="+", default=[], help="compare exactly these runs (ignores --tag)")
-    ap.add_argument("--algorithms", nargs="+", default=["grpo", "empo2"], help="algorithm/name values to keep")
+    ap.add_argument("--algorithms", nargs="+", default=["grpo", "grpo_novelty", "empo2"], help="algorithm/name values to keep")
     ap.add_argument("--include-unfinished", action="store_true", help="also running, failed and killed runs")
     ap.add_argument("--adaptation", nargs="+", default=[], help="adaptation summaries (eval_summary.json of "
                     "src/eval.py eval.protocol=adaptation), as PATH or LABEL=PATH")

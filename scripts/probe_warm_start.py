@@ -37,7 +37,7 @@ def main() -> None:
     import src.utils.entrypoint  # noqa: F401 - registers the config resolvers
     from src.data.demonstrations import build_examples, demonstration_records
     from src.data.reflections import reflection_examples, reflection_records
-    from src.envs.base import is_action_reply
+    from src.envs.base import environment_class, is_action_reply
     from src.models.policy import build_policy
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
@@ -63,10 +63,11 @@ def main() -> None:
             print(f"  {float(out['log_probs'][i].sum()):7.2f}  {tok.decode(e.response_ids, skip_special_tokens=True)}")
         gen = policy.generate([e.prompt_ids for e in reflections], max_new_tokens=int(settings["max_tokens"]),
                               do_sample=False)
+    bare = environment_class(env_cfg).bare_command
     print(f"{len(reflections)} reflection prompts: target, then the greedy reply")
     for e, text in zip(reflections, gen.texts):
         print(f"  target: {tok.decode(e.response_ids, skip_special_tokens=True)}\n  greedy: {text}"
-              f"{'   [an action, not a tip]' if is_action_reply(text) else ''}")
+              f"{'   [an action, not a tip]' if is_action_reply(text, bare) else ''}")
 
 
 if __name__ == "__main__":

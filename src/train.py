@@ -47,6 +47,10 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     module = hydra.utils.instantiate(model_cfg)
     # `memory=none` leaves no `_target_` (an experiment's memory settings may still sit there, unused).
     use_memory = cfg.algorithm.get("use_memory", True) and "_target_" in (cfg.get("memory") or {})
+    if use_memory and getattr(hydra.utils.get_class(cfg.memory._target_), "diagnostic", False):
+        # oracle tips come from hidden task data: a diagnostic of the evaluation only
+        raise ValueError(f"memory._target_={cfg.memory._target_!r} is a diagnostic arm of src/eval.py (oracle or "
+                         "placeholder tips); training uses the policy's own memory (src.callbacks.memory.MemoryCallback)")
     memory = hydra.utils.instantiate(cfg.memory) if use_memory else None
     datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
     if memory is not None:

@@ -310,7 +310,7 @@ def test_algorithm_config_refuses_bad_choices():
     AlgorithmConfig.from_dict({"loss_agg_mode": "token-mean", "mask_modes": ["off_policy"], "memory_rollout_prob": 0.25})
     AlgorithmConfig.from_dict({"skip_zero_advantage": True, "kl_coef": 0.0})
     for bad, match in [({"loss_agg_mode": "foo"}, "loss_agg_mode='foo'"),
-                       ({"offpolicy_old_logprob": "nope"}, "offpolicy_old_logprob='nope'"),
+                       ({"off_policy_old_log_prob": "nope"}, "off_policy_old_log_prob='nope'"),
                        ({"mask_level": "word"}, "mask_level='word'"),
                        ({"kl_type": "x"}, "kl_type='x'"),
                        ({"mask_modes": ["sometimes"]}, "sometimes"),
@@ -349,8 +349,8 @@ def test_rollout_is_token_weights_known_values():
     assert m["rollout_is_weight_mean"] == pytest.approx((e(0.5) + e(-1.0) + 1.0 + 2.0 + e(-0.5)) / 5, abs=1e-12)
     assert m["rollout_is_weight_max"] == 2.0
     assert m["rollout_is_truncated_frac"] == pytest.approx(1 / 5)
-    assert m["rollout_logprob_diff"] == pytest.approx((0.5 + 1.0 + 0.0 + 1.0 + 0.5) / 5)  # mean |Δ|
-    assert m["rollout_logprob_diff_max"] == 1.0
+    assert m["rollout_log_prob_diff"] == pytest.approx((0.5 + 1.0 + 0.0 + 1.0 + 0.5) / 5)  # mean |Δ|
+    assert m["rollout_log_prob_diff_max"] == 1.0
     assert not w.requires_grad
 
 
@@ -371,7 +371,7 @@ def test_rollout_is_weights_are_exactly_one_for_equal_log_probs_and_never_overfl
     lp = torch.randn(3, 5, dtype=torch.float32)
     for level in ("token", "sequence"):
         w, m = rollout_is_weights(lp, lp.clone(), torch.ones(3, 5), level=level, cap=1.0)
-        assert torch.equal(w, torch.ones(3, 5)) and m["rollout_logprob_diff_max"] == 0.0
+        assert torch.equal(w, torch.ones(3, 5)) and m["rollout_log_prob_diff_max"] == 0.0
         assert m["rollout_is_truncated_frac"] == 0.0
     # Δ = 500 nats: e^500 overflows float32, the weight is the cap
     w, _ = rollout_is_weights(t([[0.0, 0.0]], torch.float32), t([[-500.0, 0.0]], torch.float32), torch.ones(1, 2),

@@ -113,3 +113,30 @@ def test_layers_import_downwards_only():
                 wrong += [f"{module} imports {d}" for d in sorted(deps)
                           if any(d == f or d.startswith(f + ".") for f in forbidden)]
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def test_no_module_outside_src_envs_names_a_concrete_environment():
+    """Everything environment-specific lives with the environment (``src.envs.base.Environment``): the rest of
+    ``src`` reads it from the class, so a new environment changes nothing outside ``src/envs/``."""
+    import ast
+
+    from src.envs.base import Environment
+    from src.envs.scienceworld import ScienceWorldEnv  # noqa: F401 - every concrete class is known below
+    from src.envs.textworld_express import TextWorldExpressEnv  # noqa: F401
+    from src.envs.webshop import WebShopEnv  # noqa: F401
+
+    def subclasses(cls):
+        return {c for s in cls.__subclasses__() for c in {s} | subclasses(s)}
+
+    names = {c.__name__ for c in subclasses(Environment) if c.__module__.startswith("src.envs")}
+    assert {"ScienceWorldEnv", "WebShopEnv", "TextWorldExpressEnv"} <= names
+    found = []
+    for path in sorted((ROOT / "src").rglob("*.py")):
+        if path.is_relative_to(ROOT / "src" / "envs"):
+            continue
+        words = {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)}
+        words |= {n.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)}
+        words |= {a.name.rsplit(".", 1)[-1] for n in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(n, ast.ImportFrom) for a in n.names}
+        found += [f"{path.relative_to(ROOT)}: {w}" for w in sorted(words & names)]
+    assert not found, "environment classes named outside src/envs/:\n" + "\n".join(found)

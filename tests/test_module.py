@@ -238,7 +238,7 @@ def test_rollout_is_with_equal_log_probs_leaves_the_update_unchanged_bit_for_bit
     module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.SGD, lr=1.0))
     batch = _micro_batches(_samples(module), 4)[0]
     loss_off, grads_off, metrics = _loss_and_grads(module, batch)
-    assert metrics["rollout_is_weight_mean"] == (1.0, 10.0) and metrics["rollout_logprob_diff_max"] == (0.0, 10.0)
+    assert metrics["rollout_is_weight_mean"] == (1.0, 10.0) and metrics["rollout_log_prob_diff_max"] == (0.0, 10.0)
     module.algorithm = AlgorithmConfig.from_dict({**ALGORITHM, "rollout_is": level, "rollout_is_cap": 1.0})
     loss_on, grads_on, _ = _loss_and_grads(module, batch)
     assert torch.equal(loss_on, loss_off)
@@ -263,9 +263,9 @@ def test_rollout_is_weights_a_mismatched_step_and_logs_the_mismatch(tiny_model_d
     _, grads_on, _ = _loss_and_grads(module, batch)
     assert any(not torch.equal(grads_on[n], g) for n, g in grads_off.items())
     logger = _fit_logged(module, [batch])
-    [diff] = logger.series("train/rollout_logprob_diff")
+    [diff] = logger.series("train/rollout_log_prob_diff")
     assert diff == pytest.approx(3 * 0.3 / 8, abs=1e-6)
-    assert logger.series("train/rollout_logprob_diff_max") == [pytest.approx(0.3, abs=1e-6)]
+    assert logger.series("train/rollout_log_prob_diff_max") == [pytest.approx(0.3, abs=1e-6)]
     assert logger.series("train/rollout_is_weight_mean") == [pytest.approx((3 * math.exp(-0.3) + 5) / 8, abs=1e-6)]
     assert logger.series("train/rollout_is_weight_max") == [1.0]
 

@@ -32,6 +32,8 @@ worked search opened repeat every option task names before buying but asked for 
 did not match all s attributes best matching on product page it with no extra look around focusing ended episode
 points wrong object focus only an that fits score ran out of steps after actions them needless skip go straight to
 move finish in fewer done nothing choose searched""".split())
+TEXTWORLD_TEMPLATE = TEMPLATE | set("""was is there take no try exits of the or inventory episode last recipe says read
+cookbook first coin""".split())
 
 
 def _words(text: str) -> set[str]:
@@ -44,12 +46,12 @@ def _visible_text(record: dict) -> str:
     return " ".join(parts + [f"{record['score']:g}", f"{record.get('max_score', 1.0):g}"])
 
 
-def _check_visible_only(records: list[dict], write_tip) -> None:
+def _check_visible_only(records: list[dict], write_tip, template: set[str] = TEMPLATE) -> None:
     for record in records:
         tip = " ".join(write_tip(record))
         # a function of what the agent saw: the same tip from the visible fields alone
         assert " ".join(write_tip({k: record[k] for k in VISIBLE if k in record})) == tip
-        unseen = {w for w in _words(tip) - TEMPLATE - _words(_visible_text(record)) if not w.isdigit()}
+        unseen = {w for w in _words(tip) - template - _words(_visible_text(record)) if not w.isdigit()}
         assert not unseen, f"tip {tip!r} names {sorted(unseen)}, which the trajectory never showed"
         # the outcome first, copied from the prompt's "Final score": success and failure tips part at a visible number
         assert tip.startswith(f"Score {record['score']:g}: "), tip
@@ -168,3 +170,15 @@ def test_tipped_demonstrations_show_the_other_trajectorys_tip_as_the_memory_stor
         prompt = decode(example.prompt_ids)
         assert all(entry in prompt for entry in entries[str(example.task), example.step])  # shown in the prompt
         assert not any(entry in decode(without.prompt_ids) for entry in entries[str(example.task), example.step])
+
+
+def test_textworld_express_tips_use_only_what_the_agent_saw(tmp_path):
+    from src.envs.textworld_express import textworld_express_tip
+
+    cfg = {"_target_": "src.envs.textworld_express.TextWorldExpressEnv", "max_steps": 12,
+           "game_params": {"numLocations": 4, "includeDoors": 1, "numDistractorItems": 0}}
+    records, write_tip, _ = reflection_records(cfg, 10, tmp_path)
+    assert write_tip is textworld_express_tip and len(records) == 20
+    _check_visible_only(records, textworld_express_tip, TEXTWORLD_TEMPLATE)
+    tips = [" ".join(textworld_express_tip(r)) for r in records]
+    assert any("The coin is in the" in t for t in tips) and any("Next time try the exits" in t for t in tips)

@@ -205,11 +205,11 @@ def test_off_policy_update_prompt_has_no_tips(pool, tiny_policy, memory):
     for step in episodes[0].steps:
         update_text = decode(step.update_prompt_ids)
         assert "TIP-MARKER" not in update_text and TIPS_HEADER not in update_text and "<memory>" not in update_text
-    dm = _datamodule({"offpolicy_old_logprob": "with_tips"})
+    dm = _datamodule({"off_policy_old_log_prob": "with_tips"})
     samples, _ = dm.make_samples(episodes, "off_policy")
     assert samples[0].old_prompt_ids == first.rollout_prompt_ids  # π_old(a|s, tips): true importance ratio
     assert samples[0].update_prompt_ids == first.update_prompt_ids
-    dm = _datamodule({"offpolicy_old_logprob": "without_tips"})
+    dm = _datamodule({"off_policy_old_log_prob": "without_tips"})
     samples, _ = dm.make_samples(episodes, "off_policy")
     assert samples[0].old_prompt_ids == first.update_prompt_ids
 
@@ -397,15 +397,15 @@ class _Trainer:
         self.lightning_module, self.global_step = module, 0
 
 
-@pytest.mark.parametrize("old_logprob", ["with_tips", "without_tips"])
-def test_off_policy_iteration_old_log_probs_end_to_end(pool, module, memory, old_logprob, monkeypatch):
+@pytest.mark.parametrize("old_log_prob", ["with_tips", "without_tips"])
+def test_off_policy_iteration_old_log_probs_end_to_end(pool, module, memory, old_log_prob, monkeypatch):
     """One off_policy iteration through the datamodule (real env, memory and policy, recomputed old log-probs):
     π_old is evaluated under the rollout prompt with its tips, or under the tip-free update prompt."""
     monkeypatch.setattr(memory, "tip_max_tokens", 4)  # the reflections are not under test
     obs, info = pool.reset([(0, TASK)])[0]
     key = memory.embed([memory.state_text(info["instruction"], obs)])
-    memory.tips.add(memory.partition_key(TASK), key, ["TIP-OLD-LOGPROB: focus on a chair."], [100.0], [0])
-    algorithm = {"memory_rollout_prob": 1.0, "offpolicy_prob": 1.0, "offpolicy_old_logprob": old_logprob}
+    memory.tips.add(memory.partition_key(TASK), key, ["TIP-OLD-LOG-PROB: focus on a chair."], [100.0], [0])
+    algorithm = {"memory_rollout_prob": 1.0, "off_policy_prob": 1.0, "off_policy_old_log_prob": old_log_prob}
     dm = RolloutDataModule(env=ENV_CFG, algorithm=algorithm, tasks_per_iteration=1, group_size=2,
                            micro_batch_size=4, max_response_tokens=6, history_length=2)
     memory.attach(dm)
@@ -419,7 +419,7 @@ def test_off_policy_iteration_old_log_probs_end_to_end(pool, module, memory, old
         with torch.no_grad():
             under = {name: module.policy.log_probs([getattr(s, name)], [s.response_ids])["log_probs"][0]
                      for name in ("rollout_prompt_ids", "update_prompt_ids")}
-        expected = under["rollout_prompt_ids" if old_logprob == "with_tips" else "update_prompt_ids"]
+        expected = under["rollout_prompt_ids" if old_log_prob == "with_tips" else "update_prompt_ids"]
         torch.testing.assert_close(s.old_log_probs, expected, atol=1e-5, rtol=1e-5)
         if s.rollout_prompt_ids != s.update_prompt_ids:  # this step was shown tips
             gaps.append(float((under["rollout_prompt_ids"] - under["update_prompt_ids"]).abs().max()))

@@ -264,6 +264,19 @@ def test_grpo_runs_without_memory(tmp_path):
     assert "rollout/return" in objs["metrics"]
 
 
+def test_grpo_with_the_novelty_bonus_writes_and_shows_no_tip(tmp_path):
+    """algorithm=grpo_novelty: EMPO²'s novelty bonus, nothing else of its memory (the arm that tells the memory's
+    effect from the bonus's)."""
+    cfg = _cfg(tmp_path, "algorithm=grpo_novelty", "trainer.max_epochs=2", "logger=csv", "seed=3")
+    assert cfg.algorithm.name == "grpo_novelty" and cfg.algorithm.memory_rollout_prob == 0
+    objs = train(cfg)
+    memory, metrics = objs["memory"], objs["metrics"]
+    assert memory is not None and len(memory.tips) == 0 and len(memory.novelty) > 0
+    assert float(metrics["rollout/intrinsic_return"]) > 0 and float(metrics["rollout/mode"]) == 0
+    assert "rollout/tips_written" not in metrics
+    assert not list(Path(cfg.paths.output_dir).glob("tips/*written.json"))
+
+
 def test_auto_precision_is_tagged_and_only_the_last_checkpoint_is_kept(tmp_path, monkeypatch):
     """trainer.precision=auto (the CPU experiments' setting) runs with this machine's choice, which the MLflow run
     records as the tag precision_used; by default a run keeps last.ckpt only (no disk growth per iteration), and

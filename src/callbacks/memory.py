@@ -74,6 +74,16 @@ def task_text(task: dict[str, Any]) -> str:
     return json.dumps(task, sort_keys=True, default=str)
 
 
+KEYS = ("instruction_observation", "observation")  # memory.key: what a state's key embeds
+
+
+def state_text(key: str, instruction: str, observation: str) -> str:
+    """The memory key text of a state under ``memory.key``: task instruction + latest observation
+    (``instruction_observation``, not the whole chat), or the observation alone (``observation``: every key of a
+    partition shares its instruction, which flattens their cosines; docs/method.md#memory)."""
+    return observation if key == "observation" else f"{instruction}\n{observation}"
+
+
 class MemoryCallback(L.Callback):
     """Self-generated tips memory plus intrinsic novelty reward.
 
@@ -99,10 +109,15 @@ class MemoryCallback(L.Callback):
 
     def __init__(self, embedder: Embedder, tip_memory, partition: str = "variation",
                  tips_scope: str = "current", tip_max_tokens: int = 64, reuse_rollout_cache: bool = True,
-                 novelty: dict[str, Any] | None = None):
+                 novelty: dict[str, Any] | None = None, key: str = "instruction_observation",
+                 write_tips: bool = True):
         super().__init__()
         if partition not in PARTITIONS:
             raise ValueError(f"memory partition must be one of {PARTITIONS}, got {partition!r}")
+        if key not in KEYS:
+            raise ValueError(f"memory.key={key!r}: expected one of {KEYS}")
+        self.key = key
+        self.tips_enabled = bool(write_tips)  # False: the novelty bonus alone (algorithm=grpo_novelty)
         if not isinstance(tip_memory, TipMemory):
             tip_memory = tip_memory(dim=embedder.dim, embedder_name=embedder.name)
         if embedder.dim != tip_memory.dim or embedder.name != tip_memory.embedder_name:
@@ -144,10 +159,9 @@ class MemoryCallback(L.Callback):
         self.bare_command = environment_class(env_cfg).bare_command
 
     # ------------------------------------------------------------------ used by the rollout runner
-    @staticmethod
-    def state_text(instruction: str, observation: str) -> str:
-        """The memory key text: task instruction + latest observation (not the whole chat; docs/method.md#memory)."""
-        return f"{instruction}\n{observation}"
+    def state_text(self, instruction: str, observation: str) -> str:
+        """The key text of a state (``state_text`` under this memory's ``memory.key``)."""
+        return state_text(self.key, instruction, observation)
 
     def embed(self, texts: list[str]) -> np.ndarray:
         with timed(self.counters, "embed_s"):
@@ -219,6 +233,10 @@ class MemoryCallback(L.Callback):
         Under DDP/FSDP a collective: every rank adds every rank's entries (in rank order), and the numbers returned
         are over all ranks' reflections (counts summed, durations the slowest rank's).
         """
+        if not self.tips_enabled:  # memory.write_tips=false: no reflection, nothing stored
+            for e in episodes:
+                e.reflection_prefix = None
+            return {}
         tic = time.perf_counter()
         done = [e for e in episodes if not e.failed and e.steps and e.steps[0].key is not None]
         prompts, prefixes, shortened = [], [], 0
@@ -332,9 +350,17 @@ class MemoryCallback(L.Callback):
         memory in place of the others'."""
         state = {"tips": self.tips.state_dict(), "novelty": self.novelty.state_dict()}
         check_same_on_every_rank(memory_digest_parts(state))
-        return state
+        return {**state, "key": self.key}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the tips and the novelty store.
+
+        Raises:
+            ValueError: the memory was keyed by another ``memory.key`` (its keys would not match these queries)."""
+        saved = state_dict.get("key", "instruction_observation")  # older checkpoints: the only key there was
+        if saved != self.key:
+            raise ValueError(f"this memory was stored with memory.key={saved!r}, the run uses memory.key="
+                             f"{self.key!r}: its keys would not match the queries; set memory.key={saved}")
         self.tips.load_state_dict(state_dict["tips"])
         self.novelty.load_state_dict(state_dict["novelty"])
         log.info("Restored memory: %d tips in %d partitions", len(self.tips), len(self.tips.sizes()))

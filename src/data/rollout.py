@@ -310,6 +310,20 @@ def episode_metrics(episodes: list[Episode] | list[dict], prefix: str = "") -> d
     return {f"{prefix}{k}": v for k, v in out.items()}
 
 
+def play_groups(pool, policy, tasks: list[dict], episodes_per_task: int, cfg: RolloutConfig, memory=None,
+                max_steps: int | None = None) -> tuple[list[Episode], dict[str, float]]:
+    """Play ``episodes_per_task`` episodes of each of ``tasks`` (the list of all ranks): task k is group k and runs
+    on rank k mod world, its episodes numbered k·n + j on whichever rank runs it, so one process and N ranks play
+    the same episodes (each episode's tokens are seeded by its number). Returns this rank's episodes (task-major)
+    and ``run_episodes``' timings and counts."""
+    rank, world = rank_and_world()
+    mine = range(rank, len(tasks), world)
+    episode_tasks = [tasks[k] for k in mine for _ in range(episodes_per_task)]
+    groups = [k for k in mine for _ in range(episodes_per_task)]
+    episode_ids = [k * episodes_per_task + j for k in mine for j in range(episodes_per_task)]
+    return run_episodes(pool, policy, episode_tasks, groups, cfg, memory, max_steps, episode_ids=episode_ids)
+
+
 def evaluate(pool, module, tasks: list[dict], episodes_per_task: int, cfg: RolloutConfig,
              max_steps: int | None, memory=None, return_episodes: bool = False):
     """Run ``episodes_per_task`` episodes on each task (this rank's shard) with ``cfg`` (its temperature, tips).
@@ -319,15 +333,8 @@ def evaluate(pool, module, tasks: list[dict], episodes_per_task: int, cfg: Rollo
     ``(metrics, episodes)``, episodes task-major (all episodes of task 0 first), for per-episode statistics
     (``src/evaluation/``).
     """
-    rank, world = rank_and_world()
-    task_ids = range(rank, len(tasks), world)  # task k runs on rank k mod world; its episodes are numbered k·n + j
-    tasks = tasks[rank::world]
-    episode_tasks = [t for t in tasks for _ in range(episodes_per_task)]
-    groups = [k for k in task_ids for _ in range(episodes_per_task)]
-    episode_ids = [k * episodes_per_task + j for k in task_ids for j in range(episodes_per_task)]
     with module.rollout_context():
-        episodes, timing = run_episodes(pool, module.policy, episode_tasks, groups, cfg, memory, max_steps,
-                                        episode_ids=episode_ids)
+        episodes, timing = play_groups(pool, module.policy, tasks, episodes_per_task, cfg, memory, max_steps)
     # every rank summarises all ranks' episodes, so the numbers (and the logged keys) agree everywhere
     metrics = episode_metrics(gather_lists([e.summary() for e in episodes]))
     metrics["rollout_s"] = all_reduce([timing["rollout_s"]], op="max")[0]

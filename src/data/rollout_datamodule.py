@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from src.data.minibatches import mini_batch_count, micro_batches, scoring_chunks
 from src.data.prompts import TIPS_HEADER
-from src.data.rollout import Episode, episode_metrics, evaluate, log_episodes, run_episodes
+from src.data.rollout import Episode, episode_metrics, evaluate, log_episodes, play_groups
 from src.data.rollout_config import RolloutConfig
 from src.data.samples import MicroBatch, StepSample
 from src.envs.pool import EnvPool
@@ -42,7 +42,7 @@ from src.utils.timing import timed
 log = logging.getLogger(__name__)
 
 
-def draw_mode(seed: int, iteration: int, memory_rollout_prob: float, offpolicy_prob: float) -> str:
+def draw_mode(seed: int, iteration: int, memory_rollout_prob: float, off_policy_prob: float) -> str:
     """The update mode of an iteration (docs/method.md#one-iteration, step 1): on_policy w.p. 1−p, else off_policy w.p.
     q, else with tips.
 
@@ -52,7 +52,7 @@ def draw_mode(seed: int, iteration: int, memory_rollout_prob: float, offpolicy_p
     rng = np.random.default_rng([seed, iteration, MODE])
     if rng.random() >= memory_rollout_prob:
         return "on_policy"
-    return "off_policy" if rng.random() < offpolicy_prob else "on_policy_with_tips"
+    return "off_policy" if rng.random() < off_policy_prob else "on_policy_with_tips"
 
 
 NO_SIGNAL_METRICS = ("rollout/episodes", "rollout/failed_episodes", "rollout/return", "rollout/score",
@@ -83,8 +83,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     Args:
         env: the environment's Hydra config (a ``_target_`` dict), built inside each worker process.
-        algorithm: the algorithm config (``memory_rollout_prob`` p, ``offpolicy_prob`` q,
-            ``offpolicy_old_logprob``, ``norm_adv_by_std``, ``gamma``, ``kl_coef``, ...).
+        algorithm: the algorithm config (``memory_rollout_prob`` p, ``off_policy_prob`` q,
+            ``off_policy_old_log_prob``, ``norm_adv_by_std``, ``gamma``, ``kl_coef``, ...).
         tasks_per_iteration: task instances per iteration over all ranks (16 in the paper).
         group_size: episodes per task instance (N = 8 in the paper).
         train_split: environment split the training tasks come from.
@@ -154,7 +154,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.num_env_workers = num_env_workers
         self.seed = seed
         self.pool_timeout_s = pool_timeout_s
-        self.memory = None  # the MemoryCallback attaches itself here in its setup() when memory is on
+        self.memory = None  # the MemoryCallback, attached where the objects are built (src/train.py) when memory is on
         self.pool: EnvPool | None = None
         self.train_tasks: list[dict] = []
         self.val_tasks: list[dict] = []
@@ -211,14 +211,25 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(_Stream(self._validate), batch_size=None, num_workers=0)
 
     # ------------------------------------------------------------------ one iteration
+    def draw_mode(self, iteration: int) -> str:
+        """The iteration's update mode (``draw_mode``), refused where it needs a memory that is off.
+
+        Raises:
+            ValueError: a memory mode drawn with the memory off.
+        """
+        mode = draw_mode(self.seed, iteration, self.algorithm.memory_rollout_prob, self.algorithm.off_policy_prob)
+        if mode != "on_policy" and self.memory is None:
+            raise ValueError(f"iteration {iteration} drew mode {mode!r} but memory is off; set "
+                             "algorithm.memory_rollout_prob=0 or enable memory")
+        return mode
+
     def draw_tasks(self, iteration: int) -> list[dict]:
-        """This rank's task instances of an iteration (drawn for all ranks, then sharded by rank: task k of the
-        draw runs on rank k mod world)."""
-        rank, world = rank_and_world()
+        """The iteration's task instances, drawn for all ranks (task k of the draw is group k and runs on rank
+        k mod world: ``play_groups``)."""
         rng = np.random.default_rng([self.seed, iteration, TASKS])
         replace = len(self.train_tasks) < self.tasks_per_iteration
         picks = rng.choice(len(self.train_tasks), size=self.tasks_per_iteration, replace=replace)
-        return [self.train_tasks[int(i)] for i in picks][rank::world]
+        return [self.train_tasks[int(i)] for i in picks]
 
     def _next_iteration(self, global_step: int) -> int:
         """The iteration to run: counted here and saved with the checkpoint (the optimizer steps per iteration may
@@ -237,59 +248,68 @@ class RolloutDataModule(L.LightningDataModule):
             self.iteration = global_step // self.steps_per_iteration
         return self.iteration
 
-    def _iterate(self) -> Iterator[dict[str, Any]]:
+    def _iterate(self) -> Iterator[MicroBatch]:
+        """One training iteration, the steps of docs/method.md#one-iteration in order; Lightning runs the update
+        (``training_step``) on the micro-batches it yields."""
         module = self.trainer.lightning_module
         policy = module.policy
         rollout_step = self.trainer.global_step
         iteration = self._next_iteration(rollout_step)
-        mode = draw_mode(self.seed, iteration, self.algorithm.memory_rollout_prob, self.algorithm.offpolicy_prob)
-        if mode != "on_policy" and self.memory is None:
-            raise ValueError(f"iteration {iteration} drew mode {mode!r} but memory is off; set "
-                             "algorithm.memory_rollout_prob=0 or enable memory")
+        mode = self.draw_mode(iteration)                                        # 1. on/off-policy, tips or not
+        tasks = self.draw_tasks(iteration)
+        truncated_before = policy.num_prompts_truncated
+        with module.rollout_context():
+            episodes, metrics = self.play(policy, tasks, mode, iteration)       # 2. the groups (tips in memory modes)
+            memory_metrics = self.reflect(episodes, policy, mode, iteration)    # 3. novelty bonus, tips written
+            samples, adv_metrics = self.make_samples(episodes, mode)            # 4. samples with GRPO advantages
+            with timed(metrics, "old_log_prob_s"):
+                module.score_samples(self.scoring_chunks(samples, policy))      # 5. old (and ref) log-probs
+        metrics["policy_prompts_truncated"] = float(policy.num_prompts_truncated - truncated_before)
+        metrics = self.iteration_metrics(metrics, memory_metrics, adv_metrics, episodes)
+        self.check_signal(metrics, iteration)
+        info = {"iteration": iteration, "mode": mode, "rollout_global_step": rollout_step}
+        yield from self.micro_batches(samples, info, metrics, iteration)        # 6. the update
+        # runs when Lightning asks past the last micro-batch, before the epoch ends and its checkpoint is written
+        self.iteration = iteration + 1
+
+    def play(self, policy, tasks: list[dict], mode: str, iteration: int) -> tuple[list[Episode], dict[str, float]]:
+        """This rank's episodes of the iteration: ``group_size`` per task (``play_groups``), retrieving tips in the
+        memory modes, sampled from the iteration's stream. Returns the episodes and this rank's rollout counts."""
         rank, world = rank_and_world()
         seed_torch(self.seed, iteration, SAMPLING, rank)  # anything else that draws from torch's generator
-        tasks = self.draw_tasks(iteration)
-        log.info("iteration %d (%s): rank %d of %d runs tasks %s", iteration, mode, rank, world, json.dumps(tasks))
-        truncated_before = policy.num_prompts_truncated
-        # task k of the iteration's draw is group k; its episodes are k·G .. k·G + G-1 on whichever rank runs it
-        task_ids = range(rank, self.tasks_per_iteration, world)
-        episode_tasks = [t for t in tasks for _ in range(self.group_size)]
-        groups = [k for k in task_ids for _ in range(self.group_size)]
-        episode_ids = [k * self.group_size + j for k in task_ids for j in range(self.group_size)]
+        log.info("iteration %d (%s): rank %d of %d runs tasks %s", iteration, mode, rank, world,
+                 json.dumps(tasks[rank::world]))
         cfg = self.rollout_config(use_tips=mode != "on_policy", strip_tips_for_update=mode == "off_policy",
                                   sample_seed=stream_seed(self.seed, iteration, SAMPLING))
-        # the reflections written below continue each episode's last prompt without recomputing it
+        # the reflections written next continue each episode's last prompt without recomputing it
         cfg.keep_reflection_prefix = self.memory is not None and self.memory.reuse_rollout_cache
-        global_metrics: dict[str, float] = {}
-        with module.rollout_context():
-            episodes, metrics = run_episodes(self.pool, policy, episode_tasks, groups, cfg, self.memory,
-                                             self.max_steps, episode_ids=episode_ids)
-            if self.memory is not None:
-                if self.memory.novelty_enabled:
-                    self.memory.add_novelty_bonus(episodes)
-                global_metrics.update(self.memory.write_tips(
-                    episodes, policy, self.pool.system_prompt, iteration=iteration, mode=mode,
-                    sample_seed=stream_seed(self.seed, iteration, REFLECTION)))
-            samples, adv_metrics = self.make_samples(episodes, mode)
-            with timed(metrics, "old_log_prob_s"):
-                module.score_samples(self.scoring_chunks(samples, policy))
-        metrics["policy_prompts_truncated"] = float(policy.num_prompts_truncated - truncated_before)
-        # this rank's timings and counts -> the whole iteration's (durations: the slowest rank's; counts: summed)
+        return play_groups(self.pool, policy, tasks, self.group_size, cfg, self.memory, self.max_steps)
+
+    def reflect(self, episodes: list[Episode], policy, mode: str, iteration: int) -> dict[str, float]:
+        """With the memory on: add the novelty bonus to the episodes' rewards, then write each episode's tips
+        (``MemoryCallback.add_novelty_bonus``, ``write_tips``). Returns the tip-writing metrics (over all ranks)."""
+        if self.memory is None:
+            return {}
+        if self.memory.novelty_enabled:
+            self.memory.add_novelty_bonus(episodes)
+        return self.memory.write_tips(episodes, policy, self.pool.system_prompt, iteration=iteration, mode=mode,
+                                      sample_seed=stream_seed(self.seed, iteration, REFLECTION))
+
+    def iteration_metrics(self, metrics: dict[str, float], memory_metrics: dict[str, float],
+                          adv_metrics: dict[str, float], episodes: list[Episode]) -> dict[str, float]:
+        """The iteration's ``rollout/*`` metrics over all ranks: this rank's timings and counts combined
+        (durations: the slowest rank's; counts: summed), rates derived from them, then the tip, advantage, episode
+        and memory metrics (already over all ranks)."""
         metrics = combine_over_ranks(metrics)
         metrics["rollout_tokens_per_s"] = metrics["generated_tokens"] / max(metrics["generate_s"], 1e-9)
         if metrics.get("prompt_tokens"):  # the share of prompt ids the rollout did not compute (shared prefixes)
             metrics["prompt_shared_frac"] = 1.0 - metrics["prompt_tokens_computed"] / metrics["prompt_tokens"]
-        metrics.update(global_metrics)
+        metrics.update(memory_metrics)
         metrics.update(adv_metrics)
         metrics.update(episode_metrics(gather_lists([e.summary() for e in episodes])))
         if self.memory is not None:
             metrics.update(self.memory.pop_metrics())
-        metrics = {f"rollout/{k}": v for k, v in metrics.items()}
-        self.check_signal(metrics, iteration)
-        info = {"iteration": iteration, "mode": mode, "rollout_global_step": rollout_step}
-        yield from self.micro_batches(samples, info, metrics, iteration)
-        # runs when Lightning asks past the last micro-batch, before the epoch ends and its checkpoint is written
-        self.iteration = iteration + 1
+        return {f"rollout/{k}": v for k, v in metrics.items()}
 
     def make_samples(self, episodes: list[Episode], mode: str) -> tuple[list[StepSample], dict[str, float]]:
         """One sample per step of every valid episode, carrying its episode's GRPO advantage
@@ -307,7 +327,7 @@ class RolloutDataModule(L.LightningDataModule):
         advantages, metrics = compute_grpo_advantages(returns, group_index, algo.norm_adv_by_std)
         start = sum(len(rows) for rows in per_rank[:rank])
         advantages = advantages[start:start + len(episodes)]
-        old_with_tips = algo.offpolicy_old_logprob == "with_tips"
+        old_with_tips = algo.off_policy_old_log_prob == "with_tips"
         # Optional (off by default): zero-advantage steps add no policy gradient, only cost (and token-mean
         # denominator). Dropping them is DAPO-style filtering; it rescales the loss, so it is opt-in.
         skip_zero = algo.skip_zero_advantage

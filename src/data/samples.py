@@ -26,7 +26,7 @@ class StepSample:
         update_prompt_ids: the prompt the update trains under: tips stripped in ``off_policy`` iterations,
             otherwise the rollout prompt (the same list).
         old_prompt_ids: the prompt π_old is taken under: the rollout prompt, or the update prompt under
-            ``algorithm.offpolicy_old_logprob: without_tips`` in ``off_policy`` iterations.
+            ``algorithm.off_policy_old_log_prob: without_tips`` in ``off_policy`` iterations.
         response_ids: the sampled response tokens, ``[T_i]``.
         rollout_log_probs: log-probs of ``response_ids`` as sampled (nats, ``[T_i]``).
         advantage: the episode's advantage (dimensionless).

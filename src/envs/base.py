@@ -167,6 +167,16 @@ class Environment:
         raise NotImplementedError(f"{type(self).__name__} has no reflection examples (Environment."
                                   "reflection_records; set model.warm_start.reflections=null)")
 
+    def oracle_tips(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[list[str]]:
+        """Tips written from privileged information (the solution: a gold path, the goal's attributes, where the
+        coin is), one list of lines per task. A **diagnostic** of the adaptation protocol (``eval.oracle_tips``: can
+        the policy use a tip at all?), never shown in training (``src/train.py`` refuses them).
+
+        Raises:
+            NotImplementedError: the environment has none.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no oracle tips (Environment.oracle_tips)")
+
     hindsight_tip: Callable[[dict[str, Any]], list[str]]
     """``hindsight_tip(record) -> sentences in order of importance``: the tip on a trajectory record, from what the
     agent saw (instruction, observations, actions, score), never from hidden task data. A staticmethod."""

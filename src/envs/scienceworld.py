@@ -376,6 +376,14 @@ class ScienceWorldEnv(Environment):
         gold = ensure_gold(tasks, data_dir, env_cfg.get("simplification", "easy"), env_cfg.get("jvm_heap", "768m"))
         return cached_replays(self, env_cfg, tasks, gold, data_dir)
 
+    def oracle_tips(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[list[str]]:
+        """Diagnostic only (``Environment.oracle_tips``): the simulator's gold path of each variation (generated into
+        the gold cache ``data_dir`` where missing)."""
+        from src.envs.scienceworld_demos import ensure_gold
+
+        gold = ensure_gold(tasks, data_dir, env_cfg.get("simplification", "easy"), env_cfg.get("jvm_heap", "768m"))
+        return [[f"The solution: {'; '.join(record['actions'])}."] for record in gold]
+
     hindsight_tip = staticmethod(scienceworld_tip)
 
     def close(self) -> None:

@@ -39,6 +39,12 @@ def check_eval_config(ev: DictConfig | dict) -> None:
             raise ValueError(f"eval.{name}={value!r}: expected an int >= 1")
     if not float(ev.get("temperature")) > 0:
         raise ValueError(f"eval.temperature={ev.get('temperature')!r}: expected > 0 (sampling)")
+    for name in ("oracle_tips", "empty_tips"):
+        if not isinstance(ev.get(name, False), bool):
+            raise ValueError(f"eval.{name}={ev.get(name)!r}: expected true or false")
+        if ev.get(name) and protocol != "adaptation":
+            raise ValueError(f"eval.{name}=true with eval.protocol={protocol!r}: the diagnostic arms belong to the "
+                             "adaptation protocol (eval.protocol=adaptation)")
     if ev.get("memory_file") and protocol == "adaptation":
         raise ValueError(f"eval.memory_file={ev.get('memory_file')!r} with eval.protocol=adaptation: the adaptation "
                          "protocol starts from an empty memory; set eval.memory_file=null or eval.protocol=standard")
@@ -78,7 +84,7 @@ def run_standard(cfg, b, pool, tasks, memory, write_tips: bool) -> dict[str, Any
     return {**episode_summary(all_episodes), "per_seed": per_seed, "rollout_s": rollout_s}
 
 
-def run_adaptation(cfg, b, pool, tasks, memory) -> dict[str, Any]:
+def run_adaptation(cfg, b, pool, tasks, memory, fixed_arms: dict[str, Any] | None = None) -> dict[str, Any]:
     """The adaptation protocol (docs/evaluation.md#the-adaptation-protocol): per seed, trial 0 without tips, then
     trials 1..K with tips retrieved from the reflections of the earlier trials, the policy's weights fixed.
 
@@ -88,37 +94,42 @@ def run_adaptation(cfg, b, pool, tasks, memory) -> dict[str, Any]:
     only by the tips shown. Returns the memory arm's per-trial rows (``trials``), the control's
     (``control_trials``), the paired per-episode difference memory − control per trial (``paired``, mean ± s.e.;
     episodes paired by seed, task and episode index), and the reflections written (``reflections``).
+
+    ``fixed_arms`` (``eval.oracle_tips`` / ``eval.empty_tips``: ``{"oracle": FixedTips, "empty": FixedTips}``,
+    docs/evaluation.md#diagnostic-arms) run the same trials showing their fixed lines from trial 1 on and writing
+    nothing; each adds ``<arm>_trials`` and, with the control, ``paired_vs_off[<arm>]`` (arm − control per trial).
+    Every arm draws trial k's tokens from the same streams, so trial 0 is the same episodes in all of them.
     """
     import lightning as L
 
     from src.data.rollout import evaluate
-    from src.evaluation.stats import mean_stderr
     from src.utils.rng import REFLECTION, VALIDATION, stream_seed
 
     ev, module, dm = cfg.eval, b["module"], b["datamodule"]
     trials, n = int(ev.trials), int(ev.episodes_per_task)
     empty = memory.state_dict()
-    arms = {"memory": memory, **({"control": None} if ev.get("control") else {})}
+    arms = {"memory": memory, **({"control": None} if ev.get("control") else {}), **(fixed_arms or {})}
     per_trial = {arm: [[] for _ in range(trials + 1)] for arm in arms}
     memory_sizes: list[list[int]] = [[] for _ in range(trials + 1)]
     tip_action = [[] for _ in range(trials + 1)]
     reflections, rollout_s = [], 0.0
     for seed in ev.seeds:
         for arm, mem in arms.items():
+            own = arm == "memory"  # the policy's own tips: written after every trial; the fixed arms write none
             L.seed_everything(seed, verbose=False)
-            if mem is not None:
+            if own:
                 mem.load_state_dict(empty)
             for trial in range(trials + 1):
                 rollout_cfg = dm.rollout_config(use_tips=mem is not None and trial > 0,
                                                 temperature=float(ev.temperature),
                                                 sample_seed=stream_seed(seed, trial, VALIDATION))
                 # the reflection continues the last rollout prompt, as in training (and the warm start teaches)
-                rollout_cfg.keep_reflection_prefix = mem is not None and mem.reuse_rollout_cache
+                rollout_cfg.keep_reflection_prefix = own and mem.reuse_rollout_cache
                 # trial 0 passes the memory too (no retrieval): its states are embedded so its tips can be written
                 metrics, episodes = evaluate(pool, module, tasks, n, rollout_cfg, dm.max_steps, mem,
                                              return_episodes=True)
                 rollout_s += metrics["rollout_s"]
-                if mem is not None:
+                if own:
                     memory_sizes[trial].append(len(mem.tips))
                     with module.rollout_context():
                         written = mem.write_tips(episodes, module.policy, pool.system_prompt,
@@ -130,7 +141,7 @@ def run_adaptation(cfg, b, pool, tasks, memory) -> dict[str, Any]:
                 log.info("seed %d trial %d (%s): score %.2f", seed, trial,
                          "no memory" if mem is None or trial == 0 else "tips",
                          episode_summary(episodes)["score"]["mean"] or math.nan)
-    rows = {arm: [_trial_row(trial, [e for eps in runs for e in eps], arm == "memory" and trial > 0)
+    rows = {arm: [_trial_row(trial, [e for eps in runs for e in eps], arm != "control" and trial > 0)
                   for trial, runs in enumerate(per_trial[arm])] for arm in arms}
     for trial, row in enumerate(rows["memory"]):
         row["memory_size_before"] = float(sum(memory_sizes[trial]) / len(memory_sizes[trial]))
@@ -144,15 +155,35 @@ def run_adaptation(cfg, b, pool, tasks, memory) -> dict[str, Any]:
            "rollout_s": rollout_s, "reflections": reflections}
     if "control" in arms:
         out["control_trials"] = rows["control"]
-        out["paired"] = []
-        for trial in range(trials + 1):
-            pairs = [(a, c) for with_memory, without in zip(per_trial["memory"][trial], per_trial["control"][trial])
-                     for a, c in zip(with_memory, without) if not (a.failed or c.failed)]
-            out["paired"].append({"trial": trial,
-                                  "score_diff": mean_stderr([a.score - c.score for a, c in pairs]),
-                                  "success_diff": mean_stderr([float(a.success) - float(c.success) for a, c in pairs])})
+        out["paired"] = [_paired(per_trial["memory"][t], per_trial["control"][t], t) for t in range(trials + 1)]
         out["last_trial_paired_score_diff"] = out["paired"][-1]["score_diff"]
+    # every episode of every arm, so paired differences can be recomputed from the summary (and trial 0 compared)
+    out["episodes"] = {arm: [[_episode_row(seed, e) for seed, eps in zip(ev.seeds, runs) for e in eps]
+                             for runs in per_trial[arm]] for arm in arms}
+    for arm in fixed_arms or {}:
+        out[f"{arm}_trials"] = rows[arm]
+        if "control" in arms:
+            out.setdefault("paired_vs_off", {})[arm] = [_paired(per_trial[arm][t], per_trial["control"][t], t)
+                                                        for t in range(trials + 1)]
+    if "control" in arms:
+        out.setdefault("paired_vs_off", {})["own"] = out["paired"]
     return out
+
+
+def _episode_row(seed: int, episode) -> dict[str, Any]:
+    return {"seed": seed, "task": episode.task, "episode": episode.id, "score": episode.score,
+            "success": bool(episode.success), "steps": len(episode.steps), "failed": bool(episode.failed),
+            "actions": [s.action for s in episode.steps]}
+
+
+def _paired(arm_runs: list, control_runs: list, trial: int) -> dict[str, Any]:
+    """Arm − control per episode (paired by seed, task and episode index), mean ± s.e., skipping failed ones."""
+    from src.evaluation.stats import mean_stderr
+
+    pairs = [(a, c) for with_arm, without in zip(arm_runs, control_runs) for a, c in zip(with_arm, without)
+             if not (a.failed or c.failed)]
+    return {"trial": trial, "score_diff": mean_stderr([a.score - c.score for a, c in pairs]),
+            "success_diff": mean_stderr([float(a.success) - float(c.success) for a, c in pairs])}
 
 
 def _trial_row(trial: int, episodes: list, with_tips: bool) -> dict[str, Any]:

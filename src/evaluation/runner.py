@@ -126,8 +126,9 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         pool.resize(len(tasks) * per_round)
         if memory is not None:
             memory.pop_metrics()  # start the hit-rate counters at zero
+        fixed_arms = _fixed_arms(cfg, b, tasks) if adaptation else {}
         with fabric.autocast():
-            result = run_adaptation(cfg, b, pool, tasks, memory) if adaptation else \
+            result = run_adaptation(cfg, b, pool, tasks, memory, fixed_arms) if adaptation else \
                 run_standard(cfg, b, pool, tasks, memory, write_tips)
         memory_metrics = memory.pop_metrics() if memory is not None else {}
     finally:
@@ -184,6 +185,34 @@ def _read_memory_file(cfg: DictConfig) -> dict[str, Any] | None:
                          f"{info['partition']!r}, but memory.partition={partition!r}: its tips would never "
                          f"be retrieved; set memory.partition={info['partition']}")
     return state
+
+
+def _fixed_arms(cfg: DictConfig, b: dict[str, Any], tasks: list[dict]) -> dict[str, Any]:
+    """The diagnostic arms ``eval.oracle_tips`` / ``eval.empty_tips`` ask for (``src/evaluation/fixed_tips.py``): the
+    environment's oracle tips of ``tasks`` (built in this process, then closed), and the placeholder lines of their
+    token lengths.
+
+    Raises:
+        ValueError: the environment has no oracle tips.
+    """
+    from src.evaluation.fixed_tips import empty_tips, oracle_tips, token_lengths
+
+    ev = cfg.eval
+    if not (ev.get("oracle_tips") or ev.get("empty_tips")):
+        return {}
+    data_dir = str((cfg.model.get("warm_start") or {}).get("gold_dir") or cfg.paths.data_dir)
+    env = hydra.utils.instantiate(b["env_cfg"])
+    try:
+        oracle = oracle_tips(env, tasks, b["env_cfg"], data_dir)
+    finally:
+        env.close()
+    tokenizer = b["module"].policy.tokenizer
+    arms = {**({"oracle": oracle} if ev.get("oracle_tips") else {}),
+            **({"empty": empty_tips(oracle, tokenizer)} if ev.get("empty_tips") else {})}
+    for name, arm in arms.items():
+        log.info("diagnostic arm %s: %.1f tip tokens per task (e.g. %s)", name, token_lengths(arm, tokenizer),
+                 next(iter(arm.tips.values())))
+    return arms
 
 
 def _eval_memory(cfg: DictConfig, b: dict[str, Any], memory_file: dict[str, Any] | None):

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from src.models.core_algos import KL_KINDS, LOSS_AGG_MODES, MASK_LEVELS, ROLLOUT_IS_LEVELS, UPDATE_MODES
 
-OFFPOLICY_OLD_LOGPROB = ("with_tips", "without_tips")  # the prompt π_old of an off-policy step is taken under
+OFF_POLICY_OLD_LOG_PROB = ("with_tips", "without_tips")  # the prompt π_old of an off-policy step is taken under
 
 
 @dataclass
@@ -30,9 +30,9 @@ class AlgorithmConfig:
     """Build the memory callback (tips and novelty bonus)."""
     memory_rollout_prob: float = 0.0
     """p: probability that an iteration's rollout retrieves tips (0.25 in EMPO²)."""
-    offpolicy_prob: float = 0.0
+    off_policy_prob: float = 0.0
     """q: probability that a memory rollout is updated off-policy, i.e. with the tips stripped (2/3 in EMPO²)."""
-    offpolicy_old_logprob: str = "with_tips"
+    off_policy_old_log_prob: str = "with_tips"
     """Prompt of the behaviour log-probs of an off-policy step: ``with_tips`` (the rollout prompt) or
     ``without_tips`` (the tip-free update prompt)."""
     mask_modes: list[str] = field(default_factory=list)
@@ -105,14 +105,14 @@ class AlgorithmConfig:
             if f.type in ("float", "int"):
                 setattr(self, f.name, (float if f.type == "float" else int)(getattr(self, f.name)))
         choices = {"loss_agg_mode": LOSS_AGG_MODES, "mask_level": MASK_LEVELS, "kl_type": KL_KINDS,
-                   "offpolicy_old_logprob": OFFPOLICY_OLD_LOGPROB, "rollout_is": ROLLOUT_IS_LEVELS}
+                   "off_policy_old_log_prob": OFF_POLICY_OLD_LOG_PROB, "rollout_is": ROLLOUT_IS_LEVELS}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 raise ValueError(f"algorithm.{key}={getattr(self, key)!r}: expected one of {valid}")
         bad = [m for m in self.mask_modes if m not in UPDATE_MODES]
         if bad:
             raise ValueError(f"algorithm.mask_modes has {bad}: expected modes from {UPDATE_MODES}")
-        for key in ("memory_rollout_prob", "offpolicy_prob", "gamma"):
+        for key in ("memory_rollout_prob", "off_policy_prob", "gamma"):
             if not 0.0 <= float(getattr(self, key)) <= 1.0:
                 raise ValueError(f"algorithm.{key}={getattr(self, key)!r}: expected a value in [0, 1]")
         if not 0.0 <= self.clip_ratio_low < 1.0 or self.clip_ratio_high < 0.0 or self.clip_ratio_c <= 1.0:

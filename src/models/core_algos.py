@@ -286,7 +286,7 @@ def rollout_is_weights(
         ``(weights [B, T], metrics)``; weights in the promoted dtype of the inputs (at least float32), 1 outside
         ``response_mask``, no gradient. Metrics over the masked tokens (0 when there is none):
         ``rollout_is_weight_mean``, ``rollout_is_weight_max``, ``rollout_is_truncated_frac`` (tokens whose
-        untruncated weight is above C), ``rollout_logprob_diff`` (mean |Δ|, nats), ``rollout_logprob_diff_max``
+        untruncated weight is above C), ``rollout_log_prob_diff`` (mean |Δ|, nats), ``rollout_log_prob_diff_max``
         (max |Δ|).
 
     Raises:
@@ -305,8 +305,8 @@ def rollout_is_weights(
     log_w = diff if level == "token" else diff.sum(dim=-1, keepdim=True).expand_as(diff)
     raw = torch.exp(log_w.clamp(max=_MAX_LOG_RATIO))  # the clamp only keeps exp finite: e^20 is far above any cap
     weights = torch.where(m, raw.clamp(max=cap), 1.0)
-    names = ("rollout_is_weight_mean", "rollout_is_weight_max", "rollout_is_truncated_frac", "rollout_logprob_diff",
-             "rollout_logprob_diff_max")
+    names = ("rollout_is_weight_mean", "rollout_is_weight_max", "rollout_is_truncated_frac", "rollout_log_prob_diff",
+             "rollout_log_prob_diff_max")
     if not bool(m.any()):
         return weights, dict.fromkeys(names, 0.0)
     w, d = weights[m], diff[m].abs()

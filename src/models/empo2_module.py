@@ -47,7 +47,10 @@ def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
 
 
 class EMPO2Module(L.LightningModule):
-    """Holds the policy (and a frozen reference when needed) and applies the hybrid loss.
+    """Holds the policy (and a frozen reference when needed) and applies the hybrid loss. It runs **GRPO** as well
+    as EMPO²: with ``algorithm=grpo`` (``memory_rollout_prob: 0``, memory off) every iteration is on-policy and the
+    update is GRPO's clipped policy gradient; the EMPO² modes add the off-policy update and its masking
+    (docs/method.md).
 
     Args:
         policy: kwargs of ``build_policy`` (``name_or_path``, ``cache_dir``, ``dtype``, ``lora``, ...).
@@ -138,7 +141,7 @@ class EMPO2Module(L.LightningModule):
         per chunk (``RolloutDataModule.scoring_chunks``: under FSDP every rank gets the same number of chunks).
 
         Old log-probs are recomputed by a forward pass over the behaviour prompt (``old_prompt_ids``: with tips,
-        or without under ``offpolicy_old_logprob: without_tips``), so the first update's ratio is exactly 1 where
+        or without under ``off_policy_old_log_prob: without_tips``), so the first update's ratio is exactly 1 where
         nothing changed. With ``algorithm.recompute_old_log_probs: false`` the rollout log-probs are used wherever
         the behaviour prompt is the rollout prompt (they agree to ~1e-4 in fp32, see tests/test_rollout.py).
         """
@@ -245,7 +248,7 @@ class EMPO2Module(L.LightningModule):
         metrics as ``{name: (value, weight)}``; docs/method.md#rollout-importance-sampling-correction).
 
         Only samples whose π_old is taken under the rollout prompt are compared (an off-policy step under
-        ``offpolicy_old_logprob: without_tips`` differs by its tips, not by the sampler): the others get weight 1
+        ``off_policy_old_log_prob: without_tips`` differs by its tips, not by the sampler): the others get weight 1
         and stay out of the metrics. With the correction off the metrics show the token-level weights.
         """
         algo = self.algorithm

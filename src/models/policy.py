@@ -30,7 +30,7 @@ from src.models.chat_encoding import encode_chat
 from src.models.dropout import zero_config_dropout, zero_module_dropout
 from src.models.hub import (adapter_base_model, base_model_setting, load_causal_lm, load_config, load_tokenizer,
                             resolve_name_or_path)
-from src.models.logprobs import entropy_from_logits, log_probs_from_logits
+from src.models.log_probs import entropy_from_logits, log_probs_from_logits
 from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
 from src.models.prompt_cache import PromptKV, SharedPrefixes, batch_with_prefixes, prompt_spans, row_prompt_kv
 from src.models.sampling import (SampledTokenLogProbs, SeededRowSampler, checkpoint_generation_defaults_off,

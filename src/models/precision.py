@@ -8,7 +8,7 @@
   are reduced in fp32 (:func:`fsdp_mixed_precision`, the verl/torchtitan setting).
 - Frozen weights stay in the loading dtype ``model.policy.dtype`` (bf16 at paper scale): the LoRA base model and
   the frozen KL reference.
-- Log-probs are computed from logits upcast to float32 (``logprobs.log_probs_from_logits``).
+- Log-probs are computed from logits upcast to float32 (``log_probs.log_probs_from_logits``).
 """
 from __future__ import annotations
 

@@ -275,6 +275,18 @@ class WebShopEnv(Environment):
 
         return webshop_records(self, tasks)
 
+    def oracle_tips(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[list[str]]:
+        """Diagnostic only (``Environment.oracle_tips``): the goal's product, its options and the actions that buy
+        it, from the hidden goal."""
+        out = []
+        for task in tasks:
+            self.reset(task)
+            goal = self.goal
+            clicks = [f"click[{goal['asin'].lower()}]"] + [f"click[{o}]" for o in goal["goal_options"]]
+            out.append([f"The product is {goal['name']} ({goal['asin'].lower()}).",
+                        f"search[{goal['name'].lower()}], then {', '.join(clicks)}, then click[buy now]."])
+        return out
+
     hindsight_tip = staticmethod(webshop_tip)
 
     @property

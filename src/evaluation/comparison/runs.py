@@ -13,13 +13,13 @@ from mlflow.entities import Run
 
 from src.evaluation.comparison.curves import Curve, curve_from_points
 
-ALGORITHM_LABELS = {"grpo": "GRPO", "empo2": "EMPO²"}
+ALGORITHM_LABELS = {"grpo": "GRPO", "grpo_novelty": "GRPO + novelty", "empo2": "EMPO²"}
 ROLLOUT_KEYS = ("rollout/return", "rollout/score", "rollout/success_rate")
 VAL_KEYS = {"rollout/score": "val/score", "rollout/success_rate": "val/success_rate"}
 
 
 def algorithm_rank(algo: str) -> tuple[int, str]:
-    """GRPO first, then EMPO², then anything else alphabetically."""
+    """GRPO first, then GRPO + novelty, then EMPO², then anything else alphabetically."""
     known = list(ALGORITHM_LABELS)
     return (known.index(algo) if algo in known else len(known), algo)
 
@@ -36,7 +36,7 @@ def run_tags(run: Run) -> list[str]:
 
 
 def select_runs(client: mlflow.MlflowClient, experiment: str | None, tags: Sequence[str] = (),
-                run_ids: Sequence[str] = (), algorithms: Sequence[str] = ("grpo", "empo2"),
+                run_ids: Sequence[str] = (), algorithms: Sequence[str] = ("grpo", "grpo_novelty", "empo2"),
                 include_unfinished: bool = False) -> list[Run]:
     """Training runs to compare: ``run_ids`` as given, or the runs of ``experiment`` that carry every tag in
     ``tags`` and whose ``algorithm/name`` is in ``algorithms`` (finished ones unless ``include_unfinished``).

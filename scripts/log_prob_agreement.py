@@ -1,7 +1,7 @@
 """How far the sampling log-probs are from the update's log-probs of the same tokens, under a precision.
 
-    python scripts/logprob_agreement.py                                   # WebShop prompts, bf16-mixed, SmolLM2
-    python scripts/logprob_agreement.py --precision 32-true --episodes 8 --steps 3
+    python scripts/log_prob_agreement.py                                   # WebShop prompts, bf16-mixed, SmolLM2
+    python scripts/log_prob_agreement.py --precision 32-true --episodes 8 --steps 3
 
 With ``algorithm.recompute_old_log_probs=false`` the first mini-batch's ratio is exp(scored − sampled): any
 numerical disagreement between ``Policy.generate`` (KV-cache decoding, the rollout's batch and padding) and

@@ -1,4 +1,4 @@
-"""Known-answer tests for src/models/logprobs.py: per-token log-probs and entropies from logits, sliced and
+"""Known-answer tests for src/models/log_probs.py: per-token log-probs and entropies from logits, sliced and
 checkpointed, against the naive float32 log-softmax."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from src.models.logprobs import entropy_from_logits, log_probs_from_logits
+from src.models.log_probs import entropy_from_logits, log_probs_from_logits
 
 F64 = torch.float64
 

@@ -1,0 +1,376 @@
+"""TextWorldExpress on the real simulator (Scala, via py4j, like ScienceWorld): docs/environments.md#textworldexpress.
+
+Two of its games: **Coin Collector** (``coin``: rooms joined by doors, the coin in one of them; the task is to
+explore until it is found, then ``take coin``) and **CookingWorld** (``cookingworld``: read the cookbook, gather and
+prepare the ingredients, ``prepare meal``, ``eat meal``). Every game instance is a seed; the simulator keeps three
+disjoint seed folds (train 0-999, dev 10000-10999, test 20000-20999): RL trains on training seeds, validation
+and evaluation play test seeds.
+
+Demonstrations for the imitation warm start are the simulator's own gold paths (which explore: the agent cannot see
+where the coin is); reflection examples are the gold path and a seeded random walk that runs out of steps, with a
+hindsight tip written from what the trajectory showed (rooms seen, doors opened, where the coin was or was not).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import numbers
+import random
+import re
+import shutil
+from typing import Any
+
+from src.envs.base import Environment, extract_action, replay
+from src.utils.environ import temporary_environ
+
+logger = logging.getLogger(__name__)
+
+GAMES = ("coin", "cookingworld")
+FOLDS = {"train": "train", "dev": "dev", "test": "test"}
+_INVALID_PREFIX = "Unknown action"
+_WASTE = ("look around", "inventory")  # actions that show but never change the state
+
+
+def _params(game_params: dict[str, Any]) -> str:
+    # The simulator reads "key=value,key=value"; booleans are 0/1.
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in game_params.items())
+
+
+_ROOM = re.compile(r"You are in the ([\w -]+?)\.")
+_EXIT = re.compile(r"[Tt]o the (North|South|East|West) you see (?:a closed [\w -]+? door|the ([\w -]+?))\s*\.")
+_OPENED = re.compile(r"You open the [\w -]+? door, revealing the ([\w -]+?)\s*\.")
+_RECIPE = re.compile(r"Directions:\s*(.+)", re.DOTALL)
+
+
+def textworld_express_tip(record: dict[str, Any]) -> list[str]:
+    """The hindsight tip on a TextWorldExpress trajectory, as sentences in order of importance.
+
+    Reads only ``instruction``, ``initial_observation``, ``actions`` (executed), ``observations`` and ``score``
+    (in [0, 1]): the rooms seen, where the coin was seen (or that it was not), the exits never taken; for
+    CookingWorld the recipe's directions when the cookbook was read."""
+    actions, observations, score = record["actions"], record["observations"], float(record["score"])
+    top = float(record.get("max_score", 1.0))
+    views = [record["initial_observation"], *observations]
+    rooms: list[str] = []
+    coin_room = None
+    exits: dict[str, dict[str, str | None]] = {}  # room -> direction -> the room it leads to (None: closed door)
+    room = None
+    for view in views:
+        found = _ROOM.search(view)
+        if found:
+            room = found.group(1)
+            rooms += [room] if room not in rooms else []
+            if re.search(r"\ba coin\b", view):
+                coin_room = room
+            for direction, leads_to in _EXIT.findall(view):
+                exits.setdefault(room, {})[direction.lower()] = leads_to or None
+        opened = _OPENED.search(view)
+        if opened and room:
+            rooms_seen = exits.setdefault(room, {})
+            for direction, leads_to in rooms_seen.items():
+                rooms_seen[direction] = leads_to or opened.group(1)
+    key = [a for a in actions if a not in _WASTE]
+    if score >= top:
+        where = f"The coin was in the {coin_room}. " if coin_room else ""
+        return [f"Score {score:g}: worked. {where}{'; '.join(key)}.", "Repeat it with no extra look around."]
+    waste = sum(a in _WASTE for a in actions)
+    coin = "coin" in record["instruction"]
+    # Coin Collector ends only at the coin or the step cap; CookingWorld also on a wrong step (which it does not name)
+    out = [f"Score {score:g}: " + (f"I ran out of steps after {len(actions)} actions" if coin else
+                                   f"the episode ended after {len(actions)} actions"
+                                   + (f", the last {actions[-1]}" if actions else ""))
+           + (f", {waste} of them needless look around or inventory" if waste else "") + "."]
+    if coin:
+        if coin_room:
+            out.append(f"The coin is in the {coin_room}: go there and take coin.")
+        else:
+            unexplored = [f"{d} of the {r}" for r, ways in exits.items() for d, to in ways.items()
+                          if to is None or to not in rooms]
+            out.append(f"No coin in the {', '.join(rooms)}." + (f" Next time try the exits {', '.join(unexplored)}."
+                                                               if unexplored else ""))
+    else:
+        recipe = next((_RECIPE.search(o) for o in observations if _RECIPE.search(o)), None)
+        if recipe:
+            out.append("The recipe says: " + "; ".join(line.strip() for line in recipe.group(1).splitlines()
+                                                       if line.strip()) + ".")
+        else:
+            out.append("Next time take and read the cookbook first.")
+    out.append(f"Done: {'; '.join(key)}." if key else "Nothing done.")
+    return out
+
+
+
+class TextWorldExpressEnv(Environment):
+    """One TextWorldExpress simulator (one JVM) behind the contract of ``src/envs/base.py``.
+
+    Args:
+        game: "coin" (Coin Collector) or "cookingworld".
+        game_params: the game's generation parameters (the simulator's names), e.g. ``{"numLocations": 4,
+            "includeDoors": 1, "numDistractorItems": 0}`` for coin; a parameter the game does not know raises.
+        num_train_seeds: train split = the first this many seeds of the train fold (0, 1, ...).
+        num_test_seeds: test split = the first this many seeds of the test fold (20000, ...); dev the same of the
+            dev fold.
+        max_steps: actions per episode (every step call counts, invalid ones included); reaching it truncates.
+        include_admissible_actions: list the simulator's valid actions (sorted; ~5-15 short strings) in ``info``,
+            and so in the prompt.
+        jvm_heap: JVM max heap (``-Xmx``), e.g. "256m".
+        seed: accepted so every environment takes the same config keys; a game is fixed by its task's seed.
+
+    Scores are the simulator's, in [0, 1] (coin: 0 or 1; cookingworld: the share of the recipe's steps done).
+    Reward = score delta. success = the simulator's task success; a task failure (e.g. eating an ingredient
+    raw) ends the episode (terminated) with success False. Invalid actions ("Unknown action") are no-ops with
+    ``valid_action=False``. Replies are read as in ScienceWorld: the first ``<action>`` tag, else the first line.
+
+    Raises:
+        ValueError: unknown game or game parameter, bad seed count/max_steps/jvm_heap, a task seed outside its fold.
+        RuntimeError: ``java`` not on PATH; step before reset or after the episode ended.
+    """
+
+    display_name = "TextWorldExpress"
+    score_unit = "score in [0, 1]"
+    max_score = 1.0
+    novelty_coef = 0.01  # 1% of the best score, the same share as ScienceWorld's 1 point of 100
+    bare_command = re.compile(r"(?:look around|inventory|move|open|close|take|put|drop|read|slice|chop|dice|cook|"
+                              r"prepare meal|eat)\b[^.;:\n]*")
+
+    def __init__(self, game: str = "coin", game_params: dict[str, Any] | None = None, num_train_seeds: int = 100,
+                 num_test_seeds: int = 50, max_steps: int = 20, include_admissible_actions: bool = True,
+                 jvm_heap: str = "256m", seed: int | None = None) -> None:
+        if game not in GAMES:
+            raise ValueError(f"game={game!r}: expected one of {list(GAMES)}")
+        if num_train_seeds < 0 or num_test_seeds < 0:
+            raise ValueError(f"num_train_seeds={num_train_seeds}, num_test_seeds={num_test_seeds}: expected "
+                             "non-negative counts")
+        if max_steps < 1:
+            raise ValueError(f"max_steps={max_steps}: expected a positive int")
+        if shutil.which("java") is None:
+            raise RuntimeError("TextWorldExpress needs a Java runtime (Java 17) but `java` is not on PATH. Install "
+                               "it, e.g. `apt-get install openjdk-17-jre-headless`.")
+        if not re.fullmatch(r"\d+[kKmMgG]?", str(jvm_heap)):
+            raise ValueError(f"jvm_heap={jvm_heap!r}: expected a JVM size like '256m' or '1g'")
+        from textworld_express import TextWorldExpressEnv as _Simulator
+
+        self.game, self.game_params = game, dict(game_params or {})
+        self.num_train_seeds, self.num_test_seeds = num_train_seeds, num_test_seeds
+        self.max_steps, self.include_admissible_actions, self.seed = max_steps, include_admissible_actions, seed
+        with temporary_environ("JAVA_TOOL_OPTIONS", f"-Xmx{jvm_heap} -XX:+UseSerialGC"):
+            self._sim = _Simulator(envStepLimit=10 ** 9)  # our own cap (max_steps) ends episodes
+        self._closed = False
+        try:
+            self._sim.load(game, _params(self.game_params))
+        except Exception as exc:
+            self.close()
+            raise ValueError(f"game_params={self.game_params!r} for game {game!r}: the simulator says {exc}") from exc
+        self._folds = {"train": self._sim.getValidSeedsTrain(), "dev": self._sim.getValidSeedsDev(),
+                       "test": self._sim.getValidSeedsTest()}
+        self._seeds = {fold: set(seeds) for fold, seeds in self._folds.items()}
+        self._task: dict[str, Any] | None = None
+        self._done = True
+        self._steps = 0
+        self._score = 0.0
+        self._valid: list[str] = []
+        self._instruction = ""
+        self.system_prompt = self._make_system_prompt()
+
+    # ----------------------------------------------------------------- splits
+    def tasks(self, split: str) -> list[dict[str, Any]]:
+        """Task instances ``{"task_name": game, "variation": seed, "fold": split}``: the first
+        ``num_train_seeds`` seeds of the train fold, or ``num_test_seeds`` of the dev/test fold.
+
+        Raises ValueError for another split."""
+        if split not in FOLDS:
+            raise ValueError(f"split={split!r}: expected one of {sorted(FOLDS)}")
+        count = self.num_train_seeds if split == "train" else self.num_test_seeds
+        return [{"task_name": self.game, "variation": int(s), "fold": split} for s in self._folds[split][:count]]
+
+    # ----------------------------------------------------------------- episode
+    def reset(self, task: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Start the game of ``{"variation": seed, "fold": "train"|"dev"|"test"}`` (``task_name``, when given,
+        must be this environment's game).
+
+        Returns the task description followed by the first room's description, and ``info``."""
+        if not isinstance(task, dict) or "variation" not in task or "fold" not in task:
+            raise ValueError(f"task={task!r}: expected a dict with keys 'variation' (a seed) and 'fold'")
+        if task.get("task_name", self.game) != self.game:
+            raise ValueError(f"task_name={task['task_name']!r}: this environment plays {self.game!r}")
+        seed, fold = task["variation"], task["fold"]
+        if fold not in FOLDS:
+            raise ValueError(f"fold={fold!r}: expected one of {sorted(FOLDS)}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or int(seed) not in self._seeds[fold]:
+            lo, hi = min(self._folds[fold]), max(self._folds[fold])
+            raise ValueError(f"variation={seed!r}: expected a seed of the {fold} fold ({lo}..{hi})")
+        observation, raw = self._sim.reset(seed=int(seed), gameFold=fold)
+        self._task = {"task_name": self.game, "variation": int(seed), "fold": fold}
+        self._instruction = str(raw["taskDescription"]).strip()
+        self._steps, self._score, self._done = 0, float(raw["score"]), False
+        self._valid = sorted(raw["validActions"])
+        info = self._info(action="look around", raw_action="", valid=True, success=False)
+        return f"{self._instruction}\n\n{observation.strip()}", info
+
+    def step(self, response: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Run one action parsed from the policy's raw text: (observation, reward, terminated, truncated, info).
+
+        Raises RuntimeError before ``reset`` or after the episode ended."""
+        if self._task is None:
+            raise RuntimeError("TextWorldExpressEnv.step() called before reset()")
+        if self._done:
+            raise RuntimeError("TextWorldExpressEnv.step() called after the episode ended; call reset() first")
+        action, format_ok = extract_action(response)
+        if action is None:
+            action = next((line.strip() for line in response.splitlines() if line.strip()), "")
+        self._steps += 1
+        if action:
+            observation, _, _, raw = self._sim.step(action)
+            valid = not observation.startswith(_INVALID_PREFIX)
+            success, failure = bool(raw["tasksuccess"]), bool(raw["taskfailure"])
+            reward, self._score = float(raw["score"]) - self._score, float(raw["score"])
+            self._valid = sorted(raw["validActions"])
+        else:  # the simulator would answer "Unknown action" too; no round trip for nothing
+            observation, valid, success, failure, reward = "No action given. Reply with one action.", False, False, \
+                False, 0.0
+        terminated = success or failure
+        truncated = not terminated and self._steps >= self.max_steps
+        self._done = terminated or truncated
+        info = self._info(action=action, raw_action=response, valid=valid, success=success)
+        info["format_ok"] = format_ok
+        return observation.strip(), reward, terminated, truncated, info
+
+    def _info(self, action: str, raw_action: str, valid: bool, success: bool) -> dict[str, Any]:
+        info = {"score": self._score, "max_score": 1.0, "success": success, "won": success, "valid_action": valid,
+                "action": action, "raw_action": raw_action, "task_id": self.game,
+                "variation": self._task["variation"], "instruction": self._instruction, "steps": self._steps,
+                "max_steps": self.max_steps}
+        if self.include_admissible_actions:
+            info["admissible_actions"] = list(self._valid)
+        return info
+
+    def gold_actions(self, task: dict[str, Any]) -> list[str]:
+        """A gold action path of ``task`` from the simulator (without its leading ``look around``, which ``reset``
+        already shows). It explores the way an agent must: it does not walk straight to a coin it cannot see. The
+        simulator draws one at random each time (observations are fixed per seed): ``cached_gold_actions`` keeps
+        the first."""
+        self.reset(task)
+        self._sim.reset(seed=int(task["variation"]), gameFold=task["fold"], generateGoldPath=True)
+        actions = [str(a) for a in self._sim.getGoldActionSequence()]
+        self._done = True  # the simulator restarted under the last reset: a new reset() is needed
+        return actions[1:] if actions and actions[0] == "look around" else actions
+
+    def cached_gold_actions(self, tasks: list[dict[str, Any]], data_dir: str) -> list[list[str]]:
+        """``gold_actions`` of each task, read from ``<data_dir>/textworld_express_gold-<game>-<key>.json`` where
+        cached (``key``: the game parameters), else drawn and added to it (written atomically), so every run
+        imitates the same paths and its warm start finds its cache entry."""
+        from pathlib import Path
+
+        from src.utils.io import json_digest, write_json_atomic
+
+        path = Path(data_dir) / f"textworld_express_gold-{self.game}-{json_digest(self.game_params)}.json"
+        cache = json.loads(path.read_text()) if path.exists() else {}
+        ids = [f"{t['fold']}/{int(t['variation'])}" for t in tasks]
+        missing = [(i, t) for i, t in zip(ids, tasks) if i not in cache]
+        if missing:
+            cache.update({i: self.gold_actions(t) for i, t in missing})
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, cache)
+        return [cache[i] for i in ids]
+
+    def _make_system_prompt(self) -> str:
+        what = {"coin": "The house is a set of rooms joined by doors; a coin lies in one of them. Explore until you "
+                        "see it, then take it. Doors may be closed: open them to go through.",
+                "cookingworld": "Cook a meal: find and read the cookbook, gather its ingredients, prepare them as "
+                                "its directions say, then prepare the meal and eat it."}[self.game]
+        return ("You are an agent in a text-based house (TextWorldExpress), acting by typing commands.\n" + what +
+                "\nReply with exactly one action command and nothing else, e.g. 'move north', 'open door to "
+                "south', 'take coin', 'look around'. When the valid actions are listed, pick one of them.")
+
+    # ------------------------------------------------------------------ Environment hooks
+    @classmethod
+    def warm_start_config(cls, env_cfg: dict[str, Any], num_tasks: int | None) -> dict[str, Any]:
+        """Every training seed has a gold path, so the warm start may imitate more seeds than RL trains on:
+        ``num_tasks`` training seeds (None: those RL trains on)."""
+        return env_cfg if num_tasks is None else {**env_cfg, "num_train_seeds": int(num_tasks)}
+
+    def demonstrations(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[dict]:
+        """The gold path of each training task (``cached_gold_actions``) without its loops (``without_loops``),
+        replayed here under the step cap."""
+        return [replay(self, task, self.without_loops(task, gold))
+                for task, gold in zip(tasks, self.cached_gold_actions(tasks, data_dir))]
+
+    def without_loops(self, task: dict[str, Any], actions: list[str]) -> list[str]:
+        """``actions`` without the loops that show nothing new: where the path comes back to a state (the same
+        observation) and everything it saw on the way had been seen before the loop began, the loop is cut. The
+        simulator's gold paths step back and forth between rooms already seen (``move east``, ``move west``, ``move
+        east``, ...), which a policy imitating them learns to do. The cut path is kept only if it still ends with the
+        same score (checked by replaying it)."""
+        def states(path: list[str]) -> tuple[list[str], float]:
+            record = replay(self, task, path)
+            return [record["initial_observation"], *record["observations"]], record["score"]
+
+        seen, score = states(actions)
+        path = list(actions)
+        changed = True
+        while changed:
+            changed = False
+            for j in range(1, len(seen)):
+                for i in range(j):
+                    if seen[i] == seen[j] and set(seen[i + 1:j]) <= set(seen[:i + 1]):
+                        candidate = path[:i] + path[j:]
+                        new_seen, new_score = states(candidate)
+                        if new_score == score:
+                            path, seen, changed = candidate, new_seen, True
+                        break
+                if changed:
+                    break
+        return path
+
+    def reflection_records(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[dict]:
+        """Per training task the gold path (``cached_gold_actions``) and a random walk that runs out of steps
+        (moves and door openings only, never the action that finishes the game; seeded by the task's seed, so every
+        run gets the same records)."""
+        out = []
+        for task, gold in zip(tasks, self.cached_gold_actions(tasks, data_dir)):
+            out += [replay(self, task, self.without_loops(task, gold)), replay(self, task, self._random_walk(task))]
+        return out
+
+    def oracle_tips(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[list[str]]:
+        """Diagnostic only (``Environment.oracle_tips``): where the coin is (coin) and the gold path without its
+        loops, from the simulator's solution."""
+        out = []
+        for task, gold in zip(tasks, self.cached_gold_actions(tasks, data_dir)):
+            path = self.without_loops(task, gold)
+            record = replay(self, task, path)
+            rooms = [m.group(1) for v in [record["initial_observation"], *record["observations"]]
+                     for m in [_ROOM.search(v)] if m]
+            lines = [f"The coin is in the {rooms[-1]}."] if self.game == "coin" and rooms else []
+            out.append(lines + [f"The way: {'; '.join(path)}."])
+        return out
+
+    def _random_walk(self, task: dict[str, Any]) -> list[str]:
+        rng = random.Random(int(task["variation"]))
+        self.reset(task)
+        actions: list[str] = []
+        while not self._done:
+            moves = [a for a in self._valid if a.startswith(("move", "open", "take", "read", "slice", "chop", "dice",
+                                                              "cook")) and a != "take coin"]
+            action = rng.choice(moves or self._valid)
+            actions.append(action)
+            self.step(action)
+        return actions
+
+    hindsight_tip = staticmethod(textworld_express_tip)
+
+    def close(self) -> None:
+        """Shut the JVM down (idempotent)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            self._sim.close()
+        except Exception as exc:  # the JVM may already be gone
+            logger.debug("TextWorldExpress JVM shutdown: %s", exc)
+        self._sim.close = lambda: None  # the package object's __del__ would close the dead gateway again
+
+    def __del__(self) -> None:
+        self.close()
+
+
+__all__ = ["TextWorldExpressEnv", "textworld_express_tip", "GAMES"]

@@ -1,0 +1,82 @@
+"""The diagnostic arms of the adaptation protocol (docs/evaluation.md#diagnostic-arms): tips fixed per task instead of
+the policy's own, to tell "cannot use tips" from "bad tips".
+
+- **oracle tips**: written from privileged information by the environment (``Environment.oracle_tips``: the gold
+  path, the goal's attributes, where the coin is). A diagnostic only: training refuses them (``src/train.py``).
+- **empty tips**: the tips block with placeholder lines of the same token lengths as the oracle tips, so the
+  block's presence alone is measured.
+
+``FixedTips`` stands where the memory stands in a rollout (``src.data.rollout.EpisodeMemory``): it embeds nothing and
+retrieves the task's fixed lines at every step.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+PLACEHOLDER = " -"  # one token in the tokenizers we use (SmolLM2, Qwen2.5): a line of n of them is n tokens
+
+
+def task_key(task: dict[str, Any]) -> str:
+    return json.dumps(task, sort_keys=True, default=str)
+
+
+class FixedTips:
+    """The same tip lines at every step of a task's episodes (``tips[task_key(task)]``).
+
+    Args:
+        tips: per task (``task_key``), the lines shown in the tips block.
+        kind: "oracle" or "empty", for the summary.
+    """
+
+    diagnostic = True  # never a training memory (src/train.py refuses it)
+    reuse_rollout_cache = False
+    tips_scope = "current"
+
+    def __init__(self, tips: dict[str, list[str]], kind: str) -> None:
+        self.tips, self.kind = tips, kind
+
+    @staticmethod
+    def state_text(instruction: str, observation: str) -> str:
+        return ""
+
+    @staticmethod
+    def embed(texts: list[str]) -> np.ndarray:
+        return np.zeros((len(texts), 1), dtype=np.float32)  # nothing is looked up by state
+
+    def retrieve(self, tasks: list[dict], keys: np.ndarray, where=None) -> list[list[str]]:
+        """The fixed lines of each task.
+
+        Raises:
+            KeyError: a task with no lines (the arm was built for other tasks)."""
+        return [list(self.tips[task_key(t)]) for t in tasks]
+
+
+def oracle_tips(env, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> FixedTips:
+    """The environment's oracle tips of ``tasks`` (``Environment.oracle_tips``).
+
+    Raises:
+        ValueError: the environment has no oracle tips."""
+    try:
+        lines = env.oracle_tips(tasks, env_cfg, data_dir)
+    except NotImplementedError as err:
+        raise ValueError(f"eval.oracle_tips / eval.empty_tips: {err}") from err
+    return FixedTips({task_key(t): list(tip) for t, tip in zip(tasks, lines)}, "oracle")
+
+
+def empty_tips(oracle: FixedTips, tokenizer) -> FixedTips:
+    """Placeholder lines of the oracle lines' token lengths (counted by ``tokenizer``)."""
+    def blank(line: str) -> str:
+        n = len(tokenizer(line, add_special_tokens=False)["input_ids"])
+        return (PLACEHOLDER * n).strip()
+
+    return FixedTips({key: [blank(line) for line in lines] for key, lines in oracle.tips.items()}, "empty")
+
+
+def token_lengths(arm: FixedTips, tokenizer) -> float:
+    """Mean tokens per task of an arm's tip lines (the empty arm's should equal the oracle's)."""
+    counts = [sum(len(tokenizer(line, add_special_tokens=False)["input_ids"]) for line in lines)
+              for lines in arm.tips.values()]
+    return float(np.mean(counts)) if counts else 0.0

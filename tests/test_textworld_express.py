@@ -1,0 +1,115 @@
+"""TextWorldExpress on the real simulator (src/envs/textworld_express.py, one JVM): gold paths, invalid actions, seeds
+and folds, the cached gold paths, the hindsight tips, a JVM killed under the worker pool."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from src.envs.base import replay
+from src.envs.pool import EnvPool
+from src.envs.textworld_express import TextWorldExpressEnv, textworld_express_tip
+
+COIN = {"numLocations": 4, "includeDoors": 1, "numDistractorItems": 0}
+CFG = {"_target_": "src.envs.textworld_express.TextWorldExpressEnv", "game_params": COIN, "max_steps": 40,
+       "num_train_seeds": 20, "num_test_seeds": 20}
+
+
+@pytest.fixture(scope="module")
+def coin():
+    env = TextWorldExpressEnv(game_params=COIN, max_steps=40, num_train_seeds=20, num_test_seeds=20)
+    yield env
+    env.close()
+
+
+def test_a_gold_path_reaches_score_1(coin, tmp_path):
+    for task in coin.tasks("train")[:10] + coin.tasks("test")[:5]:
+        record = coin.demonstrations([task], {}, str(tmp_path))[0]
+        assert record["success"] and record["score"] == 1.0, (task, record["actions"])
+        assert record["actions"][-1] == "take coin"
+    cooking = TextWorldExpressEnv(game="cookingworld", game_params={"numLocations": 1, "numIngredients": 2,
+                                                                   "numDistractorItems": 0, "includeDoors": 0},
+                                  max_steps=40, num_train_seeds=3)
+    try:
+        for record in cooking.demonstrations(cooking.tasks("train"), {}, str(tmp_path)):
+            assert record["success"] and record["score"] == 1.0 and record["actions"][-1] == "eat meal"
+    finally:
+        cooking.close()
+
+
+def test_an_invalid_action_is_a_no_op(coin):
+    task = coin.tasks("train")[5]
+    observation, info = coin.reset(task)
+    assert observation.startswith("Your task is to search the environment and find the coin.")
+    assert info["admissible_actions"] == sorted(info["admissible_actions"]) and "look around" in info["admissible_actions"]
+    for reply in ("fly to the moon", "", "move south"):  # seed 5's kitchen has no exit to the south
+        obs, reward, terminated, truncated, step_info = coin.step(reply)
+        assert step_info["valid_action"] is False and reward == 0.0 and not (terminated or truncated)
+        assert step_info["score"] == 0.0 and step_info["steps"] == 1 + ("fly to the moon", "", "move south").index(reply)
+    # nothing moved: the room is as it was
+    assert coin.step("look around")[0] == observation.split("\n\n", 1)[1]
+    obs, _, _, _, step_info = coin.step("<action>open door to east</action> then more")
+    assert step_info["valid_action"] and step_info["action"] == "open door to east" and "pantry" in obs
+
+
+def test_the_same_seed_gives_the_same_game_and_folds_do_not_overlap(coin):
+    other = TextWorldExpressEnv(game_params=COIN, num_train_seeds=20, num_test_seeds=20)
+    try:
+        for task in (coin.tasks("train")[3], coin.tasks("test")[7]):
+            assert coin.reset(task)[0] == other.reset(task)[0]
+            for action in ("move west", "move east", "open door to north", "move north"):
+                assert coin.step(action)[0] == other.step(action)[0]
+        assert coin.reset(coin.tasks("train")[3])[0] != coin.reset(coin.tasks("train")[4])[0]
+    finally:
+        other.close()
+    seeds = {split: {t["variation"] for t in coin.tasks(split)} for split in ("train", "dev", "test")}
+    assert all(len(s) == 20 for s in seeds.values())
+    assert not (seeds["train"] & seeds["test"]) and not (seeds["train"] & seeds["dev"]) and not (
+        seeds["dev"] & seeds["test"])
+    with pytest.raises(ValueError, match=r"variation=5: expected a seed of the test fold \(20000\.\.20999\)"):
+        coin.reset({"task_name": "coin", "variation": 5, "fold": "test"})
+    with pytest.raises(ValueError, match="game='zork'"):
+        TextWorldExpressEnv(game="zork")
+
+
+def test_gold_paths_are_cached_so_every_run_imitates_the_same(coin, tmp_path):
+    tasks = coin.tasks("train")[:8]
+    first = [r["actions"] for r in coin.demonstrations(tasks, {}, str(tmp_path))]
+    (cache,) = tmp_path.glob("textworld_express_gold-coin-*.json")
+    assert json.loads(cache.read_text())["train/0"] == first[0]
+    # the simulator draws its gold path at random: without the cache the same seeds give other paths
+    drawn = [coin.gold_actions(t) for t in tasks for _ in range(3)]
+    assert len({tuple(a) for a in drawn}) > len(tasks)
+    assert [r["actions"] for r in coin.demonstrations(tasks, {}, str(tmp_path))] == first
+
+
+def test_reflection_records_go_right_and_wrong_and_tips_say_where_the_coin_was(coin, tmp_path):
+    records = coin.reflection_records(coin.tasks("train")[:6], {}, str(tmp_path))
+    assert [r["success"] for r in records] == [True, False] * 6
+    assert all("take coin" not in r["actions"] for r in records[1::2])
+    tips = [" ".join(textworld_express_tip(r)) for r in records]
+    assert all(t.startswith("Score 1: worked.") for t in tips[::2])
+    assert any(t.startswith("Score 0: I ran out of steps") and "go there and take coin" in t for t in tips[1::2])
+
+
+def test_a_killed_jvm_is_restarted_by_the_pool():
+    import psutil
+
+    with EnvPool(CFG, num_workers=1, timeout_s=60) as pool:
+        task = pool.tasks("test")[0]
+        assert pool.reset([(0, task)])[0][0] == "ok"
+        (jvm,) = [c for c in psutil.Process(pool.worker_pids[0]).children(recursive=True) if "java" in c.name()]
+        os.kill(jvm.pid, signal.SIGKILL)
+        jvm.wait(10)
+        assert pool.step([(0, "move west")])[0][0] == "error"  # the episode is lost, the worker rebuilt
+        assert pool.num_restarts == 1
+        kind, (observation, info) = pool.reset([(0, task)])[0]
+        assert kind == "ok" and info["variation"] == 20000 and "coin" in observation
+
+
+def test_coin_trajectories_replay_to_their_record(coin):
+    task = coin.tasks("train")[2]
+    record = replay(coin, task, ["look around", "inventory", "move east"])
+    assert record["actions"] == ["look around", "inventory", "move east"] and record["admissible_actions"]
