@@ -44,10 +44,9 @@ def test_every_arm_plays_the_same_trial_0(summary):
     assert summary["oracle_trials"][1]["memory"] and not summary["oracle_trials"][0]["memory"]
 
 
-def test_oracle_tips_name_the_coin_and_placeholders_keep_their_length(tmp_path):
+def test_oracle_tips_name_the_coin_and_placeholders_keep_their_length(tmp_path, tiny_policy):
     from src.envs.textworld_express import TextWorldExpressEnv
     from src.evaluation.fixed_tips import empty_tips, oracle_tips, task_key
-    from src.models.policy import build_policy
 
     env = TextWorldExpressEnv(game_params={"numLocations": 4, "includeDoors": 1, "numDistractorItems": 0},
                               num_test_seeds=3)
@@ -59,7 +58,7 @@ def test_oracle_tips_name_the_coin_and_placeholders_keep_their_length(tmp_path):
     lines = oracle.tips[task_key(tasks[0])]
     assert lines[0].startswith("The coin is in the ") and lines[1].startswith("The way: ")
     assert oracle.retrieve(tasks[:1], None) == [lines]
-    tokenizer = build_policy(name_or_path="embedded:tiny-random-llama").tokenizer
+    tokenizer = tiny_policy.tokenizer
     empty = empty_tips(oracle, tokenizer)
     for key, oracle_lines in oracle.tips.items():
         for line, blank in zip(oracle_lines, empty.tips[key]):

@@ -99,14 +99,16 @@ def test_a_killed_jvm_is_restarted_by_the_pool():
 
     with EnvPool(CFG, num_workers=1, timeout_s=60) as pool:
         task = pool.tasks("test")[0]
-        assert pool.reset([(0, task)])[0][0] == "ok"
+        observation, info = pool.reset([(0, task)])[0]
+        assert "error" not in info and "coin" in observation
         (jvm,) = [c for c in psutil.Process(pool.worker_pids[0]).children(recursive=True) if "java" in c.name()]
         os.kill(jvm.pid, signal.SIGKILL)
         jvm.wait(10)
-        assert pool.step([(0, "move west")])[0][0] == "error"  # the episode is lost, the worker rebuilt
+        *_, info = pool.step([(0, "move west")])[0]
+        assert "error" in info and info["valid_action"] is False  # the episode is lost, the worker rebuilt
         assert pool.num_restarts == 1
-        kind, (observation, info) = pool.reset([(0, task)])[0]
-        assert kind == "ok" and info["variation"] == 20000 and "coin" in observation
+        observation, info = pool.reset([(0, task)])[0]
+        assert "error" not in info and info["variation"] == 20000 and "coin" in observation
 
 
 def test_coin_trajectories_replay_to_their_record(coin):

@@ -79,7 +79,7 @@ ENV = {"_target_": "test_toy_environment.KeyCorridor", "max_steps": 4}
 
 def _compose(config: str, tmp: Path, *overrides: str):
     base = ["model=tiny", "warm_start=imitation", "model.warm_start.epochs=1", "model.warm_start.num_tasks=4",
-            "+model.warm_start.reflections={max_tokens: 8, epochs: 1, lr: 1.0e-4, rehearsal: 0.5, show_tips: true}",
+            "+model.warm_start.reflections={max_tokens: 8, continue_last_prompt: true, epochs: 1, lr: 1.0e-4, rehearsal: 0.5, show_tips: true}",
             f"paths.output_dir={tmp}/out", f"paths.log_dir={tmp}/logs", f"paths.data_dir={tmp}/data",
             "trainer.precision=32-true", "data.max_response_tokens=4", "memory.tip_max_tokens=8",
             "data.tasks_per_iteration=1", "data.group_size=2", "data.micro_batch_size=2", "data.val.num_tasks=2"]
