@@ -30,7 +30,7 @@ def summary(tmp_path_factory):
 
 
 def test_every_arm_plays_the_same_trial_0(summary):
-    episodes = summary["episodes"]
+    episodes = summary["episode_rows"]
     assert set(episodes) == {"memory", "control", "oracle", "empty"}
     trial0 = {arm: [(e["task"]["variation"], e["episode"], e["actions"]) for e in runs[0]]
               for arm, runs in episodes.items()}

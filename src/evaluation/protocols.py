@@ -58,7 +58,7 @@ def run_standard(cfg, b, pool, tasks, memory, write_tips: bool) -> dict[str, Any
     ev, module, dm = cfg.eval, b["module"], b["datamodule"]
     rollout_cfg = dm.rollout_config(use_tips=memory is not None, temperature=float(ev.temperature))
     start_state = memory.state_dict() if memory is not None else None
-    all_episodes, per_seed, rollout_s = [], [], 0.0
+    all_episodes, per_seed, rollout_s, rows = [], [], 0.0, []
     for seed in ev.seeds:
         L.seed_everything(seed, verbose=False)
         if memory is None:
@@ -81,7 +81,9 @@ def run_standard(cfg, b, pool, tasks, memory, write_tips: bool) -> dict[str, Any
                          "success_rate": seed_summary["success_rate"]["mean"], "episodes": len(episodes)})
         log.info("seed %d: score %s, success rate %s", seed, per_seed[-1]["score"], per_seed[-1]["success_rate"])
         all_episodes += episodes
-    return {**episode_summary(all_episodes), "per_seed": per_seed, "rollout_s": rollout_s}
+        rows += [_episode_row(seed, e) for e in episodes]
+    # every episode, so paired differences between two policies on the same tasks and seeds can be recomputed
+    return {**episode_summary(all_episodes), "per_seed": per_seed, "rollout_s": rollout_s, "episode_rows": rows}
 
 
 def run_adaptation(cfg, b, pool, tasks, memory, fixed_arms: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -158,7 +160,7 @@ def run_adaptation(cfg, b, pool, tasks, memory, fixed_arms: dict[str, Any] | Non
         out["paired"] = [_paired(per_trial["memory"][t], per_trial["control"][t], t) for t in range(trials + 1)]
         out["last_trial_paired_score_diff"] = out["paired"][-1]["score_diff"]
     # every episode of every arm, so paired differences can be recomputed from the summary (and trial 0 compared)
-    out["episodes"] = {arm: [[_episode_row(seed, e) for seed, eps in zip(ev.seeds, runs) for e in eps]
+    out["episode_rows"] = {arm: [[_episode_row(seed, e) for seed, eps in zip(ev.seeds, runs) for e in eps]
                              for runs in per_trial[arm]] for arm in arms}
     for arm in fixed_arms or {}:
         out[f"{arm}_trials"] = rows[arm]
