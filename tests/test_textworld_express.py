@@ -115,3 +115,21 @@ def test_coin_trajectories_replay_to_their_record(coin):
     task = coin.tasks("train")[2]
     record = replay(coin, task, ["look around", "inventory", "move east"])
     assert record["actions"] == ["look around", "inventory", "move east"] and record["admissible_actions"]
+
+
+def test_loops_that_show_nothing_new_are_cut_also_back_to_the_start(tmp_path):
+    """The gold path steps back and forth between rooms already seen; a loop that shows nothing new is cut, also one
+    that returns to the first room, and also where the path with the loop ran out of steps."""
+    probe = TextWorldExpressEnv(game_params=COIN, max_steps=40)
+    task = probe.tasks("train")[2]
+    gold = probe.cached_gold_actions([task], str(tmp_path))[0]
+    probe.close()
+    looped = ["look around", "look around"] + gold  # a loop at the first room: nothing new seen
+    env = TextWorldExpressEnv(game_params=COIN, max_steps=len(gold) + 1)
+    try:
+        assert not replay(env, task, looped)["success"]  # the loop costs the steps the coin needed
+        cut = env.without_loops(task, looped)
+        assert cut[-1] == "take coin" and replay(env, task, cut)["success"] and len(cut) <= len(gold) + 1
+        assert "look around" not in cut[:1]
+    finally:
+        env.close()

@@ -41,10 +41,13 @@ def reflection_records(env_cfg: dict[str, Any], num_tasks: int | None, gold_dir:
         ValueError: an environment without reflection examples.
     """
     from src.data.demonstrations import training_tasks
+    from src.envs.base import Environment
 
     env_cfg, env, tasks = training_tasks(env_cfg, num_tasks)
     try:
         records, write = env.reflection_records(tasks, env_cfg, str(gold_dir)), type(env).hindsight_tip
+        if write is Environment.hindsight_tip:  # the base class's, which writes nothing
+            write(records[0] if records else {})
         system_prompt = env.system_prompt
     except NotImplementedError as err:
         raise ValueError(f"env._target_={env_cfg.get('_target_')!r}: {err}") from err

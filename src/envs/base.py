@@ -26,7 +26,7 @@ Both environments read the action with one rule, ``extract_action``: the first `
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Any
 
 _OPEN_TAG = re.compile(r"<action>", re.IGNORECASE)
 _CLOSE_TAG = re.compile(r"</action>", re.IGNORECASE)
@@ -177,9 +177,16 @@ class Environment:
         """
         raise NotImplementedError(f"{type(self).__name__} has no oracle tips (Environment.oracle_tips)")
 
-    hindsight_tip: Callable[[dict[str, Any]], list[str]]
-    """``hindsight_tip(record) -> sentences in order of importance``: the tip on a trajectory record, from what the
-    agent saw (instruction, observations, actions, score), never from hidden task data. A staticmethod."""
+    @staticmethod
+    def hindsight_tip(record: dict[str, Any]) -> list[str]:
+        """The tip on a trajectory record, as sentences in order of importance, from what the agent saw
+        (instruction, observations, actions, score), never from hidden task data. A staticmethod.
+
+        Raises:
+            NotImplementedError: the environment writes no hindsight tips (no reflection examples).
+        """
+        raise NotImplementedError("this environment writes no hindsight tips (Environment.hindsight_tip; set "
+                                  "model.warm_start.reflections=null)")
 
 
 def environment_class(env_cfg: dict[str, Any] | str) -> type[Environment]:

@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 GAMES = ("coin", "cookingworld")
 FOLDS = {"train": "train", "dev": "dev", "test": "test"}
-_INVALID_PREFIX = "Unknown action"
+# The simulator's answers to an action it did not carry out (strings of its jar): an invalid no-op.
+_INVALID_PREFIXES = ("Unknown action", "You can't")
 _WASTE = ("look around", "inventory")  # actions that show but never change the state
 
 
@@ -55,7 +56,7 @@ def textworld_express_tip(record: dict[str, Any]) -> list[str]:
     coin_room = None
     exits: dict[str, dict[str, str | None]] = {}  # room -> direction -> the room it leads to (None: closed door)
     room = None
-    for view in views:
+    for k, view in enumerate(views):
         found = _ROOM.search(view)
         if found:
             room = found.group(1)
@@ -65,10 +66,9 @@ def textworld_express_tip(record: dict[str, Any]) -> list[str]:
             for direction, leads_to in _EXIT.findall(view):
                 exits.setdefault(room, {})[direction.lower()] = leads_to or None
         opened = _OPENED.search(view)
-        if opened and room:
-            rooms_seen = exits.setdefault(room, {})
-            for direction, leads_to in rooms_seen.items():
-                rooms_seen[direction] = leads_to or opened.group(1)
+        if opened and room and k > 0 and actions[k - 1].startswith("open door to "):
+            # the door opened is the one the action named: its exit now leads to the room it revealed
+            exits.setdefault(room, {})[actions[k - 1].rsplit(" ", 1)[-1]] = opened.group(1)
     key = [a for a in actions if a not in _WASTE]
     if score >= top:
         where = f"The coin was in the {coin_room}. " if coin_room else ""
@@ -86,8 +86,8 @@ def textworld_express_tip(record: dict[str, Any]) -> list[str]:
         else:
             unexplored = [f"{d} of the {r}" for r, ways in exits.items() for d, to in ways.items()
                           if to is None or to not in rooms]
-            out.append(f"No coin in the {', '.join(rooms)}." + (f" Next time try the exits {', '.join(unexplored)}."
-                                                               if unexplored else ""))
+            searched = f"No coin in the {', '.join(rooms)}." if rooms else "I never saw the coin."
+            out.append(searched + (f" Next time try the exits {', '.join(unexplored)}." if unexplored else ""))
     else:
         recipe = next((_RECIPE.search(o) for o in observations if _RECIPE.search(o)), None)
         if recipe:
@@ -163,6 +163,10 @@ class TextWorldExpressEnv(Environment):
             raise ValueError(f"game_params={self.game_params!r} for game {game!r}: the simulator says {exc}") from exc
         self._folds = {"train": self._sim.getValidSeedsTrain(), "dev": self._sim.getValidSeedsDev(),
                        "test": self._sim.getValidSeedsTest()}
+        for name, count in (("num_train_seeds", num_train_seeds), ("num_test_seeds", num_test_seeds)):
+            if count > len(self._folds["train" if name == "num_train_seeds" else "test"]):
+                self.close()
+                raise ValueError(f"{name}={count}: the fold holds {len(self._folds['train'])} seeds")
         self._seeds = {fold: set(seeds) for fold, seeds in self._folds.items()}
         self._task: dict[str, Any] | None = None
         self._done = True
@@ -221,7 +225,7 @@ class TextWorldExpressEnv(Environment):
         self._steps += 1
         if action:
             observation, _, _, raw = self._sim.step(action)
-            valid = not observation.startswith(_INVALID_PREFIX)
+            valid = not observation.startswith(_INVALID_PREFIXES)
             success, failure = bool(raw["tasksuccess"]), bool(raw["taskfailure"])
             reward, self._score = float(raw["score"]) - self._score, float(raw["score"])
             self._valid = sorted(raw["validActions"])
@@ -263,7 +267,10 @@ class TextWorldExpressEnv(Environment):
 
         from src.utils.io import json_digest, write_json_atomic
 
-        path = Path(data_dir) / f"textworld_express_gold-{self.game}-{json_digest(self.game_params)}.json"
+        from importlib.metadata import version
+
+        key = json_digest([_params(self.game_params), version("textworld-express")])
+        path = Path(data_dir) / f"textworld_express_gold-{self.game}-{key}.json"
         cache = json.loads(path.read_text()) if path.exists() else {}
         ids = [f"{t['fold']}/{int(t['variation'])}" for t in tasks]
         missing = [(i, t) for i, t in zip(ids, tasks) if i not in cache]
@@ -299,11 +306,13 @@ class TextWorldExpressEnv(Environment):
         """``actions`` without the loops that show nothing new: where the path comes back to a state (the same
         observation) and everything it saw on the way had been seen before the loop began, the loop is cut. The
         simulator's gold paths step back and forth between rooms already seen (``move east``, ``move west``, ``move
-        east``, ...), which a policy imitating them learns to do. The cut path is kept only if it still ends with the
-        same score (checked by replaying it)."""
+        east``, ...), which a policy imitating them learns to do. The cut path is kept only if it ends with at least
+        the same score under the step cap (checked by replaying it)."""
         def states(path: list[str]) -> tuple[list[str], float]:
             record = replay(self, task, path)
-            return [record["initial_observation"], *record["observations"]], record["score"]
+            # the first room as a later "look around" shows it: the reset text also holds the task description
+            first = record["initial_observation"].split("\n\n", 1)[-1]
+            return [first, *record["observations"]], record["score"]
 
         seen, score = states(actions)
         path = list(actions)
@@ -315,17 +324,19 @@ class TextWorldExpressEnv(Environment):
                     if seen[i] == seen[j] and set(seen[i + 1:j]) <= set(seen[:i + 1]):
                         candidate = path[:i] + path[j:]
                         new_seen, new_score = states(candidate)
-                        if new_score == score:
-                            path, seen, changed = candidate, new_seen, True
-                        break
+                        # at least the score: a path cut under the step cap may now finish where it did not
+                        if new_score >= score:
+                            path, seen, score, changed = candidate, new_seen, new_score, True
+                            break
                 if changed:
                     break
         return path
 
     def reflection_records(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[dict]:
-        """Per training task the gold path (``cached_gold_actions``) and a random walk that runs out of steps
-        (moves and door openings only, never the action that finishes the game; seeded by the task's seed, so every
-        run gets the same records)."""
+        """Per training task the gold path without its loops (``cached_gold_actions``, ``without_loops``) and a
+        random walk over moves, door openings and (CookingWorld) the ingredient actions, never the action that
+        finishes the game, so it runs out of steps or (CookingWorld) fails the recipe; seeded by the task's seed, so
+        every run gets the same records."""
         out = []
         for task, gold in zip(tasks, self.cached_gold_actions(tasks, data_dir)):
             out += [replay(self, task, self.without_loops(task, gold)), replay(self, task, self._random_walk(task))]
@@ -351,7 +362,7 @@ class TextWorldExpressEnv(Environment):
         while not self._done:
             moves = [a for a in self._valid if a.startswith(("move", "open", "take", "read", "slice", "chop", "dice",
                                                               "cook")) and a != "take coin"]
-            action = rng.choice(moves or self._valid)
+            action = rng.choice(moves or ["look around"])
             actions.append(action)
             self.step(action)
         return actions
