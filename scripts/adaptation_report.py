@@ -8,9 +8,11 @@
 Reads the summaries `src/eval.py` writes with `eval.protocol=adaptation eval.control=true` (per-trial rows of both
 arms, the paired per-episode difference memory − control, the reflections written) and writes to `--out-dir`:
 
-- `adaptation_control.png`: score per trial (mean ± s.e. over episodes), with memory and without, one panel per
+- `adaptation_control.png`: score per trial (mean ± s.e. over episodes), with memory and without (and the oracle and
+  placeholder-tips arms where the summary has them: `eval.oracle_tips`, `eval.empty_tips`), one panel per
   environment;
-- `report.md`: per trial both arms' score and success and the paired difference (mean ± s.e.); the share of
+- `report.md`: per trial both arms' score and success and the paired difference (mean ± s.e.), the diagnostic arms'
+  scores and their paired difference to the control; the share of
   reflections that are action replies (`is_action_reply`: an `<action>` tag, or one bare command) and the
   share that name something the next attempt can use (`usable_tip`); ten reflections quoted verbatim per environment.
 """
@@ -35,15 +37,20 @@ SCIENCEWORLD_ROOMS = ("kitchen", "bedroom", "hallway", "workshop", "greenhouse",
                       "bathroom", "foundry", "outside")
 
 
-def _bare_command(env: str):
-    """The bare-command pattern of the environment class a summary names (None where this checkout has no such
-    class, e.g. a summary of a renamed one)."""
+def _environment(env: str):
+    """The environment class a summary names (None where this checkout has no such class)."""
     from src.envs.base import environment_class
 
     try:
-        return environment_class(env).bare_command
+        return environment_class(env)
     except (ImportError, AttributeError, TypeError, ValueError):
         return None
+
+
+def _bare_command(env: str):
+    """The bare-command pattern of the environment class a summary names (None without the class)."""
+    cls = _environment(env)
+    return cls.bare_command if cls else None
 
 
 def usable_tip(tip: str, instruction: str, env: str) -> bool:
@@ -82,10 +89,15 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
     fig, axes = plt.subplots(1, len(docs), figsize=(5.2 * len(docs), 3.8), squeeze=False)
     lines = []
     for ax, (label, doc) in zip(axes[0], docs.items()):
-        digits = 3 if "webshop" in str(doc["env"]).lower() else 1
-        unit = "score [0, 1]" if digits == 3 else "score (points)"
+        env_cls = _environment(str(doc["env"]))
+        digits = 3 if (env_cls.max_score if env_cls else 1.0) <= 1 else 1
+        unit = f"score ({env_cls.score_unit})" if env_cls else "score"
         for key, name, style in (("trials", "memory on (tips from earlier trials)", "-o"),
-                                 ("control_trials", "memory off (control)", "--s")):
+                                 ("control_trials", "memory off (control)", "--s"),
+                                 ("oracle_trials", "oracle tips (diagnostic)", "-^"),
+                                 ("empty_trials", "placeholder tips block", ":v")):
+            if key not in doc:  # the diagnostic arms: eval.oracle_tips / eval.empty_tips
+                continue
             rows = doc[key]
             ax.errorbar([r["trial"] for r in rows], [r["score"] for r in rows],
                         yerr=[r["score_stderr"] or 0 for r in rows], fmt=style, capsize=3, label=name)
@@ -117,6 +129,17 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
                          f"{_fmt(ctrl['success_rate'], ctrl['success_rate_stderr'], 2)} | "
                          f"{'–' if frac is None else f'{frac:.2f}'} |")
         score_diff, success_diff = last["score_diff"], last["success_diff"]
+        arms = {k: v for k, v in (doc.get("paired_vs_off") or {}).items() if k != "own"}
+        if arms:  # the diagnostic arms against the control, per trial
+            names = {"oracle": "oracle tips", "empty": "placeholder tips"}
+            lines += ["", "| trial | " + " | ".join(f"{names.get(a, a)}: score | − off" for a in arms) + " |",
+                      "|---|" + "---|---|" * len(arms)]
+            for t in range(len(doc["trials"])):
+                cells = []
+                for a, paired in arms.items():
+                    row, d = doc[f"{a}_trials"][t], paired[t]["score_diff"]
+                    cells += [_fmt(row["score"], row["score_stderr"], digits), _fmt(d["mean"], d["stderr"], digits)]
+                lines.append(f"| {t} | " + " | ".join(cells) + " |")
         lines += ["", "Paired difference at the last trial: "
                   f"**{_fmt(score_diff['mean'], score_diff['stderr'], digits)}**"
                   f" (score, n = {score_diff['n']} pairs), success "
