@@ -102,7 +102,7 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
             ax.errorbar([r["trial"] for r in rows], [r["score"] for r in rows],
                         yerr=[r["score_stderr"] or 0 for r in rows], fmt=style, capsize=3, label=name)
         n = doc["trials"][0]["episodes"]
-        ax.set_title("\n".join(textwrap.wrap(f"{label}: {doc['task'] or 'webshop'} ({n} episodes/trial)", 48)),
+        ax.set_title("\n".join(textwrap.wrap(f"{label}: {doc['task'] or (env_cls.display_name if env_cls else '')} ({n} episodes/trial)", 48)),
                      fontsize=10)
         ax.set(xlabel="trial", ylabel=unit)
         ax.set_xticks([r["trial"] for r in doc["trials"]])
