@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from src.envs.base import is_action_reply  # noqa: E402
+from src.evaluation.comparison.adaptation import environment_of_target  # noqa: E402
 
 STOP = set("""a an the and or of in on to for with that is it its i i'm i'd im need want looking some be me get
 buy find would like please this my your you which have has also than lower price dollars choose size color style
@@ -37,30 +38,15 @@ SCIENCEWORLD_ROOMS = ("kitchen", "bedroom", "hallway", "workshop", "greenhouse",
                       "bathroom", "foundry", "outside")
 
 
-def _environment(env: str):
-    """The environment class a summary names (None where this checkout has no such class)."""
-    from src.envs.base import environment_class
-
-    try:
-        return environment_class(env)
-    except (ImportError, AttributeError, TypeError, ValueError):
-        return None
-
-
-def _bare_command(env: str):
-    """The bare-command pattern of the environment class a summary names (None without the class)."""
-    cls = _environment(env)
-    return cls.bare_command if cls else None
-
-
-def usable_tip(tip: str, instruction: str, env: str) -> bool:
+def usable_tip(tip: str, instruction: str, env: str, bare_command=None) -> bool:
     """Whether a reflection names something the next attempt can use, and is not an action reply.
 
     WebShop: a ``search[...]`` query of two or more words, or a content word of the instruction (an option value
     such as a colour or size, an attribute, the product's noun; stop words and the price clause excluded).
     ScienceWorld: a room, a box of the instruction ("red box"), or an object acted on (``focus on``/``move``).
+    ``bare_command``: the environment's (``Environment.bare_command``), for ``is_action_reply``.
     """
-    if is_action_reply(tip, _bare_command(env)):
+    if is_action_reply(tip, bare_command):
         return False
     low = tip.lower()
     if "webshop" in env.lower():
@@ -89,7 +75,7 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
     fig, axes = plt.subplots(1, len(docs), figsize=(5.2 * len(docs), 3.8), squeeze=False)
     lines = []
     for ax, (label, doc) in zip(axes[0], docs.items()):
-        env_cls = _environment(str(doc["env"]))
+        env_cls = environment_of_target(str(doc["env"]))
         digits = 3 if (env_cls.max_score if env_cls else 1.0) <= 1 else 1
         unit = f"score ({env_cls.score_unit})" if env_cls else "score"
         for key, name, style in (("trials", "memory on (tips from earlier trials)", "-o"),
@@ -108,8 +94,8 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
         ax.set_xticks([r["trial"] for r in doc["trials"]])
         ax.legend(fontsize=8)
         reflections = doc.get("reflections") or []
-        usable = [usable_tip(r["tip"], r["instruction"], str(doc["env"])) for r in reflections]
-        bare = _bare_command(str(doc["env"]))
+        bare = env_cls.bare_command if env_cls else None
+        usable = [usable_tip(r["tip"], r["instruction"], str(doc["env"]), bare) for r in reflections]
         actions = [is_action_reply(r["tip"], bare) for r in reflections]
         last = doc["paired"][-1]
         lines += [f"## {label}", "",

@@ -71,14 +71,25 @@ def measure(rows: list[dict], keys: np.ndarray, threshold: float, top_k: int, ra
     record = np.array([r["record"] for r in rows])
     same = (task[:, None] == task[None, :]) & (record[:, None] != record[None, :])
     other = task[:, None] != task[None, :]
+    memories: dict[tuple[str, int], TipMemory | None] = {}  # per (task, query's record): the other records' entries
+
+    def memory_for(row: dict) -> TipMemory | None:
+        mark = (row["task"], row["record"])
+        if mark not in memories:
+            mine = [i for i, r in enumerate(rows) if r["task"] == row["task"] and r["record"] != row["record"]]
+            memories[mark] = None
+            if mine:
+                memories[mark] = TipMemory(dim=keys.shape[1], embedder_name="x", threshold=threshold, top_k=top_k,
+                                           rank_by=rank_by)
+                memories[mark].add_rows("p", keys[mine], [str(i) for i in mine], [rows[i]["score"] for i in mine],
+                                        [rows[i]["step"] for i in mine])
+        return memories[mark]
+
     relevant, hits, shown = [], 0, 0
     for q, row in enumerate(rows):
-        memory = TipMemory(dim=keys.shape[1], embedder_name="x", threshold=threshold, top_k=top_k, rank_by=rank_by)
-        mine = [i for i, r in enumerate(rows) if r["task"] == row["task"] and r["record"] != row["record"]]
-        if not mine:
+        memory = memory_for(row)
+        if memory is None:
             continue
-        memory.add_rows("p", keys[mine], [str(i) for i in mine], [rows[i]["score"] for i in mine],
-                        [rows[i]["step"] for i in mine])
         got = [int(e.content) for e in memory.retrieve(["p"], keys[q:q + 1])[0]]
         hits += bool(got)
         shown += len(got)

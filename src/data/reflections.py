@@ -47,7 +47,8 @@ def reflection_records(env_cfg: dict[str, Any], num_tasks: int | None, gold_dir:
     try:
         records, write = env.reflection_records(tasks, env_cfg, str(gold_dir)), type(env).hindsight_tip
         if write is Environment.hindsight_tip:  # the base class's, which writes nothing
-            write(records[0] if records else {})
+            raise NotImplementedError(f"{type(env).__name__} writes no hindsight tips (Environment.hindsight_tip; "
+                                      "set model.warm_start.reflections=null)")
         system_prompt = env.system_prompt
     except NotImplementedError as err:
         raise ValueError(f"env._target_={env_cfg.get('_target_')!r}: {err}") from err

@@ -371,18 +371,16 @@ class ScienceWorldEnv(Environment):
                            ) -> list[dict]:
         """Per variation the gold path and the gold path after needless looks, replayed here under the step cap
         (cached next to the gold paths: ``scienceworld_demos.cached_replays``)."""
-        from src.envs.scienceworld_demos import cached_replays, ensure_gold
+        from src.envs.scienceworld_demos import cached_replays, env_gold
 
-        gold = ensure_gold(tasks, data_dir, env_cfg.get("simplification", "easy"), env_cfg.get("jvm_heap", "768m"))
-        return cached_replays(self, env_cfg, tasks, gold, data_dir)
+        return cached_replays(self, env_cfg, tasks, env_gold(tasks, env_cfg, data_dir), data_dir)
 
     def oracle_tips(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[list[str]]:
         """Diagnostic only (``Environment.oracle_tips``): the simulator's gold path of each variation (generated into
         the gold cache ``data_dir`` where missing)."""
-        from src.envs.scienceworld_demos import ensure_gold
+        from src.envs.scienceworld_demos import env_gold
 
-        gold = ensure_gold(tasks, data_dir, env_cfg.get("simplification", "easy"), env_cfg.get("jvm_heap", "768m"))
-        return [[f"The solution: {'; '.join(record['actions'])}."] for record in gold]
+        return [[f"The solution: {'; '.join(record['actions'])}."] for record in env_gold(tasks, env_cfg, data_dir)]
 
     hindsight_tip = staticmethod(scienceworld_tip)
 

@@ -94,6 +94,11 @@ def ensure_gold(tasks: list[dict[str, Any]], gold_dir: str | os.PathLike, simpli
     return [cache[name][int(task["variation"])] for name, task in zip(names, tasks)]
 
 
+def env_gold(tasks: list[dict[str, Any]], env_cfg: dict[str, Any], gold_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """``ensure_gold`` of ``tasks`` with the simplification and JVM heap of the environment config ``env_cfg``."""
+    return ensure_gold(tasks, gold_dir, env_cfg.get("simplification", "easy"), env_cfg.get("jvm_heap", "768m"))
+
+
 def _run_logged(cmd: list[str], timeout_s: float) -> tuple[int, str]:
     """Run ``cmd``, passing each line it prints to this log as it comes (its progress), and return (exit code,
     everything it printed).
@@ -128,7 +133,7 @@ def gold_records(tasks: list[dict[str, Any]], env_cfg: dict[str, Any], gold_dir:
     if env_cfg.get("include_admissible_actions"):
         raise ValueError("env.include_admissible_actions=true puts the valid-action list in every prompt, which "
                          "the gold cache does not store; demonstration prompts could not match the RL prompts")
-    records = ensure_gold(tasks, gold_dir, env_cfg.get("simplification", "easy"), env_cfg.get("jvm_heap", "768m"))
+    records = env_gold(tasks, env_cfg, gold_dir)
     out = []
     for task, record in zip(tasks, records):
         cap = env_cfg.get("max_steps") or default_max_steps(record["task_name"])

@@ -193,6 +193,20 @@ class TextWorldExpressEnv(Environment):
         must be this environment's game).
 
         Returns the task description followed by the first room's description, and ``info``."""
+        seed, fold = self._check_task(task)
+        observation, raw = self._sim.reset(seed=seed, gameFold=fold)
+        self._task = {"task_name": self.game, "variation": seed, "fold": fold}
+        self._instruction = str(raw["taskDescription"]).strip()
+        self._steps, self._score, self._done = 0, float(raw["score"]), False
+        self._valid = sorted(raw["validActions"])
+        info = self._info(action="look around", raw_action="", valid=True, success=False)
+        return f"{self._instruction}\n\n{observation.strip()}", info
+
+    def _check_task(self, task: dict[str, Any]) -> tuple[int, str]:
+        """(seed, fold) of a task dict.
+
+        Raises:
+            ValueError: not such a dict, another game, an unknown fold or a seed outside its fold."""
         if not isinstance(task, dict) or "variation" not in task or "fold" not in task:
             raise ValueError(f"task={task!r}: expected a dict with keys 'variation' (a seed) and 'fold'")
         if task.get("task_name", self.game) != self.game:
@@ -203,13 +217,7 @@ class TextWorldExpressEnv(Environment):
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or int(seed) not in self._seeds[fold]:
             lo, hi = min(self._folds[fold]), max(self._folds[fold])
             raise ValueError(f"variation={seed!r}: expected a seed of the {fold} fold ({lo}..{hi})")
-        observation, raw = self._sim.reset(seed=int(seed), gameFold=fold)
-        self._task = {"task_name": self.game, "variation": int(seed), "fold": fold}
-        self._instruction = str(raw["taskDescription"]).strip()
-        self._steps, self._score, self._done = 0, float(raw["score"]), False
-        self._valid = sorted(raw["validActions"])
-        info = self._info(action="look around", raw_action="", valid=True, success=False)
-        return f"{self._instruction}\n\n{observation.strip()}", info
+        return int(seed), fold
 
     def step(self, response: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Run one action parsed from the policy's raw text: (observation, reward, terminated, truncated, info).
@@ -253,10 +261,10 @@ class TextWorldExpressEnv(Environment):
         already shows). It explores the way an agent must: it does not walk straight to a coin it cannot see. The
         simulator draws one at random each time (observations are fixed per seed): ``cached_gold_actions`` keeps
         the first."""
-        self.reset(task)
-        self._sim.reset(seed=int(task["variation"]), gameFold=task["fold"], generateGoldPath=True)
+        seed, fold = self._check_task(task)
+        self._sim.reset(seed=seed, gameFold=fold, generateGoldPath=True)
         actions = [str(a) for a in self._sim.getGoldActionSequence()]
-        self._done = True  # the simulator restarted under the last reset: a new reset() is needed
+        self._done = True  # the simulator restarted for the gold path: a new reset() is needed
         return actions[1:] if actions and actions[0] == "look around" else actions
 
     def cached_gold_actions(self, tasks: list[dict[str, Any]], data_dir: str) -> list[list[str]]:

@@ -11,16 +11,13 @@ retrieves the task's fixed lines at every step.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
 
+from src.callbacks.memory import task_text as task_key  # a task dict as one string, the memory's own
+
 PLACEHOLDER = " -"  # one token in the tokenizers we use (SmolLM2, Qwen2.5): a line of n of them is n tokens
-
-
-def task_key(task: dict[str, Any]) -> str:
-    return json.dumps(task, sort_keys=True, default=str)
 
 
 class FixedTips:
