@@ -20,6 +20,11 @@ give the mean and a ± standard-error band (std with Bessel correction / sqrt(n)
 - `iterations.md`: one row per run and iteration (``iterations_table``): update mode, rollout score, groups without
   signal, approx_kl, clip and masked fractions, tips written, tips that are actions, retrieval hit rate.
 - `curves.json`: the plotted numbers.
+- `episodes/<algorithm>-seed<seed>.csv`: each run's `validation_episodes.csv` (every validation episode: iteration,
+  task, episode, score, success), and `paired.md` / `paired.json`: the held-out score of each algorithm minus each
+  other at the runs' last validation, seed-level (± the spread between training seeds) and paired by episode
+  (± evaluation noise). `--episodes-dir DIR` recomputes `paired.md` / `paired.json` from such files alone (no
+  MLflow store needed): the committed results can be checked from the repository.
 
 and logs them as artifacts of a new MLflow run `comparison-...` in the experiment of the compared runs.
 Units come from the runs' `env/_target_`: ScienceWorld scores are points (−100..100), WebShop scores are in [0, 1].
@@ -43,8 +48,10 @@ from src.evaluation.comparison.adaptation import load_adaptation  # noqa: E402
 from src.evaluation.comparison.figures import plot_adaptation, plot_learning_curves  # noqa: E402
 from src.evaluation.comparison.runs import (collect, comparison_title, run_environment, run_info,  # noqa: E402
                                            select_runs)
-from src.evaluation.comparison.table import iterations_table, results_table  # noqa: E402
-from src.utils.io import write_text_atomic  # noqa: E402
+from src.evaluation.comparison.table import iterations_table, paired_table, results_table  # noqa: E402
+from src.evaluation.episode_table import FILE as EPISODE_FILE  # noqa: E402
+from src.evaluation.episode_table import read_rows, read_runs  # noqa: E402
+from src.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
 
 log = logging.getLogger("compare_runs")
 
@@ -70,6 +77,39 @@ def log_comparison(client: mlflow.MlflowClient, experiment_id: str, files: Seque
     return rid
 
 
+def copy_episode_files(client: mlflow.MlflowClient, runs: Sequence[Run],
+                       directory: Path) -> dict[str, dict[int, list[dict]]]:
+    """Download each run's ``validation_episodes.csv`` artifact to ``directory/<algorithm>-seed<seed>.csv``;
+    return ``{algorithm: {seed: rows}}`` of the runs that have one (a warning names those that do not)."""
+    import shutil
+    import tempfile
+
+    out: dict[str, dict[int, list[dict]]] = {}
+    for r in runs:
+        algo, seed = r.data.params["algorithm/name"], int(r.data.params.get("seed", 0))
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                path = client.download_artifacts(r.info.run_id, EPISODE_FILE, tmp)
+            except Exception:  # an older run, or one stopped before its first validation
+                log.warning("run %s has no %s: left out of the paired differences", r.info.run_id, EPISODE_FILE)
+                continue
+            if seed in out.get(algo, {}):
+                raise ValueError(f"two {algo} runs with seed {seed}: select one (--run-ids)")
+            directory.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, directory / f"{algo}-seed{seed}.csv")
+        out.setdefault(algo, {})[seed] = read_rows(directory / f"{algo}-seed{seed}.csv")
+    return out
+
+
+def write_paired(episodes: dict[str, dict[int, list[dict]]], out: Path, env=None) -> list[Path]:
+    """``paired.md`` and ``paired.json`` in ``out`` (``src.evaluation.comparison.table.paired_table``)."""
+    digits, unit = (3, "") if env is None else (3 if env.max_score <= 1 else 1, env.score_unit)
+    text, numbers = paired_table(episodes, digits, unit)
+    write_text_atomic(out / "paired.md", text)
+    write_json_atomic(out / "paired.json", numbers, indent=1)
+    return [out / "paired.md", out / "paired.json"]
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse ``argv``, write the figures and ``curves.json`` to ``--out-dir``, log them unless ``--no-log``.
 
@@ -88,14 +128,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out-dir", default=str(ROOT / "logs" / "comparison"), help="where the PNGs go")
     ap.add_argument("--name", default=None, help="name of the comparison MLflow run (default: comparison-<tags>)")
     ap.add_argument("--no-log", action="store_true", help="only write the files, no MLflow comparison run")
+    ap.add_argument("--episodes-dir", default=None, help="only recompute paired.md / paired.json from the "
+                    "<algorithm>-seed<seed>.csv files of this directory (no MLflow)")
     args = ap.parse_args(argv)
+    out = Path(args.out_dir)
+    if args.episodes_dir:
+        files = write_paired(read_runs(args.episodes_dir), out)
+        for f in files:
+            print(f"wrote {f}")
+        return {"files": files, "comparison_run_id": None, "runs": []}
 
     client = mlflow.MlflowClient(tracking_uri=args.tracking_uri)
     runs = select_runs(client, args.experiment, args.tag, args.run_ids, args.algorithms, args.include_unfinished)
     env = run_environment(runs)
     for r in runs:
         log.info("run %s %s (%s)", r.info.run_id, r.info.run_name, r.info.status)
-    out = Path(args.out_dir)
     data = collect(client, runs)
     title = comparison_title(runs, env)
     files = [out / "learning_curves_iteration.png", out / "learning_curves_wallclock.png"]
@@ -115,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     write_text_atomic(files[-1], results_table(client, runs, env))
     files.append(out / "iterations.md")
     write_text_atomic(files[-1], iterations_table(client, runs, env))
+    episodes = copy_episode_files(client, runs, out / "episodes")
+    if len(episodes) >= 2:
+        files += write_paired(episodes, out, env)
     files.append(out / "curves.json")
     write_text_atomic(files[-1], json.dumps(report, indent=1))
     run_id = None

@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from src.envs.base import Environment, replay
+from src.evaluation.episode_table import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = 4
@@ -96,8 +97,9 @@ def test_a_toy_environment_trains_adapts_and_compares_without_changes_under_src(
     from src.evaluation.runner import run_eval
     from src.train import train
 
-    objs = train(_compose("train", tmp_path, "trainer.max_epochs=2", "trainer.check_val_every_n_epoch=2",
-                          "~callbacks.rich_progress_bar", "trainer.enable_progress_bar=false"))
+    cfg = _compose("train", tmp_path, "trainer.max_epochs=2", "trainer.check_val_every_n_epoch=2",
+                   "~callbacks.rich_progress_bar", "trainer.enable_progress_bar=false")
+    objs = train(cfg)
     ckpt = objs["last_checkpoint"]
     # the warm start imitated the toy's demonstrations and its reflections, then RL ran two iterations
     assert list((tmp_path / "data" / "models" / "warm_start").glob("keycorridor-*")), "no warm start was built"
@@ -115,3 +117,9 @@ def test_a_toy_environment_trains_adapts_and_compares_without_changes_under_src(
     report = json.loads((tmp_path / "cmp" / "curves.json").read_text())
     assert report["env"] == "Key corridor" and "adaptation.png" in {f.name for f in result["files"]}
     assert "score in [0, 1]" in (tmp_path / "cmp" / "results.md").read_text()
+    # the validation's episodes, one row each, came back from the run's MLflow artifact for paired differences
+    copied = list((tmp_path / "cmp" / "episodes").glob("*.csv"))
+    assert [f.name.split("-seed")[0] for f in copied] == [cfg.algorithm.name]
+    rows = read_rows(copied[0])
+    assert [r["iteration"] for r in rows] == [2] * len(rows) and len(rows) == objs["datamodule"].val_cfg["num_tasks"]
+    assert rows == read_rows(Path(objs["trainer"].default_root_dir) / "validation_episodes.csv")

@@ -95,3 +95,30 @@ def iterations_table(client: mlflow.MlflowClient, runs: Sequence[Run], env) -> s
             cells = [_summary(values.get(it, []), how, digits) for values, how, digits in columns]
             lines.append(f"| {run.info.run_name} | {it:.0f} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def paired_table(runs: dict[str, dict[int, list[dict]]], digits: int = 3, unit: str = "") -> tuple[str, dict]:
+    """Markdown table (``paired.md``) and numbers of every later algorithm minus every earlier one (order:
+    ``algorithm_rank``; EMPO² − GRPO, EMPO² − GRPO + novelty, GRPO + novelty − GRPO), from per-episode files
+    (``runs``: ``{algorithm: {seed: rows}}``, ``src.evaluation.episode_table.read_runs``).
+
+    Columns: the seed-level difference (mean over training seeds of each run's held-out mean, ± its s.e. from the
+    spread between seeds), the paired-by-episode difference (± evaluation noise only), and each run's mean."""
+    from src.evaluation.episode_table import paired_differences
+
+    algos = sorted(runs, key=algorithm_rank)
+    label = lambda a: ALGORITHM_LABELS.get(a, a)  # noqa: E731
+    f = lambda s: "n/a" if s["mean"] is None else (  # noqa: E731
+        f"{s['mean']:+.{digits}f}" + ("" if s["stderr"] is None else f" ± {s['stderr']:.{digits}f}"))
+    runs_txt = lambda per: ", ".join(f"{per[s]:.{digits}f}" for s in sorted(per))  # noqa: E731
+    lines = [f"| difference | seeds | episodes | seed-level ({unit or 'score'}) | paired by episode | "
+             "per-run means (seed order) |", "|---|---|---|---|---|---|"]
+    numbers = {}
+    for i, b in enumerate(algos):
+        for a in algos[i + 1:]:
+            d = paired_differences(runs[a], runs[b])
+            numbers[f"{a}-{b}"] = d
+            lines.append(f"| {label(a)} − {label(b)} | {d['seed_level']['n_seeds'][0]} vs "
+                         f"{d['seed_level']['n_seeds'][1]} | {d['episodes']} | {f(d['seed_level'])} | "
+                         f"{f(d['paired_by_episode'])} | {runs_txt(d['runs_a'])} vs {runs_txt(d['runs_b'])} |")
+    return "\n".join(lines) + "\n", numbers

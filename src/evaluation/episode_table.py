@@ -1,0 +1,142 @@
+"""Held-out results one episode per row, so that paired differences between runs can be recomputed from files.
+
+A training run writes ``<run dir>/validation_episodes.csv`` (and, with the MLflow logger, the same file as the
+run's artifact): one row per validation episode, every validation of the run (column ``iteration``: the number of
+RL iterations the policy had trained when it played). ``scripts/compare_runs.py`` copies each compared run's
+file to ``<out-dir>/episodes/<algorithm>-seed<seed>.csv`` and computes, from those files alone
+(``--episodes-dir``), the paired differences between algorithms (``paired_differences``).
+
+Units: ``score`` in the environment's units (ScienceWorld points −100..100, WebShop and TextWorldExpress [0, 1]);
+``success`` 0/1.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+import re
+import statistics
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from src.utils.io import write_text_atomic
+
+FILE = "validation_episodes.csv"
+COLUMNS = ("iteration", "task", "episode", "score", "success", "steps", "failed")
+RUN_FILE = re.compile(r"^(?P<algorithm>.+)-seed(?P<seed>-?\d+)\.csv$")
+
+
+def episode_rows(episodes: Iterable, iteration: int) -> list[dict[str, Any]]:
+    """One row per ``src.data.rollout.Episode``: the task as one JSON line (``task_text``, as in the tip tables),
+    the episode's id (its number among all ranks' episodes of the evaluation), score, success, steps, failed."""
+    from src.callbacks.memory import task_text
+
+    rows = []
+    for e in episodes:
+        rows.append({"iteration": int(iteration), "task": task_text(e.task), "episode": int(e.id),
+                     "score": float(e.score), "success": int(bool(e.success)), "steps": len(e.steps),
+                     "failed": int(bool(e.failed))})
+    return rows
+
+
+def append_rows(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
+    """Add ``rows`` to the CSV at ``path`` (created with its header when missing), rewriting it atomically."""
+    path = Path(path)
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    if not old:
+        writer.writeheader()
+    writer.writerows({c: row[c] for c in COLUMNS} for row in rows)
+    write_text_atomic(path, old + buf.getvalue())
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a file written by ``append_rows``, typed (ints, float score).
+
+    Raises:
+        ValueError: the file lacks one of ``COLUMNS``.
+    """
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path}: not a validation-episodes file, it lacks the columns {missing}")
+        return [{"iteration": int(r["iteration"]), "task": r["task"], "episode": int(r["episode"]),
+                 "score": float(r["score"]), "success": int(r["success"]), "steps": int(r["steps"]),
+                 "failed": int(r["failed"])} for r in reader]
+
+
+def read_runs(directory: str | Path) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    """``{algorithm: {seed: rows}}`` from the ``<algorithm>-seed<seed>.csv`` files of ``directory``.
+
+    Raises:
+        ValueError: no such file in ``directory``.
+    """
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    for path in sorted(Path(directory).glob("*.csv")):
+        m = RUN_FILE.match(path.name)
+        if m:
+            runs.setdefault(m["algorithm"], {})[int(m["seed"])] = read_rows(path)
+    if not runs:
+        raise ValueError(f"no <algorithm>-seed<seed>.csv file in {directory}")
+    return runs
+
+
+def last_validation(rows: Sequence[dict[str, Any]]) -> tuple[int, dict[tuple[str, int], float]]:
+    """The last validation's iteration and its scores by ``(task, episode)``, failed episodes left out.
+
+    Raises:
+        ValueError: no rows.
+    """
+    if not rows:
+        raise ValueError("a run without validation episodes")
+    last = max(r["iteration"] for r in rows)
+    return last, {(r["task"], r["episode"]): r["score"] for r in rows if r["iteration"] == last and not r["failed"]}
+
+
+def _mean_se(values: Sequence[float]) -> dict[str, float | int | None]:
+    n = len(values)
+    return {"mean": statistics.fmean(values) if n else None,
+            "stderr": statistics.stdev(values) / math.sqrt(n) if n >= 2 else None, "n": n}
+
+
+def paired_differences(a: dict[int, list[dict]], b: dict[int, list[dict]]) -> dict[str, Any]:
+    """Held-out score of algorithm ``a`` minus ``b`` at each run's last validation, two ways.
+
+    ``a``/``b``: ``{training seed: rows}``. Only the episodes (task, episode index) that every run of both played
+    without failing count, so each run's mean is over the same episodes.
+
+    - ``seed_level``: the difference of the means over training seeds of the per-run mean score, with the standard
+      error ``sqrt(s_a²/n_a + s_b²/n_b)`` of the per-run means (Bessel-corrected): the spread between training seeds
+      and the evaluation noise both.
+    - ``paired_by_episode``: per episode, the mean over ``a``'s runs minus the mean over ``b``'s, then mean ± s.e.
+      over episodes: the evaluation noise alone, given these runs.
+
+    Also returns the per-run means (``runs_a``/``runs_b``: ``{seed: mean}``) and the iterations validated last.
+
+    Raises:
+        ValueError: an algorithm without runs, or no episode common to all runs.
+    """
+    if not a or not b:
+        raise ValueError(f"need runs of both algorithms, got {len(a)} and {len(b)}")
+    last = {side: {s: last_validation(rows) for s, rows in runs.items()} for side, runs in (("a", a), ("b", b))}
+    common = set.intersection(*(set(scores) for per in last.values() for _, scores in per.values()))
+    if not common:
+        raise ValueError("no held-out episode was played by every run")
+    keys = sorted(common)
+    means = {side: {s: statistics.fmean(sc[k] for k in keys) for s, (_, sc) in per.items()}
+             for side, per in last.items()}
+    ma, mb = list(means["a"].values()), list(means["b"].values())
+    var = [statistics.variance(m) / len(m) if len(m) >= 2 else None for m in (ma, mb)]
+    per_episode = [statistics.fmean(sc[k] for _, sc in last["a"].values())
+                   - statistics.fmean(sc[k] for _, sc in last["b"].values()) for k in keys]
+    return {
+        "seed_level": {"mean": statistics.fmean(ma) - statistics.fmean(mb),
+                       "stderr": math.sqrt(var[0] + var[1]) if None not in var else None,
+                       "n_seeds": [len(ma), len(mb)]},
+        "paired_by_episode": _mean_se(per_episode),
+        "runs_a": means["a"], "runs_b": means["b"],
+        "iterations": sorted({it for per in last.values() for it, _ in per.values()}),
+        "episodes": len(keys),
+    }
