@@ -355,7 +355,13 @@ def test_two_real_training_runs(tmp_path):
         assert _read_png(out / name).shape[:2] == CURVE_PX
     artifacts = {a.path for a in client.list_artifacts(result["comparison_run_id"])}
     assert artifacts == {"learning_curves_iteration.png", "learning_curves_wallclock.png", "curves.json", "results.md",
-                         "iterations.md"}
+                         "iterations.md", "paired.md", "paired.json"}
+    # the per-episode files came back from the runs; their pair is the difference of the logged validation scores
+    assert sorted(f.name.split("-seed")[0] for f in (out / "episodes").glob("*.csv")) == ["empo2", "grpo"]
+    paired = json.loads((out / "paired.json").read_text())["empo2-grpo"]
+    val_score = {algo: client.get_run(rid).data.metrics["val/score"] for algo, rid in run_ids.items()}
+    assert paired["seed_level"]["mean"] == pytest.approx(val_score["empo2"] - val_score["grpo"])
+    assert paired["paired_by_episode"]["mean"] == pytest.approx(paired["seed_level"]["mean"])
     rows = (out / "iterations.md").read_text().splitlines()[2:]  # 2 iterations per run, each with its drawn mode
     assert len(rows) == 4 and all(any(f" | {m} | " in r for m in ("on_policy", "off_policy", "on_policy_with_tips"))
                                   for r in rows)
