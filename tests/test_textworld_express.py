@@ -133,3 +133,16 @@ def test_loops_that_show_nothing_new_are_cut_also_back_to_the_start(tmp_path):
         assert "look around" not in cut[:1]
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("name,fold", [("num_train_seeds", "train"), ("num_test_seeds", "test")])
+def test_more_seeds_than_a_fold_holds_is_refused_naming_that_fold(name, fold):
+    with pytest.raises(ValueError, match=rf"{name}=1000000: the {fold} fold holds (\d+) seeds") as err:
+        TextWorldExpressEnv(game_params=COIN, **{name: 1_000_000})
+    # the size named is that fold's
+    probe = TextWorldExpressEnv(game_params=COIN, num_train_seeds=1, num_test_seeds=1)
+    try:
+        size = {"train": len(probe._folds["train"]), "test": len(probe._folds["test"])}[fold]
+    finally:
+        probe.close()
+    assert f"holds {size} seeds" in str(err.value)

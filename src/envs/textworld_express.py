@@ -163,10 +163,11 @@ class TextWorldExpressEnv(Environment):
             raise ValueError(f"game_params={self.game_params!r} for game {game!r}: the simulator says {exc}") from exc
         self._folds = {"train": self._sim.getValidSeedsTrain(), "dev": self._sim.getValidSeedsDev(),
                        "test": self._sim.getValidSeedsTest()}
-        for name, count in (("num_train_seeds", num_train_seeds), ("num_test_seeds", num_test_seeds)):
-            if count > len(self._folds["train" if name == "num_train_seeds" else "test"]):
+        for name, count, fold in (("num_train_seeds", num_train_seeds, "train"),
+                                  ("num_test_seeds", num_test_seeds, "test")):
+            if count > len(self._folds[fold]):
                 self.close()
-                raise ValueError(f"{name}={count}: the fold holds {len(self._folds['train'])} seeds")
+                raise ValueError(f"{name}={count}: the {fold} fold holds {len(self._folds[fold])} seeds")
         self._seeds = {fold: set(seeds) for fold, seeds in self._folds.items()}
         self._task: dict[str, Any] | None = None
         self._done = True
