@@ -19,6 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from src.evaluation.stats import mean_stderr
 from src.utils.io import write_text_atomic
 
 FILE = "validation_episodes.csv"
@@ -95,12 +96,6 @@ def last_validation(rows: Sequence[dict[str, Any]]) -> tuple[int, dict[tuple[str
     return last, {(r["task"], r["episode"]): r["score"] for r in rows if r["iteration"] == last and not r["failed"]}
 
 
-def _mean_se(values: Sequence[float]) -> dict[str, float | int | None]:
-    n = len(values)
-    return {"mean": statistics.fmean(values) if n else None,
-            "stderr": statistics.stdev(values) / math.sqrt(n) if n >= 2 else None, "n": n}
-
-
 def paired_differences(a: dict[int, list[dict]], b: dict[int, list[dict]]) -> dict[str, Any]:
     """Held-out score of algorithm ``a`` minus ``b`` at each run's last validation, two ways.
 
@@ -127,15 +122,13 @@ def paired_differences(a: dict[int, list[dict]], b: dict[int, list[dict]]) -> di
     keys = sorted(common)
     means = {side: {s: statistics.fmean(sc[k] for k in keys) for s, (_, sc) in per.items()}
              for side, per in last.items()}
-    ma, mb = list(means["a"].values()), list(means["b"].values())
-    var = [statistics.variance(m) / len(m) if len(m) >= 2 else None for m in (ma, mb)]
+    sa, sb = (mean_stderr(list(means[side].values())) for side in ("a", "b"))
     per_episode = [statistics.fmean(sc[k] for _, sc in last["a"].values())
                    - statistics.fmean(sc[k] for _, sc in last["b"].values()) for k in keys]
+    seed_se = None if None in (sa["stderr"], sb["stderr"]) else math.hypot(sa["stderr"], sb["stderr"])
     return {
-        "seed_level": {"mean": statistics.fmean(ma) - statistics.fmean(mb),
-                       "stderr": math.sqrt(var[0] + var[1]) if None not in var else None,
-                       "n_seeds": [len(ma), len(mb)]},
-        "paired_by_episode": _mean_se(per_episode),
+        "seed_level": {"mean": sa["mean"] - sb["mean"], "stderr": seed_se, "n_seeds": [sa["n"], sb["n"]]},
+        "paired_by_episode": mean_stderr(per_episode),
         "runs_a": means["a"], "runs_b": means["b"],
         "iterations": sorted({it for per in last.values() for it, _ in per.values()}),
         "episodes": len(keys),
