@@ -66,6 +66,43 @@ def _fmt(mean, stderr, digits: int) -> str:
     return f"{mean:.{digits}f} ± {stderr:.{digits}f}" if stderr is not None else f"{mean:.{digits}f}"
 
 
+def _diagnostic_arms_table(doc: dict, digits: int) -> list[str]:
+    """Markdown lines: per trial the oracle / placeholder arms' score and their paired difference to the control
+    (``eval.oracle_tips`` / ``eval.empty_tips``); no lines for a summary without them."""
+    arms = {k: v for k, v in (doc.get("paired_vs_off") or {}).items() if k != "own"}
+    if not arms:
+        return []
+    names = {"oracle": "oracle tips", "empty": "placeholder tips"}
+    lines = ["", "| trial | " + " | ".join(f"{names.get(a, a)}: score | − off" for a in arms) + " |",
+             "|---|" + "---|---|" * len(arms)]
+    for t in range(len(doc["trials"])):
+        cells = []
+        for a, paired in arms.items():
+            row, d = doc[f"{a}_trials"][t], paired[t]["score_diff"]
+            cells += [_fmt(row["score"], row["score_stderr"], digits), _fmt(d["mean"], d["stderr"], digits)]
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _plot_arms(ax, label: str, doc: dict, env_cls) -> None:
+    """One panel: score per trial (mean ± s.e.) of each arm the summary has (memory on, memory off, and the
+    diagnostic arms of ``eval.oracle_tips`` / ``eval.empty_tips``)."""
+    for key, name, style in (("trials", "memory on (tips from earlier trials)", "-o"),
+                             ("control_trials", "memory off (control)", "--s"),
+                             ("oracle_trials", "oracle tips (diagnostic)", "-^"),
+                             ("empty_trials", "placeholder tips block", ":v")):
+        if key in doc:
+            rows = doc[key]
+            ax.errorbar([r["trial"] for r in rows], [r["score"] for r in rows],
+                        yerr=[r["score_stderr"] or 0 for r in rows], fmt=style, capsize=3, label=name)
+    what = doc["task"] or (env_cls.display_name if env_cls else "")
+    ax.set_title("\n".join(textwrap.wrap(f"{label}: {what} ({doc['trials'][0]['episodes']} episodes/trial)", 48)),
+                 fontsize=10)
+    ax.set(xlabel="trial", ylabel=f"score ({env_cls.score_unit})" if env_cls else "score")
+    ax.set_xticks([r["trial"] for r in doc["trials"]])
+    ax.legend(fontsize=8)
+
+
 def report(docs: dict[str, dict], out_dir: Path) -> str:
     import matplotlib
 
@@ -77,22 +114,7 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
     for ax, (label, doc) in zip(axes[0], docs.items()):
         env_cls = environment_of_target(str(doc["env"]))
         digits = 3 if (env_cls.max_score if env_cls else 1.0) <= 1 else 1
-        unit = f"score ({env_cls.score_unit})" if env_cls else "score"
-        for key, name, style in (("trials", "memory on (tips from earlier trials)", "-o"),
-                                 ("control_trials", "memory off (control)", "--s"),
-                                 ("oracle_trials", "oracle tips (diagnostic)", "-^"),
-                                 ("empty_trials", "placeholder tips block", ":v")):
-            if key not in doc:  # the diagnostic arms: eval.oracle_tips / eval.empty_tips
-                continue
-            rows = doc[key]
-            ax.errorbar([r["trial"] for r in rows], [r["score"] for r in rows],
-                        yerr=[r["score_stderr"] or 0 for r in rows], fmt=style, capsize=3, label=name)
-        n = doc["trials"][0]["episodes"]
-        ax.set_title("\n".join(textwrap.wrap(f"{label}: {doc['task'] or (env_cls.display_name if env_cls else '')} ({n} episodes/trial)", 48)),
-                     fontsize=10)
-        ax.set(xlabel="trial", ylabel=unit)
-        ax.set_xticks([r["trial"] for r in doc["trials"]])
-        ax.legend(fontsize=8)
+        _plot_arms(ax, label, doc, env_cls)
         reflections = doc.get("reflections") or []
         bare = env_cls.bare_command if env_cls else None
         usable = [usable_tip(r["tip"], r["instruction"], str(doc["env"]), bare) for r in reflections]
@@ -115,17 +137,7 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
                          f"{_fmt(ctrl['success_rate'], ctrl['success_rate_stderr'], 2)} | "
                          f"{'–' if frac is None else f'{frac:.2f}'} |")
         score_diff, success_diff = last["score_diff"], last["success_diff"]
-        arms = {k: v for k, v in (doc.get("paired_vs_off") or {}).items() if k != "own"}
-        if arms:  # the diagnostic arms against the control, per trial
-            names = {"oracle": "oracle tips", "empty": "placeholder tips"}
-            lines += ["", "| trial | " + " | ".join(f"{names.get(a, a)}: score | − off" for a in arms) + " |",
-                      "|---|" + "---|---|" * len(arms)]
-            for t in range(len(doc["trials"])):
-                cells = []
-                for a, paired in arms.items():
-                    row, d = doc[f"{a}_trials"][t], paired[t]["score_diff"]
-                    cells += [_fmt(row["score"], row["score_stderr"], digits), _fmt(d["mean"], d["stderr"], digits)]
-                lines.append(f"| {t} | " + " | ".join(cells) + " |")
+        lines += _diagnostic_arms_table(doc, digits)
         lines += ["", "Paired difference at the last trial: "
                   f"**{_fmt(score_diff['mean'], score_diff['stderr'], digits)}**"
                   f" (score, n = {score_diff['n']} pairs), success "
