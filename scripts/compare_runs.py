@@ -110,6 +110,13 @@ def write_paired(episodes: dict[str, dict[int, list[dict]]], out: Path, env=None
     return [out / "paired.md", out / "paired.json"]
 
 
+def paired_files(client: mlflow.MlflowClient, runs: Sequence[Run], out: Path, env) -> list[Path]:
+    """The runs' per-episode files in ``out/episodes/`` and, where two algorithms have them, ``paired.md`` and
+    ``paired.json`` (``write_paired``); returns the paired files written."""
+    episodes = copy_episode_files(client, runs, out / "episodes")
+    return write_paired(episodes, out, env) if len(episodes) >= 2 else []
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse ``argv``, write the figures and ``curves.json`` to ``--out-dir``, log them unless ``--no-log``.
 
@@ -162,9 +169,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     write_text_atomic(files[-1], results_table(client, runs, env))
     files.append(out / "iterations.md")
     write_text_atomic(files[-1], iterations_table(client, runs, env))
-    episodes = copy_episode_files(client, runs, out / "episodes")
-    if len(episodes) >= 2:
-        files += write_paired(episodes, out, env)
+    files += paired_files(client, runs, out, env)
     files.append(out / "curves.json")
     write_text_atomic(files[-1], json.dumps(report, indent=1))
     run_id = None

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-from pathlib import Path
 from typing import Any, Iterator
 
 import lightning as L
@@ -33,8 +32,7 @@ from src.data.rollout import Episode, episode_metrics, evaluate, log_episodes, p
 from src.data.rollout_config import RolloutConfig
 from src.data.samples import MicroBatch, StepSample
 from src.envs.pool import EnvPool
-from src.evaluation.episode_table import FILE as EPISODE_FILE
-from src.evaluation.episode_table import append_rows, episode_rows
+from src.evaluation.episode_table import episode_rows, log_validation_episodes
 from src.models.algorithm_config import AlgorithmConfig
 from src.models.advantages import compute_grpo_advantages
 from src.utils.distributed import combine_over_ranks, gather_lists, gather_objects, rank_and_world
@@ -437,18 +435,6 @@ class RolloutDataModule(L.LightningDataModule):
                                      return_episodes=True)
         # what the policy did on each held-out task (this rank's shard): a falling score can be read off the log
         log_episodes(episodes, f"validation after {self.trainer.global_step} optimizer steps")
-        self._write_validation_episodes(gather_lists(episode_rows(episodes, self.iteration or 0)))
+        # every held-out episode to the run's validation_episodes.csv, for paired differences between runs
+        log_validation_episodes(self.trainer, gather_lists(episode_rows(episodes, self.iteration or 0)))
         yield {"metrics": metrics}
-
-    def _write_validation_episodes(self, rows: list[dict[str, Any]]) -> None:
-        """Add a validation's episodes to the run's ``validation_episodes.csv`` (rank 0; also an MLflow artifact),
-        so paired differences between runs can be recomputed (``src/evaluation/episode_table.py``)."""
-        if not self.trainer.is_global_zero or self.trainer.sanity_checking:
-            return
-        from lightning.pytorch.loggers import MLFlowLogger
-
-        path = Path(self.trainer.default_root_dir) / EPISODE_FILE
-        append_rows(path, rows)
-        for logger in self.trainer.loggers:
-            if isinstance(logger, MLFlowLogger):
-                logger.experiment.log_artifact(logger.run_id, str(path))

@@ -52,6 +52,20 @@ def append_rows(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
     write_text_atomic(path, old + buf.getvalue())
 
 
+def log_validation_episodes(trainer, rows: Sequence[dict[str, Any]]) -> None:
+    """Add a validation's rows (all ranks', ``episode_rows``) to ``<run dir>/validation_episodes.csv`` and, with the
+    MLflow logger, log the file as the run's artifact; rank 0 only, nothing during the sanity check."""
+    if not trainer.is_global_zero or trainer.sanity_checking:
+        return
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    path = Path(trainer.default_root_dir) / FILE
+    append_rows(path, rows)
+    for logger in trainer.loggers:
+        if isinstance(logger, MLFlowLogger):
+            logger.experiment.log_artifact(logger.run_id, str(path))
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a file written by ``append_rows``, typed (ints, float score).
 
