@@ -3,6 +3,8 @@
     python scripts/bench_cpu_speed.py                          # experiment=scienceworld, every setting
     python scripts/bench_cpu_speed.py --experiment webshop --batches 2
     python scripts/bench_cpu_speed.py --profile                # + the top operators of a step (torch.profiler)
+    python scripts/bench_cpu_speed.py --shapes                 # forward + backward tokens/s by batch shape, and
+                                                               # the attention kernels' share (random ids)
 
 Uses the real SmolLM2-135M policy and the real demonstration examples of the experiment's warm start (the same
 prompts RL sees; ScienceWorld gold paths are generated into the data dir on first use). For each precision
@@ -21,6 +23,7 @@ that ``trainer.precision=auto`` decides with. Figures belong to the machine they
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--profile", action="store_true", help="print the top operators of one step of each kind")
+    parser.add_argument("--shapes", action="store_true",
+                        help="only: bf16 forward + backward tokens/s of the policy by batch shape and attention kernel")
     args = parser.parse_args(argv)
 
     import lightning as L
@@ -85,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{torch.get_num_threads()} threads")
     print(f"matmul probe {probe.n}^2: fp32 {probe.fp32_gflops:.0f} GFLOP/s, bf16 {probe.bf16_gflops:.1f} GFLOP/s -> "
           f"trainer.precision=auto picks {decide_precision('cpu', probe=probe)[0]}")
+    if args.shapes:
+        return shapes(compose(args.experiment), args.batches)
     bench = Bench(compose(args.experiment), args.batches)
     print(f"\n{'precision':<11} {'what':<66} {'s/call':>8} {'tokens/s':>9}")
     for precision in args.precisions:
@@ -170,6 +177,47 @@ class Bench:
             report((precision, f"update (micro-batch {k}, checkpointing {'on' if checkpointing else 'off'})",
                     seconds, update_tokens / seconds))
         return update
+
+
+def shapes(cfg, repeats: int, sizes=((8, 400), (8, 800), (2, 1500))) -> None:
+    """bf16 forward + backward of the experiment's policy on random ids (first row left-padded by 50, logits of the
+    last 6 positions, as the warm start asks for them), tokens/s per (rows, length) and attention kernel; then one
+    layer's attention alone (SmolLM2's 9 query / 3 key-value heads of 64), causal and with a padding mask."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AutoModelForCausalLM
+
+    from src.models.hub import resolve_name_or_path
+
+    path = resolve_name_or_path(str(cfg.model.policy.name_or_path), cfg.model.policy.cache_dir)
+    for kernel in ("sdpa", "eager", "math"):
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager" if kernel == "eager" else "sdpa",
+                                                     dtype=torch.float32).train()
+        for rows, length in sizes:
+            ids, mask = torch.randint(0, 40000, (rows, length)), torch.ones(rows, length, dtype=torch.long)
+            mask[0, :50] = 0
+
+            def step():
+                ctx = sdpa_kernel(SDPBackend.MATH) if kernel == "math" else contextlib.nullcontext()
+                with torch.autocast("cpu", dtype=torch.bfloat16), ctx:
+                    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=6, use_cache=False).logits
+                logits.float().logsumexp(-1).sum().backward()
+            seconds = timed(step, repeats)
+            report(("bf16-mixed", f"forward + backward {rows} x {length} ({kernel} attention)", seconds,
+                    rows * length / seconds))
+    for rows, length in sizes:
+        q = torch.randn(rows, 9, length, 64, dtype=torch.bfloat16, requires_grad=True)
+        kv = [torch.randn(rows, 3, length, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+        pad = torch.ones(length, length, dtype=torch.bool).tril().expand(rows, 1, length, length).clone()
+        pad[0, :, :, 1:50] = False
+        for name, kwargs in (("causal", {"is_causal": True}), ("padding mask", {"attn_mask": pad})):
+            def attention():
+                k, v = (t.repeat_interleave(3, 1) for t in kv)
+                F.scaled_dot_product_attention(q, k, v, **kwargs).float().sum().backward()
+            seconds = timed(attention, repeats)
+            report(("bf16", f"one layer's SDPA forward + backward {rows} x {length} ({name})", seconds,
+                    rows * length / seconds))
 
 
 def profile_top(precision: str, autocast, steps: dict) -> None:
