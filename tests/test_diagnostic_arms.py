@@ -1,6 +1,7 @@
 """The diagnostic arms of the adaptation protocol (src/evaluation/fixed_tips.py) on real Coin Collector with a tiny
 random policy: every arm plays the same trial 0, the oracle and empty arms show their lines from trial 1 on, the
-placeholder lines match the oracle lines' token lengths, and training refuses a diagnostic memory."""
+placeholder lines match the oracle lines' token lengths, training refuses a diagnostic memory, and arms run in
+separate evaluations (``eval.own_tips=false``) merge into the summary one run would have written."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,6 +28,25 @@ def summary(tmp_path_factory):
     return run_eval(_compose("eval", tmp, "eval.protocol=adaptation", "eval.trials=1", "eval.num_tasks=3",
                              "eval.episodes_per_task=2", "eval.control=true", "eval.oracle_tips=true",
                              "eval.empty_tips=true", "logger=none"))
+
+
+@pytest.fixture(scope="module")
+def oracle_only(tmp_path_factory):
+    """The oracle arm alone, in a second evaluation of the same settings as ``summary``."""
+    from src.evaluation.runner import run_eval
+
+    tmp = tmp_path_factory.mktemp("oracle_only")
+    return run_eval(_compose("eval", tmp, "eval.protocol=adaptation", "eval.trials=1", "eval.num_tasks=3",
+                             "eval.episodes_per_task=2", "eval.own_tips=false", "eval.oracle_tips=true",
+                             "logger=none"))
+
+
+def _without(summary, arm):
+    """``summary`` as a run without ``arm`` would have written it."""
+    out = {k: v for k, v in summary.items() if k != f"{arm}_trials"}
+    out["episode_rows"] = {a: rows for a, rows in summary["episode_rows"].items() if a != arm}
+    out["paired_vs_off"] = {a: p for a, p in summary["paired_vs_off"].items() if a != arm}
+    return out
 
 
 def test_every_arm_plays_the_same_trial_0(summary):
@@ -80,4 +100,42 @@ def test_the_arms_belong_to_the_adaptation_protocol(tmp_path):
 
     cfg = _compose("eval", tmp_path, "eval.oracle_tips=true")
     with pytest.raises(ValueError, match="eval.oracle_tips=true with eval.protocol='standard'"):
+        check_eval_config(cfg.eval)
+
+
+def test_an_arm_run_alone_repeats_its_episodes_and_merges_into_the_four_arm_summary(summary, oracle_only):
+    from src.evaluation.merge_arms import merge_arms
+
+    assert set(oracle_only["episode_rows"]) == {"oracle"} and "trials" not in oracle_only
+    assert "paired_vs_off" not in oracle_only  # no control in this run
+    # the same streams in another process: every trial of the oracle arm is the same episodes
+    assert oracle_only["episode_rows"]["oracle"] == summary["episode_rows"]["oracle"]
+    merged = merge_arms(_without(summary, "oracle"), oracle_only)
+    assert merged["paired_vs_off"] == summary["paired_vs_off"]
+    assert merged["oracle_trials"] == summary["oracle_trials"]
+    assert merged["paired"] == summary["paired"] and merged["trials"] == summary["trials"]
+    assert merged["episode_rows"] == summary["episode_rows"]
+
+
+def test_merging_refuses_runs_that_are_not_the_same_evaluation(summary, oracle_only):
+    import copy
+
+    from src.evaluation.merge_arms import merge_arms
+
+    base = _without(summary, "oracle")
+    other = copy.deepcopy(oracle_only)
+    other["episode_rows"]["oracle"][0][0]["actions"] = ["look around"]  # another stream in trial 0
+    with pytest.raises(ValueError, match="trial 0 of extra's oracle arm is not base's"):
+        merge_arms(base, other)
+    with pytest.raises(ValueError, match="weights_sha256: base has"):
+        merge_arms(base, {**oracle_only, "weights_sha256": "0" * 64})
+    with pytest.raises(ValueError, match="has no arm that base lacks"):
+        merge_arms(summary, oracle_only)
+
+
+def test_leaving_out_the_own_tips_needs_another_arm(tmp_path):
+    from src.evaluation.protocols import check_eval_config
+
+    cfg = _compose("eval", tmp_path, "eval.protocol=adaptation", "eval.own_tips=false")
+    with pytest.raises(ValueError, match="eval.own_tips=false with no other arm"):
         check_eval_config(cfg.eval)

@@ -4,6 +4,7 @@ Both run their episodes through ``src.data.rollout_datamodule.evaluate``, the co
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any, Sequence
@@ -31,8 +32,12 @@ def check_eval_config(ev: DictConfig | dict) -> None:
     if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Sequence) or not seeds \
             or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise ValueError(f"eval.seeds={seeds!r}: expected a non-empty list of ints, e.g. [0, 1, 2]")
-    if not isinstance(ev.get("control", False), bool):
-        raise ValueError(f"eval.control={ev.get('control')!r}: expected true or false")
+    for name in ("control", "own_tips"):
+        if not isinstance(ev.get(name, False), bool):
+            raise ValueError(f"eval.{name}={ev.get(name)!r}: expected true or false")
+    if ev.get("own_tips", True) is False and not any(ev.get(k) for k in ("control", "oracle_tips", "empty_tips")):
+        raise ValueError("eval.own_tips=false with no other arm: set eval.control, eval.oracle_tips or "
+                         "eval.empty_tips to true (the adaptation protocol needs an arm to run)")
     for name in ("episodes_per_task", "trials") + (("num_tasks",) if ev.get("num_tasks") is not None else ()):
         value = ev.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -101,6 +106,10 @@ def run_adaptation(cfg, b, pool, tasks, memory, fixed_arms: dict[str, Any] | Non
     docs/evaluation.md#diagnostic-arms) run the same trials showing their fixed lines from trial 1 on and writing
     nothing; each adds ``<arm>_trials`` and, with the control, ``paired_vs_off[<arm>]`` (arm − control per trial).
     Every arm draws trial k's tokens from the same streams, so trial 0 is the same episodes in all of them.
+
+    ``eval.own_tips=false`` leaves the own-tips arm out (no ``trials``, ``best_*``, ``reflections``, ``paired``):
+    the control and diagnostic arms alone, e.g. to add them to an earlier run's summary
+    (``scripts/merge_adaptation.py``, which checks that trial 0 is the same episodes in both).
     """
     import lightning as L
 
@@ -110,7 +119,8 @@ def run_adaptation(cfg, b, pool, tasks, memory, fixed_arms: dict[str, Any] | Non
     ev, module, dm = cfg.eval, b["module"], b["datamodule"]
     trials, n = int(ev.trials), int(ev.episodes_per_task)
     empty = memory.state_dict()
-    arms = {"memory": memory, **({"control": None} if ev.get("control") else {}), **(fixed_arms or {})}
+    arms = {**({"memory": memory} if ev.get("own_tips", True) else {}),
+            **({"control": None} if ev.get("control") else {}), **(fixed_arms or {})}
     per_trial = {arm: [[] for _ in range(trials + 1)] for arm in arms}
     memory_sizes: list[list[int]] = [[] for _ in range(trials + 1)]
     tip_action = [[] for _ in range(trials + 1)]
@@ -145,30 +155,36 @@ def run_adaptation(cfg, b, pool, tasks, memory, fixed_arms: dict[str, Any] | Non
                          episode_summary(episodes)["score"]["mean"] or math.nan)
     rows = {arm: [_trial_row(trial, [e for eps in runs for e in eps], arm != "control" and trial > 0)
                   for trial, runs in enumerate(per_trial[arm])] for arm in arms}
-    for trial, row in enumerate(rows["memory"]):
-        row["memory_size_before"] = float(sum(memory_sizes[trial]) / len(memory_sizes[trial]))
-        row["tip_action_frac"] = sum(tip_action[trial]) / len(tip_action[trial]) if tip_action[trial] else None
-    scores = [r["score"] for r in rows["memory"]]
-    if any(s is None for s in scores):
-        raise RuntimeError(f"a trial has no finished episode (scores per trial: {scores}); see the worker errors")
-    best = max(range(1, trials + 1), key=lambda k: scores[k])
-    out = {"trials": rows["memory"], "trial0_score": scores[0], "best_trial": best, "best_score": scores[best],
-           "best_absolute_gain": scores[best] - scores[0], "best_relative_gain": best_relative_gain(scores),
-           "rollout_s": rollout_s, "reflections": reflections}
+    for arm, arm_rows in rows.items():
+        scores = [r["score"] for r in arm_rows]
+        if any(s is None for s in scores):
+            raise RuntimeError(f"a trial of the {arm} arm has no finished episode (scores per trial: {scores}); "
+                               "see the worker errors")
+    # every episode of every arm, so paired differences can be recomputed from the summary (and trial 0 compared)
+    episode_rows = {arm: [[_episode_row(seed, e) for seed, eps in zip(ev.seeds, runs) for e in eps]
+                          for runs in per_trial[arm]] for arm in arms}
+    out = {"trial0_score": rows[next(iter(arms))][0]["score"], "rollout_s": rollout_s}
+    if "memory" in arms:
+        for trial, row in enumerate(rows["memory"]):
+            row["memory_size_before"] = float(sum(memory_sizes[trial]) / len(memory_sizes[trial]))
+            row["tip_action_frac"] = sum(tip_action[trial]) / len(tip_action[trial]) if tip_action[trial] else None
+        scores = [r["score"] for r in rows["memory"]]
+        best = max(range(1, trials + 1), key=lambda k: scores[k])
+        out.update({"trials": rows["memory"], "best_trial": best, "best_score": scores[best],
+                    "best_absolute_gain": scores[best] - scores[0], "best_relative_gain": best_relative_gain(scores),
+                    "reflections": reflections})
     if "control" in arms:
         out["control_trials"] = rows["control"]
-        out["paired"] = [_paired(per_trial["memory"][t], per_trial["control"][t], t) for t in range(trials + 1)]
-        out["last_trial_paired_score_diff"] = out["paired"][-1]["score_diff"]
-    # every episode of every arm, so paired differences can be recomputed from the summary (and trial 0 compared)
-    out["episode_rows"] = {arm: [[_episode_row(seed, e) for seed, eps in zip(ev.seeds, runs) for e in eps]
-                             for runs in per_trial[arm]] for arm in arms}
+        for arm in arms:
+            if arm != "control":
+                out.setdefault("paired_vs_off", {})["own" if arm == "memory" else arm] = paired_by_trial(
+                    episode_rows[arm], episode_rows["control"])
+        if "memory" in arms:
+            out["paired"] = out["paired_vs_off"]["own"]
+            out["last_trial_paired_score_diff"] = out["paired"][-1]["score_diff"]
+    out["episode_rows"] = episode_rows
     for arm in fixed_arms or {}:
         out[f"{arm}_trials"] = rows[arm]
-        if "control" in arms:
-            out.setdefault("paired_vs_off", {})[arm] = [_paired(per_trial[arm][t], per_trial["control"][t], t)
-                                                        for t in range(trials + 1)]
-    if "control" in arms:
-        out.setdefault("paired_vs_off", {})["own"] = out["paired"]
     return out
 
 
@@ -178,14 +194,39 @@ def _episode_row(seed: int, episode) -> dict[str, Any]:
             "actions": [s.action for s in episode.steps]}
 
 
-def _paired(arm_runs: list, control_runs: list, trial: int) -> dict[str, Any]:
-    """Arm − control per episode (paired by seed, task and episode index), mean ± s.e., skipping failed ones."""
+def paired_by_trial(arm_rows: list[list[dict]], control_rows: list[list[dict]]) -> list[dict[str, Any]]:
+    """Arm − control per trial from two arms' episode rows (``episode_rows[arm]``: per trial, a list of
+    ``{"seed", "task", "episode", "score", "success", "failed", ...}``), episodes paired by seed, task and episode
+    index, failed ones skipped: per trial ``{"trial", "score_diff", "success_diff"}``, each ``mean_stderr`` of the
+    per-episode differences (score in the environment's unit).
+
+    Raises:
+        ValueError: the arms have different numbers of trials, or an episode of one arm has no partner (or two)
+            in the other — naming it.
+    """
     from src.evaluation.stats import mean_stderr
 
-    pairs = [(a, c) for with_arm, without in zip(arm_runs, control_runs) for a, c in zip(with_arm, without)
-             if not (a.failed or c.failed)]
-    return {"trial": trial, "score_diff": mean_stderr([a.score - c.score for a, c in pairs]),
-            "success_diff": mean_stderr([float(a.success) - float(c.success) for a, c in pairs])}
+    if len(arm_rows) != len(control_rows):
+        raise ValueError(f"{len(arm_rows)} trials against {len(control_rows)}: the arms must run the same trials")
+
+    def by_key(trial_rows: list[dict]) -> dict[str, dict]:
+        keyed = {}
+        for row in trial_rows:
+            key = json.dumps([row["seed"], row["task"], row["episode"]], sort_keys=True)
+            if key in keyed:
+                raise ValueError(f"episode {key} appears twice in one trial")
+            keyed[key] = row
+        return keyed
+
+    out = []
+    for trial, (with_arm, without) in enumerate(zip(arm_rows, control_rows)):
+        a, c = by_key(with_arm), by_key(without)
+        if a.keys() != c.keys():
+            raise ValueError(f"trial {trial}: episodes {sorted(a.keys() ^ c.keys())[:3]} are in one arm only")
+        pairs = [(a[k], c[k]) for k in a if not (a[k]["failed"] or c[k]["failed"])]
+        out.append({"trial": trial, "score_diff": mean_stderr([x["score"] - y["score"] for x, y in pairs]),
+                    "success_diff": mean_stderr([float(x["success"]) - float(y["success"]) for x, y in pairs])})
+    return out
 
 
 def _trial_row(trial: int, episodes: list, with_tips: bool) -> dict[str, Any]:

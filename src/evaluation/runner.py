@@ -272,16 +272,21 @@ def _log_summary(summary: dict[str, Any], loggers, path: Path) -> None:
         return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
 
     if summary["protocol"] == "adaptation":
-        per_step = [(row["trial"], finite({f"adaptation/{k}": v for k, v in row.items() if k not in ("trial", "memory")}))
-                    for row in summary["trials"]]
-        for row, paired in zip(summary.get("control_trials") or [], summary.get("paired") or []):
-            per_step[row["trial"]][1].update(finite({
-                **{f"adaptation/control_{k}": v for k, v in row.items() if k not in ("trial", "memory")},
+        per_step = [(t, {}) for t in range(summary["trials_k"] + 1)]
+        for row in summary.get("trials") or []:  # absent with eval.own_tips=false
+            per_step[row["trial"]][1].update(finite({f"adaptation/{k}": v for k, v in row.items()
+                                                     if k not in ("trial", "memory")}))
+        for row in summary.get("control_trials") or []:
+            per_step[row["trial"]][1].update(finite({f"adaptation/control_{k}": v for k, v in row.items()
+                                                     if k not in ("trial", "memory")}))
+        for paired in summary.get("paired") or []:
+            per_step[paired["trial"]][1].update(finite({
                 "adaptation/paired_score_diff": paired["score_diff"]["mean"],
                 "adaptation/paired_score_diff_stderr": paired["score_diff"]["stderr"],
                 "adaptation/paired_success_diff": paired["success_diff"]["mean"]}))
         final = finite({f"adaptation/{k}": summary[k] for k in ("trial0_score", "best_score", "best_trial",
-                                                                  "best_absolute_gain", "best_relative_gain")})
+                                                                  "best_absolute_gain", "best_relative_gain")
+                        if k in summary})
     else:
         per_step = []
         final = finite({"eval/score": summary["score"]["mean"], "eval/score_stderr": summary["score"]["stderr"],
@@ -293,7 +298,8 @@ def _log_summary(summary: dict[str, Any], loggers, path: Path) -> None:
                         "eval/memory_hit_rate": summary["memory_hit_rate"]})
     for logger in loggers:
         for step, metrics in per_step:
-            logger.log_metrics(metrics, step=step)
+            if metrics:
+                logger.log_metrics(metrics, step=step)
         logger.log_metrics(final, step=len(per_step))
         if isinstance(logger, MLFlowLogger):
             logger.experiment.log_artifact(logger.run_id, str(path))
