@@ -12,7 +12,8 @@ arms, the paired per-episode difference memory − control, the reflections writ
   placeholder-tips arms where the summary has them: `eval.oracle_tips`, `eval.empty_tips`), one panel per
   environment;
 - `report.md`: per trial both arms' score and success and the paired difference (mean ± s.e.), the diagnostic arms'
-  scores and their paired difference to the control; the share of
+  scores and their paired difference to the control; per arm and trial the steps per episode (and on WebShop the
+  episodes that click `buy now` before any product); the share of
   reflections that are action replies (`is_action_reply`: an `<action>` tag, or one bare command) and the
   share that name something the next attempt can use (`usable_tip`); ten reflections quoted verbatim per environment.
 """
@@ -84,6 +85,32 @@ def _diagnostic_arms_table(doc: dict, digits: int) -> list[str]:
     return lines
 
 
+def buys_before_a_product(episode: dict) -> bool:
+    """WebShop: the episode clicks ``buy now`` before it clicks any product (``click[<ASIN>]``, ``B0`` and 8
+    letters or digits, as the catalog's ids), i.e. on a page without a buy button, where the click does nothing."""
+    for action in episode["actions"]:
+        if re.fullmatch(r"click\[b0[a-z0-9]{8}\]", action.lower()):
+            return False
+        if action.lower() == "click[buy now]":
+            return True
+    return False
+
+
+def _behaviour_lines(doc: dict, env: str) -> list[str]:
+    """Markdown lines: per arm and trial the steps per episode, and on WebShop the episodes that click ``buy now``
+    before any product (``buys_before_a_product``), from the summary's ``episode_rows``."""
+    rows = doc.get("episode_rows") or {}
+    names = {"control": "memory off", "memory": "own tips", "oracle": "oracle tips", "empty": "placeholder tips"}
+    webshop = "webshop" in env.lower()
+    lines = ["", "| arm | steps per episode, by trial |" + (" buy now before any product, by trial |" if webshop else ""),
+             "|---|---|" + ("---|" if webshop else "")]
+    for arm, trials in rows.items():
+        steps = ", ".join(f"{sum(e['steps'] for e in eps) / max(len(eps), 1):.1f}" for eps in trials)
+        early = ", ".join(f"{sum(map(buys_before_a_product, eps))}/{len(eps)}" for eps in trials)
+        lines.append(f"| {names.get(arm, arm)} | {steps} |" + (f" {early} |" if webshop else ""))
+    return lines if rows else []
+
+
 def _plot_arms(ax, label: str, doc: dict, env_cls) -> None:
     """One panel: score per trial (mean ± s.e.) of each arm the summary has (memory on, memory off, and the
     diagnostic arms of ``eval.oracle_tips`` / ``eval.empty_tips``)."""
@@ -138,6 +165,7 @@ def report(docs: dict[str, dict], out_dir: Path) -> str:
                          f"{'–' if frac is None else f'{frac:.2f}'} |")
         score_diff, success_diff = last["score_diff"], last["success_diff"]
         lines += _diagnostic_arms_table(doc, digits)
+        lines += _behaviour_lines(doc, str(doc["env"]))
         lines += ["", "Paired difference at the last trial: "
                   f"**{_fmt(score_diff['mean'], score_diff['stderr'], digits)}**"
                   f" (score, n = {score_diff['n']} pairs), success "

@@ -139,3 +139,16 @@ def test_leaving_out_the_own_tips_needs_another_arm(tmp_path):
     cfg = _compose("eval", tmp_path, "eval.protocol=adaptation", "eval.own_tips=false")
     with pytest.raises(ValueError, match="eval.own_tips=false with no other arm"):
         check_eval_config(cfg.eval)
+
+
+def test_the_report_counts_a_buy_click_before_any_product():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("adaptation_report", ROOT / "scripts" / "adaptation_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    early = report.buys_before_a_product
+    assert early({"actions": ["search[tea]", "click[buy now]", "click[B0ABCDEFGH]", "click[buy now]"]})
+    assert not early({"actions": ["search[tea]", "click[b0abcdefgh]", "click[chamomile]", "click[buy now]"]})
+    assert early({"actions": ["search[tea]", "click[strawberry]", "click[buy now]"]})  # 10 letters, not an id
+    assert not early({"actions": ["search[tea]", "click[next >]"]})
