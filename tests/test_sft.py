@@ -346,8 +346,9 @@ def test_reflection_examples_train_after_the_actions_only_warm_start(warm_start)
 
     tmp, first = warm_start
     assert first["info"]["num_reflection_examples"] == 0 and first["info"]["started_from"] is None  # off by default
+    # show_tips pinned: an override of the dict merges into experiment=webshop's, which turns show_tips on
     reflections = ("model.warm_start.reflections={max_tokens:48,continue_last_prompt:true,epochs:1,lr:1e-4,"
-                   "rehearsal:0.5}")
+                   "rehearsal:0.5,show_tips:false}")
     other = ensure_warm_start(compose_train(tmp, reflections, "model.warm_start.eval=false"))
     info = other["info"]
     # started from the actions-only entry of the same settings (reused, not rebuilt); two trajectories per training
@@ -355,7 +356,7 @@ def test_reflection_examples_train_after_the_actions_only_warm_start(warm_start)
     assert info["started_from"] == first["path"] and other["path"] != first["path"]
     n_actions = first["info"]["num_examples"]
     assert info["num_reflection_examples"] == 4 and info["num_rehearsal_examples"] == round(0.5 * n_actions)
-    assert info["num_examples"] == 4 + round(0.5 * n_actions)
+    assert info["num_examples"] == 4 + round(0.5 * n_actions) and info["num_tipped_examples"] == 0
     saved = build_policy(name_or_path=first["path"], cache_dir=str(MODELS)).model.state_dict()
     tuned = build_policy(name_or_path=other["path"], cache_dir=str(MODELS)).model.state_dict()
     assert all(not torch.equal(tensor, saved[name]) for name, tensor in tuned.items() if "norm" not in name)
