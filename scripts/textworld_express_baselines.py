@@ -1,12 +1,12 @@
 """Reference scores of TextWorldExpress on held-out seeds: a uniform random agent over the valid actions and the
-simulator's gold path (its loops that show nothing new cut, as the demonstrations are), under the experiment's step
+gold path (`gold_actions`; its loops that show nothing new cut, as the demonstrations are), under the experiment's step
 cap (docs/environments.md#textworldexpress).
 
     python scripts/textworld_express_baselines.py                       # experiment=coin's game, 50 test seeds
     python scripts/textworld_express_baselines.py --max-steps 20 --out docs/results/coin/baselines.json
 
-The random agent draws each action from the listed valid actions (seeded per episode); the gold path is the
-simulator's own (which explores: it is no shortest path), cut at the step cap.
+The random agent draws each action from the listed valid actions (seeded per episode); the gold path explores
+(it is no shortest path: the agent cannot see where the coin is), cut at the step cap.
 """
 from __future__ import annotations
 

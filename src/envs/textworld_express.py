@@ -6,13 +6,12 @@ prepare the ingredients, ``prepare meal``, ``eat meal``). Every game instance is
 disjoint seed folds (train 0-999, dev 10000-10999, test 20000-20999): RL trains on training seeds, validation
 and evaluation play test seeds.
 
-Demonstrations for the imitation warm start are the simulator's own gold paths (which explore: the agent cannot see
-where the coin is); reflection examples are the gold path and a seeded random walk that runs out of steps, with a
-hindsight tip written from what the trajectory showed (rooms seen, doors opened, where the coin was or was not).
+Demonstrations for the imitation warm start are gold paths that explore (the agent cannot see where the coin is): for
+Coin Collector a seeded depth-first search of ours, the same on every machine; for CookingWorld the simulator's.
+Reflection examples are the gold path and a seeded random walk that runs out of steps, with a hindsight tip written from what the trajectory showed (rooms seen, doors opened, where the coin was or was not).
 """
 from __future__ import annotations
 
-import json
 import logging
 import numbers
 import random
@@ -258,36 +257,67 @@ class TextWorldExpressEnv(Environment):
         return info
 
     def gold_actions(self, task: dict[str, Any]) -> list[str]:
-        """A gold action path of ``task`` from the simulator (without its leading ``look around``, which ``reset``
-        already shows). It explores the way an agent must: it does not walk straight to a coin it cannot see. The
-        simulator draws one at random each time (observations are fixed per seed): ``cached_gold_actions`` keeps
-        the first."""
+        """A gold action path of ``task``, the same in every run and on every machine.
+
+        Coin Collector: ``explore`` (the simulator's own gold path is drawn at random on every call by an unseeded
+        JVM generator, so warm starts built from it differed from machine to machine: held-out 0.30, 0.46 and 0.64
+        on the same 50 test games). CookingWorld: the simulator's gold path (the same on every call), without its
+        leading ``look around``, which ``reset`` already shows."""
         seed, fold = self._check_task(task)
+        if self.game == "coin":
+            return self.explore(task)
         self._sim.reset(seed=seed, gameFold=fold, generateGoldPath=True)
         actions = [str(a) for a in self._sim.getGoldActionSequence()]
         self._done = True  # the simulator restarted for the gold path: a new reset() is needed
         return actions[1:] if actions and actions[0] == "look around" else actions
 
-    def cached_gold_actions(self, tasks: list[dict[str, Any]], data_dir: str) -> list[list[str]]:
-        """``gold_actions`` of each task, read from ``<data_dir>/textworld_express_gold-<game>-<key>.json`` where
-        cached (``key``: the game parameters), else drawn and added to it (written atomically), so every run
-        imitates the same paths and its warm start finds its cache entry."""
-        from pathlib import Path
+    def explore(self, task: dict[str, Any]) -> list[str]:
+        """Coin Collector's gold path: a depth-first search over the rooms until the coin is in sight, then ``take
+        coin``. It explores the way an agent must (it never walks straight to a coin it cannot see): in each new room
+        it tries the exits it has not come by in an order shuffled by the game's seed (so the demonstrations do not
+        all prefer one direction), opens a closed door before going through, steps back out of a room it had
+        already seen and back along the way it came when a room has no exit left. Not bounded by ``max_steps``.
 
-        from src.utils.io import json_digest, write_json_atomic
+        Raises:
+            RuntimeError: no coin after 200 actions (not a Coin Collector game as the simulator describes them)."""
+        seed, fold = self._check_task(task)
+        rng = random.Random(seed)
+        opposite = {"north": "south", "south": "north", "east": "west", "west": "east"}
+        actions: list[str] = []
 
-        from importlib.metadata import version
+        def act(action: str) -> dict:
+            actions.append(action)
+            return self._sim.step(action)[3]
 
-        key = json_digest([_params(self.game_params), version("textworld-express")])
-        path = Path(data_dir) / f"textworld_express_gold-{self.game}-{key}.json"
-        cache = json.loads(path.read_text()) if path.exists() else {}
-        ids = [f"{t['fold']}/{int(t['variation'])}" for t in tasks]
-        missing = [(i, t) for i, t in zip(ids, tasks) if i not in cache]
-        if missing:
-            cache.update({i: self.gold_actions(t) for i, t in missing})
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(path, cache)
-        return [cache[i] for i in ids]
+        def exits(raw: dict) -> list[tuple[str, bool]]:  # (direction, behind a closed door) in a seeded order
+            found = sorted((m.group(1).lower(), m.group(2) is None) for m in _EXIT.finditer(raw["look"]))
+            rng.shuffle(found)
+            return found
+
+        _, raw = self._sim.reset(seed=seed, gameFold=fold)
+        self._done = True  # stepped here, not through step(): a new reset() is needed
+        room = _ROOM.search(raw["look"]).group(1)
+        untried, came_by = {room: exits(raw)}, []  # exits left per room; the way into each room of the path
+        while "take coin" not in raw["validActions"]:
+            if len(actions) >= 200:
+                raise RuntimeError(f"explore({task}): no coin in sight after 200 actions: {actions}")
+            if untried[room]:
+                direction, closed = untried[room].pop()
+                if closed:
+                    act(f"open door to {direction}")
+                raw = act(f"move {direction}")
+                entered = _ROOM.search(raw["look"]).group(1)
+                if entered in untried:  # seen before (the rooms make a cycle): nothing new there
+                    raw = act(f"move {opposite[direction]}")
+                    continue
+                untried[entered] = [e for e in exits(raw) if e[0] != opposite[direction]]
+                came_by.append(direction)
+                room = entered
+            else:
+                raw = act(f"move {opposite[came_by.pop()]}")
+                room = _ROOM.search(raw["look"]).group(1)
+        act("take coin")
+        return actions
 
     def _make_system_prompt(self) -> str:
         what = {"coin": "The house is a set of rooms joined by doors; a coin lies in one of them. Explore until you "
@@ -306,10 +336,9 @@ class TextWorldExpressEnv(Environment):
         return env_cfg if num_tasks is None else {**env_cfg, "num_train_seeds": int(num_tasks)}
 
     def demonstrations(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[dict]:
-        """The gold path of each training task (``cached_gold_actions``) without its loops (``without_loops``),
+        """The gold path of each training task (``gold_actions``) without its loops (``without_loops``),
         replayed here under the step cap."""
-        return [replay(self, task, self.without_loops(task, gold))
-                for task, gold in zip(tasks, self.cached_gold_actions(tasks, data_dir))]
+        return [replay(self, task, self.without_loops(task, self.gold_actions(task))) for task in tasks]
 
     def without_loops(self, task: dict[str, Any], actions: list[str]) -> list[str]:
         """``actions`` without the loops that show nothing new: where the path comes back to a state (the same
@@ -342,21 +371,22 @@ class TextWorldExpressEnv(Environment):
         return path
 
     def reflection_records(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[dict]:
-        """Per training task the gold path without its loops (``cached_gold_actions``, ``without_loops``) and a
+        """Per training task the gold path without its loops (``gold_actions``, ``without_loops``) and a
         random walk over moves, door openings and (CookingWorld) the ingredient actions, never the action that
         finishes the game, so it runs out of steps or (CookingWorld) fails the recipe; seeded by the task's seed, so
         every run gets the same records."""
         out = []
-        for task, gold in zip(tasks, self.cached_gold_actions(tasks, data_dir)):
-            out += [replay(self, task, self.without_loops(task, gold)), replay(self, task, self._random_walk(task))]
+        for task in tasks:
+            out += [replay(self, task, self.without_loops(task, self.gold_actions(task))),
+                    replay(self, task, self._random_walk(task))]
         return out
 
     def oracle_tips(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[list[str]]:
         """Diagnostic only (``Environment.oracle_tips``): where the coin is (coin) and the gold path without its
-        loops, from the simulator's solution."""
+        loops (``gold_actions``)."""
         out = []
-        for task, gold in zip(tasks, self.cached_gold_actions(tasks, data_dir)):
-            path = self.without_loops(task, gold)
+        for task in tasks:
+            path = self.without_loops(task, self.gold_actions(task))
             record = replay(self, task, path)
             rooms = [m.group(1) for v in [record["initial_observation"], *record["observations"]]
                      for m in [_ROOM.search(v)] if m]
