@@ -116,29 +116,77 @@ class SampledTokenLogProbs(LogitsProcessor):
         return torch.stack(self._steps, dim=1)
 
 
+def _int64(c: int) -> int:
+    """``c`` modulo 2**64 as a signed 64-bit value (torch's int64 arithmetic wraps the same way)."""
+    c %= 1 << 64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shift_right(x: Tensor, k: int) -> Tensor:
+    return (x >> k) & ((1 << (64 - k)) - 1)  # logical: torch's >> on int64 keeps the sign
+
+
+# splitmix64 (Steele, Lea and Flood 2014; the constants of Vigna's reference implementation)
+_GOLDEN, _STEP, _MIX1, _MIX2 = (_int64(c) for c in (0x9E3779B97F4A7C15, 0xD1B54A32D192ED03, 0xBF58476D1CE4E5B9,
+                                                    0x94D049BB133111EB))
+
+
+def counter_exponentials(seeds: Tensor, step: int, size: int) -> Tensor:
+    """``[B, size]`` float64 draws of Exp(1), entry (i, k) a function of (``seeds[i]``, ``step``, k) alone: the
+    splitmix64 output of a counter made of the three, its top 53 bits as a uniform u in (0, 1), then -log u.
+
+    A counter-based generator: a row's draws depend on nothing else in the batch and no generator state is kept, so
+    a whole batch is a few element-wise kernels (on a GPU, per-row ``torch.Generator`` calls cost ~50 ms per
+    decoding step of a 7B model at batch 16: docs/performance.md). ``seeds``: ``[B]`` int64 on the target device.
+    """
+    index = torch.arange(size, dtype=torch.int64, device=seeds.device)
+    x = seeds[:, None] * _GOLDEN + (index + _int64(step * _STEP))
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    x = x ^ _shift_right(x, 31)
+    return -torch.log((_shift_right(x, 11).double() + 0.5) * 2.0 ** -53)
+
+
 class SeededRowSampler(LogitsProcessor):
-    """Draws each row's next token from ``softmax(logits / temperature)`` with the row's own generator.
+    """Draws each row's next token from ``softmax(logits / temperature)`` with the row's own random stream.
 
     ``generate`` samples all rows of a batch from torch's global generator, so a row's tokens depend on the other
     rows of its batch and on the generator's history: the same episode run in another batch (on another rank, or
-    with other episodes beside it) would draw other tokens. Here row i draws from a generator seeded with
-    ``seeds[i]`` by the exponential race (Gumbel-max): ``argmax(logits / T - log E)`` with one ``E ~ Exp(1)`` per
-    vocabulary entry and step, which picks token k with probability ``softmax(logits / T)[k]``. The scores returned
-    are 0 at the drawn token and -inf elsewhere, so ``generate`` run greedily (``do_sample=False``, no warper) takes
-    that token. It must come after the log-prob recorder, which needs the raw logits.
+    with other episodes beside it) would draw other tokens. Here row i draws from a stream seeded with ``seeds[i]`` by
+    the exponential race (Gumbel-max): ``argmax(logits / T - log E)`` with one ``E ~ Exp(1)`` per vocabulary entry
+    and step, which picks token k with probability ``softmax(logits / T)[k]``. The scores returned are 0 at the drawn
+    token and -inf elsewhere, so ``generate`` run greedily (``do_sample=False``, no warper) takes that token. It must
+    come after the log-prob recorder, which needs the raw logits.
+
+    The stream: on a CPU, one ``torch.Generator`` per row (``counter=False``); on an accelerator, the counter-based
+    :func:`counter_exponentials` (``counter=True``: per-row generators there stall every decoding step, and on a CPU
+    the counter's int64 arithmetic is ~10x slower than torch's sampler). The two give different tokens for the same
+    seeds, each the same in every batch.
     """
 
-    def __init__(self, seeds: list[int], temperature: float, device: torch.device | str = "cpu"):
+    def __init__(self, seeds: list[int], temperature: float, device: torch.device | str = "cpu",
+                 counter: bool | None = None):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.temperature = temperature
-        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        self.counter = torch.device(device).type != "cpu" if counter is None else counter
+        if self.counter:
+            self.seeds = torch.tensor([_int64(int(s)) for s in seeds], dtype=torch.int64, device=device)
+            self.step = 0
+        else:
+            self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if scores.shape[0] != len(self.generators):
-            raise RuntimeError(f"{len(self.generators)} row seeds for a batch of {scores.shape[0]} rows")
-        race = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
-        for row, g in zip(race, self.generators):
-            row.exponential_(generator=g)
-        tokens = (scores.float() / self.temperature - race.log_()).argmax(dim=-1, keepdim=True)
+        rows = len(self.seeds) if self.counter else len(self.generators)
+        if scores.shape[0] != rows:
+            raise RuntimeError(f"{rows} row seeds for a batch of {scores.shape[0]} rows")
+        if self.counter:
+            log_race = counter_exponentials(self.seeds, self.step, scores.shape[-1]).log_().float()
+            self.step += 1
+        else:
+            log_race = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
+            for row, g in zip(log_race, self.generators):
+                row.exponential_(generator=g)
+            log_race.log_()
+        tokens = (scores.float() / self.temperature - log_race).argmax(dim=-1, keepdim=True)
         return torch.full_like(scores, -torch.inf).scatter_(-1, tokens, 0.0)
