@@ -279,7 +279,8 @@ class TextWorldExpressEnv(Environment):
         already seen and back along the way it came when a room has no exit left. Not bounded by ``max_steps``.
 
         Raises:
-            RuntimeError: no coin after 200 actions (not a Coin Collector game as the simulator describes them)."""
+            RuntimeError: every room seen, or 200 actions, and no coin in sight (not a Coin Collector game as the
+                simulator describes them)."""
         seed, fold = self._check_task(task)
         rng = random.Random(seed)
         opposite = {"north": "south", "south": "north", "east": "west", "west": "east"}
@@ -299,8 +300,8 @@ class TextWorldExpressEnv(Environment):
         room = _ROOM.search(raw["look"]).group(1)
         untried, came_by = {room: exits(raw)}, []  # exits left per room; the way into each room of the path
         while "take coin" not in raw["validActions"]:
-            if len(actions) >= 200:
-                raise RuntimeError(f"explore({task}): no coin in sight after 200 actions: {actions}")
+            if len(actions) >= 200 or not (untried[room] or came_by):
+                raise RuntimeError(f"explore({task}): no coin in sight after {actions}")
             if untried[room]:
                 direction, closed = untried[room].pop()
                 if closed:
