@@ -275,12 +275,12 @@ class TextWorldExpressEnv(Environment):
         """Coin Collector's gold path: a depth-first search over the rooms until the coin is in sight, then ``take
         coin``. It explores the way an agent must (it never walks straight to a coin it cannot see): in each new room
         it tries the exits it has not come by in an order shuffled by the game's seed (so the demonstrations do not
-        all prefer one direction), opens a closed door before going through, steps back out of a room it had
-        already seen and back along the way it came when a room has no exit left. Not bounded by ``max_steps``.
+        all prefer one direction), opens a closed door before going through, never enters a room it can see it has
+        seen already, and goes back the way it came when a room has no exit left. Not bounded by ``max_steps``.
 
         Raises:
-            RuntimeError: every room seen, or 200 actions, and no coin in sight (not a Coin Collector game as the
-                simulator describes them)."""
+            RuntimeError: every room seen, or 200 actions, and no coin in sight, or a room the simulator describes
+                without its name (not a Coin Collector game as the simulator describes them)."""
         seed, fold = self._check_task(task)
         rng = random.Random(seed)
         opposite = {"north": "south", "south": "north", "east": "west", "west": "east"}
@@ -290,33 +290,40 @@ class TextWorldExpressEnv(Environment):
             actions.append(action)
             return self._sim.step(action)[3]
 
-        def exits(raw: dict) -> list[tuple[str, bool]]:  # (direction, behind a closed door) in a seeded order
-            found = sorted((m.group(1).lower(), m.group(2) is None) for m in _EXIT.finditer(raw["look"]))
-            rng.shuffle(found)
-            return found
+        def exits(look: str) -> dict[str, str | None]:  # direction -> the room in sight there (None: closed door)
+            return {m.group(1).lower(): m.group(2) for m in _EXIT.finditer(look)}
+
+        def room_of(look: str) -> str:
+            found = _ROOM.search(look)
+            if found is None:
+                raise RuntimeError(f"explore({task}): no room name in {look!r}")
+            return found.group(1)
+
+        def shuffled(directions) -> list[str]:
+            order = sorted(directions)
+            rng.shuffle(order)
+            return order
 
         _, raw = self._sim.reset(seed=seed, gameFold=fold)
         self._done = True  # stepped here, not through step(): a new reset() is needed
-        room = _ROOM.search(raw["look"]).group(1)
-        untried, came_by = {room: exits(raw)}, []  # exits left per room; the way into each room of the path
+        room = room_of(raw["look"])
+        untried, came_by = {room: shuffled(exits(raw["look"]))}, []  # exits left per room; the way into the room
         while "take coin" not in raw["validActions"]:
             if len(actions) >= 200 or not (untried[room] or came_by):
                 raise RuntimeError(f"explore({task}): no coin in sight after {actions}")
-            if untried[room]:
-                direction, closed = untried[room].pop()
-                if closed:
-                    act(f"open door to {direction}")
-                raw = act(f"move {direction}")
-                entered = _ROOM.search(raw["look"]).group(1)
-                if entered in untried:  # seen before (the rooms make a cycle): nothing new there
-                    raw = act(f"move {opposite[direction]}")
-                    continue
-                untried[entered] = [e for e in exits(raw) if e[0] != opposite[direction]]
-                came_by.append(direction)
-                room = entered
-            else:
+            if not untried[room]:
                 raw = act(f"move {opposite[came_by.pop()]}")
-                room = _ROOM.search(raw["look"]).group(1)
+                room = room_of(raw["look"])
+                continue
+            direction = untried[room].pop()
+            if exits(raw["look"]).get(direction, "") is None:  # closed now (it may have been opened from behind)
+                raw = act(f"open door to {direction}")
+            if exits(raw["look"]).get(direction) in untried:  # a room in sight that was seen before
+                continue
+            raw = act(f"move {direction}")
+            room = room_of(raw["look"])
+            untried.setdefault(room, [d for d in shuffled(exits(raw["look"])) if d != opposite[direction]])
+            came_by.append(direction)
         act("take coin")
         return actions
 
@@ -343,9 +350,9 @@ class TextWorldExpressEnv(Environment):
 
     def without_loops(self, task: dict[str, Any], actions: list[str]) -> list[str]:
         """``actions`` without the loops that show nothing new: where the path comes back to a state (the same
-        observation) and everything it saw on the way had been seen before the loop began, the loop is cut. The
-        simulator's gold paths step back and forth between rooms already seen (``move east``, ``move west``, ``move
-        east``, ...), which a policy imitating them learns to do. The cut path is kept only if it ends with at least
+        observation) and everything it saw on the way had been seen before the loop began, the loop is cut. Paths
+        that step back and forth between rooms already seen (``move east``, ``move west``, ``move east``, ..., as the
+        simulator's own gold paths do) teach a policy imitating them to do so. The cut path is kept only if it ends with at least
         the same score under the step cap (checked by replaying it)."""
         def states(path: list[str]) -> tuple[list[str], float]:
             record = replay(self, task, path)

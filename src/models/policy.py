@@ -155,7 +155,7 @@ class Policy(nn.Module):
         the trainer scores: the checkpoint's generation_config is ignored (a warning names what it set, see
         ``src/models/sampling.py``). The log-probs are gathered step by step (extra memory O(B·V)).
         ``do_sample=False`` is greedy (log-probs still reported at the given temperature). ``seeds`` (one per
-        prompt) draws each response from its own generator (``SeededRowSampler``), so a response does not depend
+        prompt) draws each response from its own random stream (``SeededRowSampler``), so a response does not depend
         on the other prompts of the batch; without them all rows draw from torch's global generator.
 
         Prefix caching (``src/models/prompt_cache.py``): ``keep_prompt_kv=True`` keeps the prompts' keys/values
