@@ -4,17 +4,21 @@
     python scripts/bench_paper_shapes.py --tokenizer data/models/tiny-random-llama --out bench.json   # CUDA
     python scripts/bench_paper_shapes.py --tokenizer data/models/tiny-random-llama --device cpu --shape tiny
                                                                       # a rehearsal of every step on a CPU
+    python scripts/bench_paper_shapes.py --tokenizer data/models/tiny-random-llama --streams --new-tokens 64
+                                                                      # only: decoding step by sampling stream
 
 Generation: ``Policy.generate`` (the rollout's call: per-row seeded sampling, log-probs gathered step by step) on
 ``--batches`` prompts of ``--prompt-tokens`` random ids with ``--new-tokens`` new tokens at T = 1.0, timed once for
 one new token (≈ the prefill) and once in full; the decode time is the difference. Also without the seeds
-(``SeededRowSampler`` off), to give that sampler's cost per decoding step. docs/performance.md#measured-on-one-h200
-has the figures of 2026-12-04.
+(``SeededRowSampler`` off), to give that sampler's cost per decoding step; ``stream`` names what the seeded rows
+drew from. ``--streams``: instead, the decoding step of each way to draw (per-row generators, the counter-based
+stream, unseeded sampling, greedy) and whether a row draws the same tokens alone and in the batch.
+docs/performance.md#measured-on-one-h200 has the figures of 2026-12-04.
 Update: one AdamW step on a micro-batch of ``--update-batch`` sequences (prompt + response) through
 ``Policy.log_probs`` and ``compute_policy_loss`` under bf16 autocast with gradient checkpointing, the paper
 path's settings: LoRA (r 16, all linear layers) on a bf16 base, and full fine-tuning with fp32 master weights.
 Tokens/s count every token of the micro-batch; model FLOP utilisation is 6·N·tokens/s over ``--peak-tflops``
-(the usual convention, which credits a LoRA step as a full one). Peak memory is ``torch.cuda.max_memory_allocated``,
+(the usual convention, which credits a LoRA step as a full one; the default is the H200's dense bf16 datasheet peak). Peak memory is ``torch.cuda.max_memory_allocated``,
 next to the start-up estimate of the model states (``src/models/memory_estimate.py``), which leaves activations out.
 The random model's tokens mean nothing; a row that draws EOS stops early (the counts are of the tokens drawn).
 """
@@ -117,11 +121,55 @@ def bench_generation(policy, device: str, batches: list[int], prompt_tokens: int
             drawn = sum(len(r) for r in out.response_ids)
             steps = max(len(r) for r in out.response_ids)
             decode = times[new_tokens] - times[1]
-            rows.append({"batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "seeded": seeded,
+            stream = ("counter" if device.startswith("cuda") else "generators") if seeded else "unseeded"
+            rows.append({"batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "stream": stream,
                          "prefill_s": times[1], "total_s": times[new_tokens], "decode_s": decode,
                          "tokens_drawn": drawn, "new_tokens_per_s": drawn / times[new_tokens],
                          "decode_ms_per_step": 1e3 * decode / max(steps - 1, 1), "peak_gib": peak_gib(device)})
             print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bench_streams(policy, device: str, batches: list[int], prompt_tokens: int, new_tokens: int) -> list[dict]:
+    """Decoding step (ms) of each way to draw, and whether a seeded row draws the same tokens alone as in a batch."""
+    import src.models.policy as policy_module
+    from src.models.sampling import SeededRowSampler
+
+    class Generators(SeededRowSampler):  # per-row torch generators on any device
+        def __init__(self, seeds, temperature, device="cpu", counter=None):
+            super().__init__(seeds, temperature, device, counter=False)
+
+    class Counter(SeededRowSampler):
+        def __init__(self, seeds, temperature, device="cpu", counter=None):
+            super().__init__(seeds, temperature, device, counter=True)
+
+    rows = []
+    policy.generate(random_prompts(policy, 2, 64, 0), max_new_tokens=4, seeds=[0, 1])  # warm-up
+    try:
+        for batch in batches:
+            prompts = random_prompts(policy, batch, prompt_tokens, batch)
+            row = {"batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
+            for name, sampler, kwargs in (("generators", Generators, {"seeds": list(range(batch))}),
+                                          ("counter", Counter, {"seeds": list(range(batch))}),
+                                          ("unseeded", SeededRowSampler, {}),
+                                          ("greedy", SeededRowSampler, {"do_sample": False})):
+                policy_module.SeededRowSampler = sampler
+                times = {}
+                for n in (1, new_tokens):
+                    sync(device)
+                    tic = time.perf_counter()
+                    policy.generate(prompts, max_new_tokens=n, temperature=1.0, **kwargs)
+                    sync(device)
+                    times[n] = time.perf_counter() - tic
+                row[f"decode_ms_per_step_{name}"] = 1e3 * (times[new_tokens] - times[1]) / (new_tokens - 1)
+                if sampler is not SeededRowSampler:
+                    alone = policy.generate(prompts[1:2], max_new_tokens=8, seeds=[6]).response_ids[0]
+                    beside = policy.generate(prompts[:3], max_new_tokens=8, seeds=[5, 6, 7]).response_ids[1]
+                    row[f"alone_equals_beside_{name}"] = alone == beside
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        policy_module.SeededRowSampler = SeededRowSampler
     return rows
 
 
@@ -193,7 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--update-batch", type=int, default=4)
     ap.add_argument("--update-steps", type=int, default=2)
-    ap.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak of the device (H200: ~790)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0,
+                    help="dense bf16 peak of the device (H200 SXM datasheet: 989; %(default)s)")
+    ap.add_argument("--streams", action="store_true", help="only the decoding step by sampling stream")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     info = {"device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else args.device,
@@ -203,15 +253,19 @@ def main(argv: list[str] | None = None) -> dict:
         path = config_dir(args.shape, Path(tmp))
         policy = make_policy(path, args.tokenizer, args.device, torch.bfloat16, lora=False, checkpointing=False)
         policy.eval()
-        info["generation"] = bench_generation(policy, args.device, args.batches, args.prompt_tokens, args.new_tokens)
-        policy = None
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-        info["update"] = [update_case(f"LoRA {args.shape}", path, args, lora=True)]
-        for shape in args.full_shapes:
-            info["update"].append(update_case(f"full {shape}", config_dir(shape, Path(tmp)), args, lora=False))
-            if "error" not in info["update"][-1]:
-                break
+        if args.streams:
+            info["streams"] = bench_streams(policy, args.device, args.batches, args.prompt_tokens, args.new_tokens)
+        else:
+            info["generation"] = bench_generation(policy, args.device, args.batches, args.prompt_tokens,
+                                                  args.new_tokens)
+            del policy
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            info["update"] = [update_case(f"LoRA {args.shape}", path, args, lora=True)]
+            for shape in args.full_shapes:
+                info["update"].append(update_case(f"full {shape}", config_dir(shape, Path(tmp)), args, lora=False))
+                if "error" not in info["update"][-1]:
+                    break
     if args.out:
         Path(args.out).write_text(json.dumps(info, indent=1) + "\n")
     return info

@@ -8,7 +8,6 @@ sampler), with S_t chosen where a checkpoint default would move probability away
 """
 from __future__ import annotations
 
-
 import json
 import logging
 import math
@@ -192,17 +191,30 @@ def test_seeded_rows_draw_from_softmax_whatever_else_is_in_the_batch(tiny_policy
 
 
 def test_counter_exponentials_are_splitmix64_of_seed_step_and_index():
-    """Known answers: splitmix64's reference outputs (seeded with 0: 0xe220a8397b1dcdaf, 0x6e789e6aa1b965f4; seeded with
-    1234567: 6457827717110365317) are the counters seed * golden + index at step 0, mapped to -log of their top 53
-    bits; every other step shifts the counter; the draws are Exp(1) and rows and steps uncorrelated."""
+    """Known answers: seed 0 at step 0 is splitmix64's reference sequence from state 0 (0xe220a8397b1dcdaf,
+    0x6e789e6aa1b965f4, 0x06c45d188009454f), mapped to -log of the top 53 bits; other seeds and steps start
+    elsewhere (checked against a plain-Python splitmix64); the draws are Exp(1), rows and steps uncorrelated."""
     from src.models.sampling import SeededRowSampler, counter_exponentials
 
-    def expected(z: int) -> float:
-        return -math.log(((z >> 11) + 0.5) * 2.0 ** -53)
+    mask = (1 << 64) - 1
 
-    first = counter_exponentials(torch.tensor([1, 2]), 0, 1)[:, 0]
-    assert first.tolist() == [expected(0xE220A8397B1DCDAF), expected(0x6E789E6AA1B965F4)]
-    assert counter_exponentials(torch.tensor([1]), 0, 1234568)[0, 1234567].item() == expected(6457827717110365317)
+    def reference(state: int, n: int) -> list[float]:  # Vigna's splitmix64.c, in Python integers
+        out = []
+        for _ in range(n):
+            state = (state + 0x9E3779B97F4A7C15) & mask
+            z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & mask
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+            z ^= z >> 31
+            out.append(-math.log(((z >> 11) + 0.5) * 2.0 ** -53))
+        return out
+
+    assert reference(0, 3) == [-math.log(((z >> 11) + 0.5) * 2.0 ** -53)
+                               for z in (0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F)]
+    assert counter_exponentials(torch.tensor([0]), 0, 3)[0].tolist() == pytest.approx(reference(0, 3), rel=1e-14)
+    for seed, step in ((1, 0), (-7, 3), (2**62 + 5, 10**6)):
+        state = (seed * 0xD1B54A32D192ED03 + step * 0xAEF17502108EF2D9) & mask
+        got = counter_exponentials(torch.tensor([seed]), step, 4)[0].tolist()
+        assert got == pytest.approx(reference(state, 4), rel=1e-14), (seed, step)
     draws = counter_exponentials(torch.arange(8), 0, 50_000)
     assert abs(draws.mean().item() - 1) < 0.01 and abs(draws.var().item() - 1) < 0.03
     steps = torch.stack([counter_exponentials(torch.tensor([5]), t, 50_000)[0] for t in range(3)])
@@ -213,3 +225,4 @@ def test_counter_exponentials_are_splitmix64_of_seed_step_and_index():
     logits = torch.zeros(2, 50)
     picks = [sampler(None, logits.clone()).argmax(-1).tolist() for _ in range(4)]
     assert sampler.step == 4 and len({tuple(p) for p in picks}) > 1  # a new draw at every step
+    assert not SeededRowSampler([5], 1.0, "cpu").counter  # the CPU keeps torch's per-row generators

@@ -126,24 +126,30 @@ def _shift_right(x: Tensor, k: int) -> Tensor:
     return (x >> k) & ((1 << (64 - k)) - 1)  # logical: torch's >> on int64 keeps the sign
 
 
-# splitmix64 (Steele, Lea and Flood 2014; the constants of Vigna's reference implementation)
-_GOLDEN, _STEP, _MIX1, _MIX2 = (_int64(c) for c in (0x9E3779B97F4A7C15, 0xD1B54A32D192ED03, 0xBF58476D1CE4E5B9,
-                                                    0x94D049BB133111EB))
+# splitmix64 (Steele, Lea and Flood 2014): the increment ("gamma") and the two multipliers of Vigna's reference
+# implementation; _SEED and _STEP are further odd 64-bit constants that place each (seed, step) pair's counters.
+_GAMMA, _MIX1, _MIX2, _SEED, _STEP = (_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB,
+                                                          0xD1B54A32D192ED03, 0xAEF17502108EF2D9))
+
+
+def splitmix64(x: Tensor) -> Tensor:
+    """splitmix64's output function of the int64 states ``x`` (element-wise, int64, the bits of the uint64 result)."""
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
 
 
 def counter_exponentials(seeds: Tensor, step: int, size: int) -> Tensor:
-    """``[B, size]`` float64 draws of Exp(1), entry (i, k) a function of (``seeds[i]``, ``step``, k) alone: the
-    splitmix64 output of a counter made of the three, its top 53 bits as a uniform u in (0, 1), then -log u.
+    """``[B, size]`` float64 draws of Exp(1), entry (i, k) a function of (``seeds[i]``, ``step``, k) alone: the k-th
+    output of splitmix64 started from the state ``seeds[i] * _SEED + step * _STEP``, its top 53 bits as a uniform u in
+    (0, 1), then -log u. With seed 0 at step 0 this is splitmix64's reference sequence from state 0.
 
     A counter-based generator: a row's draws depend on nothing else in the batch and no generator state is kept, so
-    a whole batch is a few element-wise kernels (on a GPU, per-row ``torch.Generator`` calls cost ~50 ms per
-    decoding step of a 7B model at batch 16: docs/performance.md). ``seeds``: ``[B]`` int64 on the target device.
+    a whole batch is a few element-wise kernels (on a GPU, per-row ``torch.Generator`` calls made every decoding step
+    of a 7B model 2.6-4x slower: docs/performance.md). ``seeds``: ``[B]`` int64 on the target device.
     """
-    index = torch.arange(size, dtype=torch.int64, device=seeds.device)
-    x = seeds[:, None] * _GOLDEN + (index + _int64(step * _STEP))
-    x = (x ^ _shift_right(x, 30)) * _MIX1
-    x = (x ^ _shift_right(x, 27)) * _MIX2
-    x = x ^ _shift_right(x, 31)
+    index = torch.arange(1, size + 1, dtype=torch.int64, device=seeds.device)
+    x = splitmix64(seeds[:, None] * _SEED + (index * _GAMMA + _int64(step * _STEP)))
     return -torch.log((_shift_right(x, 11).double() + 0.5) * 2.0 ** -53)
 
 
@@ -158,10 +164,10 @@ class SeededRowSampler(LogitsProcessor):
     token and -inf elsewhere, so ``generate`` run greedily (``do_sample=False``, no warper) takes that token. It must
     come after the log-prob recorder, which needs the raw logits.
 
-    The stream: on a CPU, one ``torch.Generator`` per row (``counter=False``); on an accelerator, the counter-based
-    :func:`counter_exponentials` (``counter=True``: per-row generators there stall every decoding step, and on a CPU
-    the counter's int64 arithmetic is ~10x slower than torch's sampler). The two give different tokens for the same
-    seeds, each the same in every batch.
+    The stream: on a CUDA GPU the counter-based :func:`counter_exponentials` (``counter=True``: per-row generators
+    there slow every decoding step 2.6-4x); elsewhere one ``torch.Generator`` per row (``counter=False``: on a CPU the
+    counter's int64 arithmetic is ~10x slower than torch's sampler, and Apple's MPS has no float64). The two give
+    different tokens for the same seeds, each the same in every batch.
     """
 
     def __init__(self, seeds: list[int], temperature: float, device: torch.device | str = "cpu",
@@ -169,7 +175,7 @@ class SeededRowSampler(LogitsProcessor):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.temperature = temperature
-        self.counter = torch.device(device).type != "cpu" if counter is None else counter
+        self.counter = torch.device(device).type == "cuda" if counter is None else counter
         if self.counter:
             self.seeds = torch.tensor([_int64(int(s)) for s in seeds], dtype=torch.int64, device=device)
             self.step = 0
