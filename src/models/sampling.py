@@ -146,7 +146,7 @@ def counter_exponentials(seeds: Tensor, step: int, size: int) -> Tensor:
 
     A counter-based generator: a row's draws depend on nothing else in the batch and no generator state is kept, so
     a whole batch is a few element-wise kernels (on a GPU, per-row ``torch.Generator`` calls made every decoding step
-    of a 7B model 2.6-4x slower: docs/performance.md). ``seeds``: ``[B]`` int64 on the target device.
+    of a 7B model 2.3-4x slower: docs/performance.md). ``seeds``: ``[B]`` int64 on the target device.
     """
     index = torch.arange(1, size + 1, dtype=torch.int64, device=seeds.device)
     x = splitmix64(seeds[:, None] * _SEED + (index * _GAMMA + _int64(step * _STEP)))
@@ -165,7 +165,7 @@ class SeededRowSampler(LogitsProcessor):
     come after the log-prob recorder, which needs the raw logits.
 
     The stream: on a CUDA GPU the counter-based :func:`counter_exponentials` (``counter=True``: per-row generators
-    there slow every decoding step 2.6-4x); elsewhere one ``torch.Generator`` per row (``counter=False``: on a CPU the
+    there slow every decoding step 2.3-4x); elsewhere one ``torch.Generator`` per row (``counter=False``: on a CPU the
     counter's int64 arithmetic is ~10x slower than torch's sampler, and Apple's MPS has no float64). The two give
     different tokens for the same seeds, each the same in every batch.
     """
