@@ -237,8 +237,8 @@ def test_warm_start_is_the_validation_point_at_iteration_0(store):
 
 def test_iterations_table_known_answers(store):
     """EMPO² seed 1: iteration 0 on policy (two optimizer steps, approx_kl 0 then 0.02), iteration 1 off policy
-    (approx_kl 0.5 then 0.1, clip 0.1 and 0.3: mean 0.2; 8 tips, a quarter of them actions, half the queries hit).
-    GRPO logs no memory metrics: dashes."""
+    (approx_kl 0.5 then 0.1, clip 0.1 and 0.3: mean 0.2; 8 tips, a quarter of them actions, half the queries hit;
+    a quarter of the groups ranked by the novelty bonus alone in iteration 1). GRPO logs no memory metrics: dashes."""
     client, rid = store["client"], store["ids"]["empo1"]
 
     def at(minutes, ms=0):  # the run's rollouts are at minutes 2 and 6
@@ -248,6 +248,8 @@ def test_iterations_table_known_answers(store):
                Metric("rollout/mode_on_policy", 0.0, at(6), 2), Metric("rollout/mode_off_policy", 1.0, at(6), 2),
                Metric("rollout/adv/zero_var_group_frac", 0.5, at(2), 0),
                Metric("rollout/adv/zero_var_group_frac", 0.0, at(6), 2),
+               Metric("rollout/adv/bonus_only_group_frac", 0.0, at(2), 0),
+               Metric("rollout/adv/bonus_only_group_frac", 0.25, at(6), 2),
                Metric("rollout/tips_written", 8.0, at(6), 2), Metric("rollout/tip_action_frac", 0.25, at(6), 2),
                Metric("rollout/memory/hit_rate", 0.5, at(6), 2)]
     for minutes, kls, clips in ((3, (0.0, 0.02), (0.0, 0.0)), (7, (0.5, 0.1), (0.1, 0.3))):
@@ -257,12 +259,13 @@ def test_iterations_table_known_answers(store):
     client.log_batch(rid, metrics=metrics)
     runs = [client.get_run(rid), client.get_run(store["ids"]["grpo1"])]
     lines = table.iterations_table(client, runs, ScienceWorldEnv).splitlines()
-    assert lines[0].startswith("| run | iteration | mode | rollout score | zero-variance groups | approx_kl first")
-    assert lines[2] == "| grpo-scienceworld-seed1 | 0 | – | 10.0 | – | – | – | – | – | – | – |"
-    assert lines[4] == ("| empo2-scienceworld-seed1 | 0 | on_policy | 0.0 | 0.50 | 0.000 / 0.020 | 0.000 | – | – | – | "
-                        "– |")
-    assert lines[5] == ("| empo2-scienceworld-seed1 | 1 | off_policy | 50.0 | 0.00 | 0.500 / 0.500 | 0.200 | – | 8 | "
-                        "0.25 | 0.50 |")
+    assert lines[0].startswith("| run | iteration | mode | rollout score | zero-variance groups | bonus-only groups | "
+                               "approx_kl first")
+    assert lines[2] == "| grpo-scienceworld-seed1 | 0 | – | 10.0 | – | – | – | – | – | – | – | – |"
+    assert lines[4] == ("| empo2-scienceworld-seed1 | 0 | on_policy | 0.0 | 0.50 | 0.00 | 0.000 / 0.020 | 0.000 | – | – | "
+                        "– | – |")
+    assert lines[5] == ("| empo2-scienceworld-seed1 | 1 | off_policy | 50.0 | 0.00 | 0.25 | 0.500 / 0.500 | 0.200 | – | "
+                        "8 | 0.25 | 0.50 |")
 
 
 def test_no_log_writes_files_only(store):

@@ -327,6 +327,30 @@ def test_novelty_same_new_state_in_one_step_gives_equal_bonuses_and_zero_advanta
     assert [s.advantage for s in samples] == [0.0] * 8
 
 
+def test_groups_ranked_by_the_bonus_alone_are_counted_and_warned_once():
+    """Four episodes that all earn the environment's 1.0, with bonuses 0.01, 0.005, 0.0033, 0.0025: the bonus alone
+    ranks them, and the std makes that full-size (advantages of about ±1); the metric says so and the run is
+    warned once. Under Dr.GRPO the advantages stay at the bonus's scale and nothing is warned."""
+    from src.data.rollout import Episode, StepRecord
+    from src.data.rollout_datamodule import RolloutDataModule
+
+    def episodes():
+        return [Episode(task={}, group=0, steps=[StepRecord("o", [1], [1], [2], [-1.0], "a", "a", reward=1.0,
+                                                            intrinsic=0.01 / k)]) for k in (1, 2, 3, 4)]
+
+    dm = RolloutDataModule(env={"_target_": "x"}, algorithm={"norm_adv_by_std": True})
+    with pytest.warns(UserWarning, match="100% of this iteration's groups have advantages set by the novelty bonus"):
+        samples, metrics = dm.make_samples(episodes(), "on_policy")
+    assert metrics["adv/bonus_only_group_frac"] == 1.0
+    assert max(abs(s.advantage) for s in samples) > 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dm.make_samples(episodes(), "on_policy")  # once per run
+        dr = RolloutDataModule(env={"_target_": "x"}, algorithm={"norm_adv_by_std": False})
+        samples, metrics = dr.make_samples(episodes(), "on_policy")
+    assert metrics["adv/bonus_only_group_frac"] == 1.0 and max(abs(s.advantage) for s in samples) < 0.01
+
+
 @pytest.mark.parametrize("count", ["visits", "distinct"])
 def test_novelty_is_invariant_to_episode_order(count):
     """Permuting the episodes of a step permutes their bonuses and changes nothing else (store, later rewards)."""

@@ -101,11 +101,12 @@ class Episode:
                 "intrinsic_return": sum(s.intrinsic for s in self.steps),
                 "invalid_actions": sum(not s.valid_action for s in self.steps)}
 
-    def discounted_return(self, gamma: float = 1.0) -> float:
-        """R = Σ_t γ^t (r_t + r_int_t); NaN for a failed episode."""
+    def discounted_return(self, gamma: float = 1.0, bonus: bool = True) -> float:
+        """R = Σ_t γ^t (r_t + r_int_t) (``bonus=False``: Σ_t γ^t r_t, the environment's part); NaN for a failed
+        episode."""
         if self.failed:
             return math.nan
-        return float(sum(gamma ** t * (s.reward + s.intrinsic) for t, s in enumerate(self.steps)))
+        return float(sum(gamma ** t * (s.reward + (s.intrinsic if bonus else 0.0)) for t, s in enumerate(self.steps)))
 
 
 def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list[int], cfg: RolloutConfig,

@@ -160,6 +160,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.train_tasks: list[dict] = []
         self.val_tasks: list[dict] = []
         self.no_signal_iterations = 0  # consecutive iterations without a policy-gradient signal
+        self.warned_bonus_only = False  # the bonus-only-groups warning is given once per run
         # the next iteration to run; None: derive it from the global step (a checkpoint from before it was saved)
         self.iteration: int | None = 0
 
@@ -321,11 +322,15 @@ class RolloutDataModule(L.LightningDataModule):
         """
         algo = self.algorithm
         rank = rank_and_world()[0]
-        per_rank = gather_objects([(e.discounted_return(algo.gamma), e.group) for e in episodes])
+        per_rank = gather_objects([(e.discounted_return(algo.gamma), e.discounted_return(algo.gamma, bonus=False),
+                                    e.group) for e in episodes])
         everyone = [row for rows in per_rank for row in rows]
-        returns = torch.tensor([r for r, _ in everyone], dtype=torch.float64)
-        group_index = torch.tensor([g for _, g in everyone], dtype=torch.long)
-        advantages, metrics = compute_grpo_advantages(returns, group_index, algo.norm_adv_by_std)
+        returns = torch.tensor([r for r, _, _ in everyone], dtype=torch.float64)
+        extrinsic = torch.tensor([x for _, x, _ in everyone], dtype=torch.float64)
+        group_index = torch.tensor([g for _, _, g in everyone], dtype=torch.long)
+        advantages, metrics = compute_grpo_advantages(returns, group_index, algo.norm_adv_by_std,
+                                                      extrinsic_returns=extrinsic)
+        self.warn_bonus_only(metrics)
         start = sum(len(rows) for rows in per_rank[:rank])
         advantages = advantages[start:start + len(episodes)]
         old_with_tips = algo.off_policy_old_log_prob == "with_tips"
@@ -357,6 +362,20 @@ class RolloutDataModule(L.LightningDataModule):
             skipped_zero_adv_samples=float(skipped), samples=float(len(samples)), steps=float(steps),
             signal_samples=float(signal_samples), signal_tokens=float(signal_tokens))))
         return samples, {f"adv/{k}": v for k, v in metrics.items()}
+
+    def warn_bonus_only(self, adv_metrics: dict[str, float]) -> None:
+        """Warn (once per run) when groups whose episodes earned the same environment return are ranked by the
+        novelty bonus alone under std-normalised advantages: a bonus difference of 1e-3 then weighs as much as a
+        success, and the update follows whatever the bonus favours (e.g. longer episodes, which collect more of
+        it). Measured on Coin Collector: docs/results/coin-dfs."""
+        frac = adv_metrics["bonus_only_group_frac"]
+        if frac == 0.0 or not self.algorithm.norm_adv_by_std or self.warned_bonus_only:
+            return
+        self.warned_bonus_only = True
+        rank_zero_warn(f"{frac:.0%} of this iteration's groups have advantages set by the novelty bonus alone "
+                       f"(equal environment returns; rollout/adv/bonus_only_group_frac): divided by the group std, "
+                       f"the bonus's small differences get full-size advantages. algorithm.norm_adv_by_std=false "
+                       f"(Dr.GRPO) keeps them at the bonus's scale. Warned once per run.")
 
     scoring_chunks = staticmethod(scoring_chunks)
 

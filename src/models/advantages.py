@@ -15,6 +15,7 @@ def compute_grpo_advantages(
     group_index: Tensor,
     norm_adv_by_std: bool = True,
     eps: float = 1e-6,
+    extrinsic_returns: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Trajectory-level GRPO advantages, normalised within each group (docs/method.md#one-iteration, step 4).
 
@@ -31,24 +32,33 @@ def compute_grpo_advantages(
             not be contiguous or sorted.
         norm_adv_by_std: divide by the group std (GRPO) or not (Dr.GRPO).
         eps: added to the std.
+        extrinsic_returns: optional ``[E]`` float, the part of each return that is the environment's reward (the
+            return without the novelty bonus); only read for the ``bonus_only_group_frac`` metric.
 
     Returns:
         ``(advantages [E] in the dtype of returns, metrics)``; metrics: ``adv_mean`` / ``adv_std`` (over
         valid episodes), ``return_mean`` (valid episodes), ``zero_var_group_frac`` (fraction of groups whose
-        advantages are all 0: equal returns or < 2 valid episodes), ``num_failed_episodes``, ``num_groups``.
+        advantages are all 0: equal returns or < 2 valid episodes), ``num_failed_episodes``, ``num_groups``, and
+        ``bonus_only_group_frac`` (fraction of groups with non-zero advantages whose valid episodes have equal
+        extrinsic returns: the intrinsic bonus alone ranks them, and with ``norm_adv_by_std`` a bonus
+        difference of 1e-3 gets advantages of the same ±1 scale as a success does; 0 without
+        ``extrinsic_returns``).
 
     Raises:
-        ValueError: ``returns`` not 1-D, ``group_index`` of another shape or not an integer tensor.
+        ValueError: ``returns`` not 1-D, ``group_index`` or ``extrinsic_returns`` of another shape, ``group_index``
+            not an integer tensor.
     """
     if returns.ndim != 1:
         raise ValueError(f"returns must be 1-D [E], got shape {tuple(returns.shape)}")
     check_shape("group_index", group_index, returns.shape)
+    if extrinsic_returns is not None:
+        check_shape("extrinsic_returns", extrinsic_returns, returns.shape)
     if group_index.is_floating_point() or group_index.is_complex() or group_index.dtype == torch.bool:
         raise ValueError(f"group_index must be an integer tensor, got dtype {group_index.dtype}")
     out_dtype = returns.dtype if returns.is_floating_point() else torch.float32
     if returns.numel() == 0:
         metrics = dict(adv_mean=0.0, adv_std=0.0, return_mean=0.0, zero_var_group_frac=0.0,
-                       num_failed_episodes=0.0, num_groups=0.0)
+                       bonus_only_group_frac=0.0, num_failed_episodes=0.0, num_groups=0.0)
         return returns.new_zeros(0, dtype=out_dtype), metrics
 
     _, gid = torch.unique(group_index, return_inverse=True)
@@ -63,11 +73,10 @@ def compute_grpo_advantages(
     std = (zeros.index_add(0, gid, dev.square()) / (n - 1).clamp(min=1)).sqrt()
     # Equality is tested on the raw returns: mean([3.7]*3) need not round back to 3.7, so R - mean
     # alone would give a tiny non-zero advantage (and, divided by std + eps, a large one).
-    r_max = r.new_full((num_groups,), -torch.inf).scatter_reduce(
-        0, gid, torch.where(valid, r, -torch.inf), "amax")
-    r_min = r.new_full((num_groups,), torch.inf).scatter_reduce(
-        0, gid, torch.where(valid, r, torch.inf), "amin")
-    degenerate = (n < 2) | (r_max == r_min)
+    degenerate = (n < 2) | _all_equal(r, valid, gid, num_groups)
+    bonus_only = torch.zeros_like(degenerate)
+    if extrinsic_returns is not None:
+        bonus_only = ~degenerate & _all_equal(extrinsic_returns.double(), valid, gid, num_groups)
     adv = dev / (std[gid] + eps) if norm_adv_by_std else dev
     adv = torch.where(valid & ~degenerate[gid], adv, 0.0)
 
@@ -78,7 +87,17 @@ def compute_grpo_advantages(
         adv_std=float(adv_valid.std()) if n_valid > 1 else 0.0,
         return_mean=float(r_valid.mean()) if n_valid else 0.0,
         zero_var_group_frac=float(degenerate.double().mean()),
+        bonus_only_group_frac=float(bonus_only.double().mean()),
         num_failed_episodes=float(returns.numel() - n_valid),
         num_groups=float(num_groups),
     )
     return adv.to(out_dtype), metrics
+
+
+def _all_equal(values: Tensor, valid: Tensor, gid: Tensor, num_groups: int) -> Tensor:
+    """``[num_groups]`` bool: the group's valid ``values`` are all equal (True for a group without one)."""
+    v_max = values.new_full((num_groups,), -torch.inf).scatter_reduce(
+        0, gid, torch.where(valid, values, -torch.inf), "amax")
+    v_min = values.new_full((num_groups,), torch.inf).scatter_reduce(
+        0, gid, torch.where(valid, values, torch.inf), "amin")
+    return v_max <= v_min

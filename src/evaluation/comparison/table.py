@@ -57,6 +57,8 @@ def results_table(client: mlflow.MlflowClient, runs: Sequence[Run], env) -> str:
 ITERATION_COLUMNS = (
     ("rollout score", "rollout/score", "last", None),
     ("zero-variance groups", "rollout/adv/zero_var_group_frac", "last", 2),
+    # groups whose advantages only the novelty bonus sets (equal environment returns; advantages.py)
+    ("bonus-only groups", "rollout/adv/bonus_only_group_frac", "last", 2),
     ("approx_kl first / max", "train/approx_kl", "first/max", 3),
     ("clip frac", "train/clip_frac", "mean", 3),
     ("masked frac", "train/masked_frac", "mean", 3),
@@ -76,7 +78,7 @@ def _summary(values: list[float], how: str, digits: int) -> str:
 
 def iterations_table(client: mlflow.MlflowClient, runs: Sequence[Run], env) -> str:
     """Markdown table, one row per run and training iteration: the update mode drawn, the rollout score, the
-    share of groups without signal, approx_kl (first optimizer step / largest), mean clip and masked fractions,
+    share of groups without signal and of groups whose advantages only the novelty bonus sets, approx_kl (first optimizer step / largest), mean clip and masked fractions,
     and the memory's tips written, the share of them that are actions and the retrieval hit rate (``–``: not
     logged, e.g. GRPO has no memory). Where EMPO² and GRPO part, this says which iteration and which mode did it.
     """
