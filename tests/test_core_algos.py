@@ -62,15 +62,17 @@ def test_grpo_bonus_only_groups_known_answer():
     # Four groups of two. g0: environment returns 1, 1, bonuses 0.002, 0.001 -> ranked by the bonus alone, and
     # the std normalisation makes it the full scale: std = 0.001 / sqrt(2), A = ±(0.0005 / (0.000707.. + eps)).
     # g1: 1 and 0 (the environment ranks them); g2: equal returns with equal bonuses (no signal);
-    # g3: one episode failed (NaN, left out), the other alone -> no signal. bonus-only: 1 of 4 groups.
-    returns = t([1.002, 1.001, 1.003, 0.001, 0.5, 0.5, float("nan"), 1.0])
-    extrinsic = t([1.0, 1.0, 1.0, 0.0, 0.5, 0.5, float("nan"), 1.0])
-    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    # g3: one episode failed (NaN, left out), the other alone -> no signal; g4: a failed episode (left out) beside
+    # two that earned 1 with different bonuses -> bonus-only. bonus-only: 2 of 5 groups.
+    returns = t([1.002, 1.001, 1.003, 0.001, 0.5, 0.5, float("nan"), 1.0, float("nan"), 1.002, 1.001])
+    extrinsic = t([1.0, 1.0, 1.0, 0.0, 0.5, 0.5, float("nan"), 1.0, float("nan"), 1.0, 1.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 4])
     adv, m = compute_grpo_advantages(returns, groups, extrinsic_returns=extrinsic)
     half, std = 0.0005, 0.001 / math.sqrt(2)
     torch.testing.assert_close(adv[:2], t([half, -half]) / (std + EPS), rtol=1e-9, atol=0)
     assert 0.70 < float(adv[0]) < 0.71  # a 1e-3 bonus difference gets an advantage of ~0.71
-    assert m["bonus_only_group_frac"] == 0.25 and m["zero_var_group_frac"] == 0.5
+    torch.testing.assert_close(adv[8:], adv.new_tensor([0.0, float(adv[0]), float(adv[1])]), rtol=0, atol=0)
+    assert m["bonus_only_group_frac"] == 0.4 and m["zero_var_group_frac"] == 0.4
     _, m = compute_grpo_advantages(returns, groups)
     assert m["bonus_only_group_frac"] == 0.0  # without the environment's part it cannot be told
     with pytest.raises(ValueError, match="extrinsic_returns"):

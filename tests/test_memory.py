@@ -329,8 +329,8 @@ def test_novelty_same_new_state_in_one_step_gives_equal_bonuses_and_zero_advanta
 
 def test_groups_ranked_by_the_bonus_alone_are_counted_and_warned_once():
     """Four episodes that all earn the environment's 1.0, with bonuses 0.01, 0.005, 0.0033, 0.0025: the bonus alone
-    ranks them, and the std makes that full-size (advantages of about ±1); the metric says so and the run is
-    warned once. Under Dr.GRPO the advantages stay at the bonus's scale and nothing is warned."""
+    ranks them, and the std makes that full-size (advantages +1.43, -0.06, -0.56, -0.81); the metric says so and the
+    process is warned once. Under Dr.GRPO the advantages stay at the bonus's scale and nothing is warned."""
     from src.data.rollout import Episode, StepRecord
     from src.data.rollout_datamodule import RolloutDataModule
 

@@ -334,6 +334,7 @@ def test_intrinsic_reward_enters_the_discounted_return():
     without = Episode(task=TASK, group=0, steps=[_step(1.0), _step(0.0), _step(2.0)])
     # 1.5 + 0.5 · 0.25 + 0.25 · 2 = 2.125;  1 + 0 + 0.25 · 2 = 1.5
     assert with_bonus.discounted_return(0.5) == 2.125 and without.discounted_return(0.5) == 1.5
+    assert with_bonus.discounted_return(0.5, bonus=False) == 1.5  # the environment's part, discounted the same way
     samples, _ = _datamodule({"norm_adv_by_std": False, "gamma": 0.5}).make_samples([with_bonus, without], "on_policy")
     assert [s.advantage for s in samples] == [0.3125] * 3 + [-0.3125] * 3  # R - mean(R), mean 1.8125
     m = episode_metrics([with_bonus, without])

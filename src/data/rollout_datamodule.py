@@ -160,7 +160,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.train_tasks: list[dict] = []
         self.val_tasks: list[dict] = []
         self.no_signal_iterations = 0  # consecutive iterations without a policy-gradient signal
-        self.warned_bonus_only = False  # the bonus-only-groups warning is given once per run
+        self.warned_bonus_only = False  # the bonus-only-groups warning is given once per process
         # the next iteration to run; None: derive it from the global step (a checkpoint from before it was saved)
         self.iteration: int | None = 0
 
@@ -364,18 +364,21 @@ class RolloutDataModule(L.LightningDataModule):
         return samples, {f"adv/{k}": v for k, v in metrics.items()}
 
     def warn_bonus_only(self, adv_metrics: dict[str, float]) -> None:
-        """Warn (once per run) when groups whose episodes earned the same environment return are ranked by the
+        """Warn (once per process) when groups whose episodes earned the same environment return are ranked by the
         novelty bonus alone under std-normalised advantages: a bonus difference of 1e-3 then weighs as much as a
-        success, and the update follows whatever the bonus favours (e.g. longer episodes, which collect more of
-        it). Measured on Coin Collector: docs/results/coin-dfs."""
+        success. Where every episode failed that is the bonus's purpose (exploration); where every episode
+        succeeded the update follows whatever the bonus favours, e.g. longer episodes, which collect more of it
+        (measured on Coin Collector: docs/results/coin-dfs)."""
         frac = adv_metrics["bonus_only_group_frac"]
         if frac == 0.0 or not self.algorithm.norm_adv_by_std or self.warned_bonus_only:
             return
         self.warned_bonus_only = True
         rank_zero_warn(f"{frac:.0%} of this iteration's groups have advantages set by the novelty bonus alone "
                        f"(equal environment returns; rollout/adv/bonus_only_group_frac): divided by the group std, "
-                       f"the bonus's small differences get full-size advantages. algorithm.norm_adv_by_std=false "
-                       f"(Dr.GRPO) keeps them at the bonus's scale. Warned once per run.")
+                       f"the bonus's small differences get full-size advantages. In groups that all failed that is "
+                       f"exploration; in groups that all succeeded it rewards what the bonus favours, such as longer "
+                       f"episodes (algorithm.norm_adv_by_std=false, Dr.GRPO, keeps them at the bonus's scale). "
+                       f"Warned once per process.")
 
     scoring_chunks = staticmethod(scoring_chunks)
 

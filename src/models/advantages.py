@@ -39,8 +39,8 @@ def compute_grpo_advantages(
         ``(advantages [E] in the dtype of returns, metrics)``; metrics: ``adv_mean`` / ``adv_std`` (over
         valid episodes), ``return_mean`` (valid episodes), ``zero_var_group_frac`` (fraction of groups whose
         advantages are all 0: equal returns or < 2 valid episodes), ``num_failed_episodes``, ``num_groups``, and
-        ``bonus_only_group_frac`` (fraction of groups with non-zero advantages whose valid episodes have equal
-        extrinsic returns: the intrinsic bonus alone ranks them, and with ``norm_adv_by_std`` a bonus
+        ``bonus_only_group_frac`` (fraction of all groups that have non-zero advantages and whose valid episodes
+        have equal extrinsic returns: the intrinsic bonus alone ranks them, and with ``norm_adv_by_std`` a bonus
         difference of 1e-3 gets advantages of the same ±1 scale as a success does; 0 without
         ``extrinsic_returns``).
 

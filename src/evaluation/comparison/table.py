@@ -78,9 +78,10 @@ def _summary(values: list[float], how: str, digits: int) -> str:
 
 def iterations_table(client: mlflow.MlflowClient, runs: Sequence[Run], env) -> str:
     """Markdown table, one row per run and training iteration: the update mode drawn, the rollout score, the
-    share of groups without signal and of groups whose advantages only the novelty bonus sets, approx_kl (first optimizer step / largest), mean clip and masked fractions,
-    and the memory's tips written, the share of them that are actions and the retrieval hit rate (``–``: not
-    logged, e.g. GRPO has no memory). Where EMPO² and GRPO part, this says which iteration and which mode did it.
+    share of groups without signal and of groups whose advantages only the novelty bonus sets, approx_kl (first
+    optimizer step / largest), mean clip and masked fractions, and the memory's tips written, the share of them
+    that are actions and the retrieval hit rate (``–``: not logged, e.g. GRPO has no memory). Where EMPO² and GRPO
+    part, this says which iteration and which mode did it.
     """
     score_digits = 3 if env.max_score <= 1 else 1
     lines = ["| run | iteration | mode | " + " | ".join(c[0] for c in ITERATION_COLUMNS) + " |",
