@@ -18,7 +18,8 @@ give the mean and a ± standard-error band (std with Bessel correction / sqrt(n)
 - `results.md`: the results table (``results_table``): warm start, final held-out score and success per
   algorithm (mean ± s.e. over seeds), iterations, wall-clock and seconds per iteration.
 - `iterations.md`: one row per run and iteration (``iterations_table``): update mode, rollout score, groups without
-  signal, groups ranked by the novelty bonus alone, approx_kl, clip and masked fractions, tips written, tips that are actions, retrieval hit rate.
+  signal, groups ranked by the novelty bonus alone, approx_kl, clip and masked fractions, tips written, tips that
+  are actions, retrieval hit rate.
 - `curves.json`: the plotted numbers.
 - `episodes/<algorithm>-seed<seed>.csv`: each run's `validation_episodes.csv` (every validation episode: iteration,
   task, episode, score, success), and `paired.md` / `paired.json`: the held-out score of each algorithm minus each

@@ -352,8 +352,8 @@ class TextWorldExpressEnv(Environment):
         """``actions`` without the loops that show nothing new: where the path comes back to a state (the same
         observation) and everything it saw on the way had been seen before the loop began, the loop is cut. Paths
         that step back and forth between rooms already seen (``move east``, ``move west``, ``move east``, ..., as the
-        simulator's own gold paths do) teach a policy imitating them to do so. The cut path is kept only if it ends with at least
-        the same score under the step cap (checked by replaying it)."""
+        simulator's own gold paths do) teach a policy imitating them to do so. The cut path is kept only if it ends
+        with at least the same score under the step cap (checked by replaying it)."""
         def states(path: list[str]) -> tuple[list[str], float]:
             record = replay(self, task, path)
             # the first room as a later "look around" shows it: the reset text also holds the task description
