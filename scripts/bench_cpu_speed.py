@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import statistics
 import sys
 import time
@@ -34,13 +33,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def compose(experiment: str):
@@ -81,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     import lightning as L
     import torch
 
+    from src.utils.logging import cpu_model
     from src.utils.precision_choice import cpu_features, decide_precision, probe_cpu_matmul
 
     if args.threads:

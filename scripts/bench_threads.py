@@ -166,7 +166,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.workload, args.repeats)))
         return
-    from scripts.bench_cpu_speed import cpu_model
+    from src.utils.logging import cpu_model
 
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores; workload {args.workload}; median of {args.repeats}")
     keys = ["decode_ms"] + (["warm_start_s", "generate_s", "update_s"] if args.workload == "steps" else [])

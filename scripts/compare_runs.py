@@ -26,6 +26,10 @@ give the mean and a ± standard-error band (std with Bessel correction / sqrt(n)
   other at the runs' last validation, seed-level (± the spread between training seeds) and paired by episode
   (± evaluation noise). `--episodes-dir DIR` recomputes `paired.md` / `paired.json` from such files alone (no
   MLflow store needed): the committed results can be checked from the repository.
+- `runs/<algorithm>-seed<seed>.json`: each run's record (parameters, tags, every metric's history;
+  `src/evaluation/comparison/records.py`). Records in `--out-dir`/runs whose runs the store lacks are imported
+  before the runs are selected, so a study continued in another session or on another machine compares all its
+  runs: commit the study directory, and the next comparison sees the earlier runs.
 
 and logs them as artifacts of a new MLflow run `comparison-...` in the experiment of the compared runs.
 Units come from the runs' `env/_target_`: ScienceWorld scores are points (−100..100), WebShop scores are in [0, 1].
@@ -47,6 +51,7 @@ sys.path.insert(0, str(ROOT))  # `python scripts/compare_runs.py` from anywhere:
 
 from src.evaluation.comparison.adaptation import load_adaptation  # noqa: E402
 from src.evaluation.comparison.figures import plot_adaptation, plot_learning_curves  # noqa: E402
+from src.evaluation.comparison.records import import_records, original_run_id, write_records  # noqa: E402
 from src.evaluation.comparison.runs import (collect, comparison_title, run_environment, run_info,  # noqa: E402
                                            select_runs)
 from src.evaluation.comparison.table import iterations_table, paired_table, results_table  # noqa: E402
@@ -69,8 +74,8 @@ def log_comparison(client: mlflow.MlflowClient, experiment_id: str, files: Seque
         for algo in sorted({r.data.params["algorithm/name"] for r in runs}):
             client.log_param(rid, f"runs/{algo}",
                              ",".join(r.info.run_id for r in runs if r.data.params["algorithm/name"] == algo))
-        for f in files:
-            client.log_artifact(rid, str(f))
+        for f in files:  # run records under runs/, as in the out dir
+            client.log_artifact(rid, str(f), artifact_path="runs" if f.parent.name == "runs" else None)
     except Exception:
         client.set_terminated(rid, status="FAILED")
         raise
@@ -147,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return {"files": files, "comparison_run_id": None, "runs": []}
 
     client = mlflow.MlflowClient(tracking_uri=args.tracking_uri)
+    if (out / "runs").is_dir():  # a study continued from another store (records.py)
+        imported = import_records(client, args.experiment, out / "runs", out / "episodes")
+        if imported:
+            log.info("imported %d run record(s) from %s that this store lacked", len(imported), out / "runs")
     runs = select_runs(client, args.experiment, args.tag, args.run_ids, args.algorithms, args.include_unfinished)
     env = run_environment(runs)
     for r in runs:
@@ -158,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     plot_learning_curves(data, env, "minutes", title, files[1])
     report: dict[str, Any] = {
         "env": env.display_name, "title": title, "tracking_uri": args.tracking_uri,
-        "runs": {a: [r.info.run_id for r in runs if r.data.params["algorithm/name"] == a] for a in data},
+        "runs": {a: [original_run_id(r) for r in runs if r.data.params["algorithm/name"] == a] for a in data},
         "run_info": [run_info(client, r) for r in runs],
         "curves": {a: {k: agg.to_json() for k, agg in per.items()} for a, per in aggs.items()},
     }
@@ -171,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     files.append(out / "iterations.md")
     write_text_atomic(files[-1], iterations_table(client, runs, env))
     files += paired_files(client, runs, out, env)
+    files += write_records(client, runs, out / "runs")
     files.append(out / "curves.json")
     write_text_atomic(files[-1], json.dumps(report, indent=1))
     run_id = None

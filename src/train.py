@@ -85,7 +85,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         prepare_run(cfg)  # refuses/adapts options before any model or environment is built
         environment_class(cfg.env).startup_warnings(OmegaConf.to_container(cfg.env, resolve=True))
     from src.warm_start import warm_start_metrics
-    from src.utils.logging import log_checkpoint, log_config, set_tags
+    from src.utils.logging import log_checkpoint, log_config, machine_description, set_tags
     from src.utils.run_end import end_status, end_tracker_runs, last_checkpoint_message
 
     objs = build(cfg)
@@ -96,7 +96,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     try:
         if trainer.is_global_zero:
             log_config(cfg, objs["loggers"])
-            set_tags(objs["loggers"], {"precision_used": trainer.precision})  # what Lightning runs with
+            # what Lightning runs with, and where (a study's runs may span machines)
+            set_tags(objs["loggers"], {"precision_used": trainer.precision, "machine": machine_description()})
             start = warm_start_metrics(objs["warm_start"])  # the point RL starts from: its held-out score
             for logger in objs["loggers"] if start else []:
                 logger.log_metrics(start, step=0)

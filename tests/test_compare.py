@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 from scripts import compare_runs, run_study  # noqa: E402
 from src.evaluation.comparison import adaptation, curves, table  # noqa: E402
 from src.envs.scienceworld import ScienceWorldEnv  # noqa: E402
+from src.evaluation.comparison import records as run_records  # noqa: E402
 from src.evaluation.comparison import runs as comparison_runs  # noqa: E402
 
 T0 = 1_700_000_000_000  # run start (ms since epoch)
@@ -180,7 +181,8 @@ def test_main_writes_pngs_json_and_logs_artifacts(store):
                                 "--adaptation", *_adaptation_files(store["tmp"])])
     names = {"learning_curves_iteration.png", "learning_curves_wallclock.png", "adaptation.png", "curves.json",
              "results.md", "iterations.md"}
-    assert {f.name for f in result["files"]} == names
+    records = {"runs/grpo-seed1.json", "runs/grpo-seed2.json", "runs/empo2-seed1.json"}
+    assert {f.relative_to(out).as_posix() for f in result["files"]} == names | records
     for name in ("learning_curves_iteration.png", "learning_curves_wallclock.png"):
         img = _read_png(out / name)
         assert img.shape[:2] == CURVE_PX and img[..., :3].std() > 0.05  # not blank
@@ -205,7 +207,8 @@ def test_main_writes_pngs_json_and_logs_artifacts(store):
     comp = client.get_run(result["comparison_run_id"])
     assert comp.info.run_name == "comparison-scienceworld" and comp.info.status == "FINISHED"
     assert set(comp.data.params["runs/grpo"].split(",")) == {store["ids"]["grpo1"], store["ids"]["grpo2"]}
-    assert {a.path for a in client.list_artifacts(comp.info.run_id)} == names
+    assert {a.path for a in client.list_artifacts(comp.info.run_id)} == names | {"runs"}
+    assert {a.path for a in client.list_artifacts(comp.info.run_id, "runs")} == records
     # the comparison run is not itself picked up as a training run
     assert len(comparison_runs.select_runs(client, "empo2", tags=["scienceworld"])) == 3
 
@@ -233,6 +236,26 @@ def test_warm_start_is_the_validation_point_at_iteration_0(store):
     row = table.results_table(client, [client.get_run(rid)], ScienceWorldEnv).splitlines()[2]
     # update time summed within iteration 0 (two optimizer steps), averaged over the run's 2 iterations
     assert row == "| GRPO | 1 | 2 | 10 | – / – / 25 | 12.0 ± 2.0 / 0.25 | 25.0 | 0.50 |"
+
+
+def test_warm_starts_that_differ_between_runs_are_each_shown_with_their_seeds(store):
+    """The same warm-start config built on two machines rounds to other weights and scores differently: the row
+    names each result and the seeds that started from it, rather than the first run's for all."""
+    client = store["client"]
+    for key, seed, (score, se, succ) in (("grpo1", 1, (0.675, 0.041, 0.22)), ("grpo2", 2, (0.659, 0.038, 0.20))):
+        client.log_batch(store["ids"][key], metrics=[
+            Metric("warm_start/score", score, T0, 0), Metric("warm_start/score_stderr", se, T0, 0),
+            Metric("warm_start/success_rate", succ, T0, 0)])
+    from src.envs.webshop import WebShopEnv  # scores in [0, 1]: three digits
+
+    runs = [client.get_run(store["ids"][k]) for k in ("grpo1", "grpo2")]
+    row = table.results_table(client, runs, WebShopEnv).splitlines()[2]
+    assert "| 0.675 ± 0.041 / 0.22 (seed 1); 0.659 ± 0.038 / 0.20 (seed 2) |" in row
+    client.log_batch(store["ids"]["grpo2"], metrics=[  # now the same warm start as seed 1
+        Metric("warm_start/score", 0.675, T0 + 1, 0), Metric("warm_start/score_stderr", 0.041, T0 + 1, 0),
+        Metric("warm_start/success_rate", 0.22, T0 + 1, 0)])
+    runs = [client.get_run(store["ids"][k]) for k in ("grpo1", "grpo2")]
+    assert "| 0.675 ± 0.041 / 0.22 | 30.000 ± 5.000 |" in table.results_table(client, runs, WebShopEnv).splitlines()[2]
 
 
 def test_iterations_table_known_answers(store):
@@ -266,6 +289,68 @@ def test_iterations_table_known_answers(store):
                         "| – | – | – |")
     assert lines[5] == ("| empo2-scienceworld-seed1 | 1 | off_policy | 50.0 | 0.00 | 0.25 | 0.500 / 0.500 | 0.200 "
                         "| – | 8 | 0.25 | 0.50 |")
+
+
+def _log_episodes(client, rid: str, scores, tmp: Path) -> None:
+    """A ``validation_episodes.csv`` artifact: one episode per task at iteration 2."""
+    path = tmp / rid / "validation_episodes.csv"
+    path.parent.mkdir(parents=True)
+    rows = [f"2,task{i},{i},{s},{int(s >= 50)},3,0" for i, s in enumerate(scores)]
+    path.write_text("iteration,task,episode,score,success,steps,failed\n" + "\n".join(rows) + "\n")
+    client.log_artifact(rid, str(path))
+
+
+def test_run_records_carry_a_study_to_a_new_store(store):
+    """A study compared in one store, continued in a fresh one (a new session's checkout has no logs/): the records
+    in <out>/runs bring the earlier runs back, so the comparison holds old and new runs, and the tables of the old
+    runs read the same as in their own store."""
+    client, tmp = store["client"], store["tmp"]
+    _log_episodes(client, store["ids"]["grpo1"], [10.0, 30.0], tmp)
+    _log_episodes(client, store["ids"]["empo1"], [40.0, 60.0], tmp)
+    out = tmp / "study"
+    first = compare_runs.main(["--tracking-uri", store["uri"], "--tag", "scienceworld", "--out-dir", str(out),
+                               "--no-log"])
+    before = {name: (out / name).read_text() for name in ("results.md", "iterations.md", "paired.md")}
+    curves_before = json.loads((out / "curves.json").read_text())
+    recorded = {p.name: p.read_bytes() for p in (out / "runs").glob("*.json")}
+    assert sorted(recorded) == ["empo2-seed1.json", "grpo-seed1.json", "grpo-seed2.json"]
+    rec = json.loads(recorded["grpo-seed1.json"])
+    assert rec["run_id"] == store["ids"]["grpo1"] and rec["params"]["seed"] == "1"
+    assert rec["metrics"]["rollout/score"] == [[0, T0 + 1 * MIN, 10.0], [2, T0 + 3 * MIN, 20.0]]
+
+    # the next session: an empty store with one new run (EMPO² seed 2)
+    uri2 = f"sqlite:///{tmp}/second.db"
+    client2 = mlflow.MlflowClient(tracking_uri=uri2)
+    exp2 = client2.create_experiment("empo2", artifact_location=str(tmp / "mlartifacts2"))
+    new = _log_run(client2, exp2, "empo2", 2, [(0, 1, 0, 20.0), (2, 2, 1, 30.0)], [(4, 3, 50.0)])
+    _log_episodes(client2, new, [50.0, 70.0], tmp)
+    second = compare_runs.main(["--tracking-uri", uri2, "--tag", "scienceworld", "--out-dir", str(out), "--no-log"])
+    assert sorted(second["runs"])[0] != sorted(first["runs"])[0]  # the imported runs got ids of the new store
+    curves_after = json.loads((out / "curves.json").read_text())
+    assert {i["run_id"] for i in curves_after["run_info"]} == set(first["runs"]) | {new}  # original ids reported
+    assert curves_after["curves"]["grpo"] == curves_before["curves"]["grpo"]
+    assert curves_after["curves"]["empo2"]["val/score"]["mean"] == [45.0]  # EMPO² seeds 1 (40) and 2 (50)
+    results = (out / "results.md").read_text().splitlines()
+    assert results[2] == before["results.md"].splitlines()[2]  # GRPO, from records only: unchanged
+    assert results[3] == "| EMPO² | 1, 2 | 2 | 10 | – / – / – | none | 45.0 ± 5.0 | 0.50 ± 0.00 |"
+    assert before["iterations.md"].splitlines()[2] in (out / "iterations.md").read_text().splitlines()
+    paired = json.loads((out / "paired.json").read_text())
+    assert paired["empo2-grpo"]["seed_level"]["n_seeds"] == [2, 1]  # seed 1's CSV came back from the record
+    for name, data in recorded.items():  # records are written back with their original ids: unchanged
+        assert (out / "runs" / name).read_bytes() == data
+    assert (out / "runs" / "empo2-seed2.json").exists()
+
+    # a third pass imports nothing again
+    compare_runs.main(["--tracking-uri", uri2, "--tag", "scienceworld", "--out-dir", str(out), "--no-log"])
+    assert len(client2.search_runs([exp2])) == 4
+
+
+def test_a_file_that_is_not_a_run_record_is_refused(tmp_path):
+    (tmp_path / "grpo-seed1.json").write_text('{"record_version": 7}')
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/m.db")
+    with pytest.raises(ValueError, match=r"grpo-seed1.json: expected a run record with record_version 1, found 7"):
+        run_records.import_records(client, "empo2", tmp_path)
+    assert client.search_runs([client.get_experiment_by_name("empo2").experiment_id]) == []
 
 
 def test_no_log_writes_files_only(store):
@@ -358,7 +443,7 @@ def test_two_real_training_runs(tmp_path):
         assert _read_png(out / name).shape[:2] == CURVE_PX
     artifacts = {a.path for a in client.list_artifacts(result["comparison_run_id"])}
     assert artifacts == {"learning_curves_iteration.png", "learning_curves_wallclock.png", "curves.json", "results.md",
-                         "iterations.md", "paired.md", "paired.json"}
+                         "iterations.md", "paired.md", "paired.json", "runs"}
     # the per-episode files came back from the runs; their pair is the difference of the logged validation scores
     assert sorted(f.name.split("-seed")[0] for f in (out / "episodes").glob("*.csv")) == ["empo2", "grpo"]
     paired = json.loads((out / "paired.json").read_text())["empo2-grpo"]
@@ -368,3 +453,9 @@ def test_two_real_training_runs(tmp_path):
     rows = (out / "iterations.md").read_text().splitlines()[2:]  # 2 iterations per run, each with its drawn mode
     assert len(rows) == 4 and all(any(f" | {m} | " in r for m in ("on_policy", "off_policy", "on_policy_with_tips"))
                                   for r in rows)
+    # a new session's empty store: the run records bring both runs back, with the same tables and pairs
+    before = {name: (out / name).read_text() for name in ("results.md", "iterations.md", "paired.json")}
+    again = compare_runs.main(["--tracking-uri", f"sqlite:///{tmp_path}/fresh.db", "--tag", "scienceworld",
+                               "--out-dir", str(out), "--no-log"])
+    assert len(again["runs"]) == 2 and {name: (out / name).read_text() for name in before} == before
+    assert (tmp_path / "mlartifacts").is_dir() and not (Path.cwd() / "mlruns").exists()  # artifacts beside the store

@@ -284,9 +284,11 @@ def test_grpo_with_the_novelty_bonus_writes_and_shows_no_tip(tmp_path):
 
 def test_auto_precision_is_tagged_and_only_the_last_checkpoint_is_kept(tmp_path, monkeypatch):
     """trainer.precision=auto (the CPU experiments' setting) runs with this machine's choice, which the MLflow run
-    records as the tag precision_used; by default a run keeps last.ckpt only (no disk growth per iteration), and
-    log_checkpoint_artifact=false keeps its copy out of the MLflow artifacts."""
+    records as the tag precision_used, beside the machine it ran on (tag machine); by default a run keeps last.ckpt
+    only (no disk growth per iteration), and log_checkpoint_artifact=false keeps its copy out of the MLflow
+    artifacts."""
     from src.utils import precision_choice
+    from src.utils.logging import machine_description
 
     monkeypatch.setenv(precision_choice.ENV_VAR, "")  # probe here (restored afterwards)
     cfg = _cfg(tmp_path, "algorithm=grpo", "memory=none", "trainer.max_epochs=2", "trainer.precision=auto",
@@ -295,7 +297,9 @@ def test_auto_precision_is_tagged_and_only_the_last_checkpoint_is_kept(tmp_path,
     chosen = os.environ[precision_choice.ENV_VAR].split("|")[1]
     assert chosen in ("32-true", "bf16-mixed") and objs["trainer"].precision == chosen
     client = mlflow.MlflowClient(tracking_uri=cfg.logger.mlflow.tracking_uri)
-    assert client.get_run(objs["loggers"][0].run_id).data.tags["precision_used"] == chosen
+    tags = client.get_run(objs["loggers"][0].run_id).data.tags
+    assert tags["precision_used"] == chosen
+    assert tags["machine"] == machine_description() and f"{os.cpu_count()} cores" in tags["machine"]  # where it ran
     assert sorted(p.name for p in Path(objs["last_checkpoint"]).parent.iterdir()) == ["last.ckpt"]
     assert [a.path for a in client.list_artifacts(objs["loggers"][0].run_id) if a.path == "checkpoints"] == []
 

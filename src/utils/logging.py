@@ -92,6 +92,32 @@ def log_config(cfg: DictConfig, loggers: list[Logger]) -> None:
         client.log_text(run_id, text, name)
 
 
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (e.g. ``"AMD EPYC"``), else ``platform.processor()``."""
+    import platform
+
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def machine_description() -> str:
+    """What ran a run, for its ``machine`` tag: the CUDA device's name and count where one is used, else the CPU
+    model, core count and bf16 support, e.g. ``"AMD EPYC, 2 cores (AVX512, AVX512-BF16)"``. Timings and float
+    rounding differ between machines, so a study whose runs ran on several says which ran where."""
+    import os
+
+    import torch
+
+    from src.utils.precision_choice import cpu_features
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} × {torch.cuda.device_count()}"
+    return f"{cpu_model()}, {os.cpu_count()} cores ({cpu_features()})"
+
+
 def set_tags(loggers: list[Logger], tags: dict[str, Any]) -> None:
     """Set run tags (e.g. ``precision_used``) on every MLflow run; other loggers get them as parameters."""
     for logger in loggers:

@@ -159,10 +159,13 @@ def collect(client: mlflow.MlflowClient, runs: Sequence[Run]) -> dict[str, dict[
 
 # ---------------------------------------------------------------------------------------------------- run facts
 def run_info(client: mlflow.MlflowClient, run: Run) -> dict[str, Any]:
-    """Name, algorithm, seed, status, wall-clock minutes, iterations logged and minutes per iteration of a run."""
+    """Name, algorithm, seed, status, wall-clock minutes, iterations logged and minutes per iteration of a run
+    (``run_id``: the id it was first logged under, also for a run imported from a record)."""
+    from src.evaluation.comparison.records import original_run_id
+
     iterations = len(client.get_metric_history(run.info.run_id, "iteration"))
     minutes = (run.info.end_time - run.info.start_time) / 60_000.0 if run.info.end_time else None
-    return {"run_id": run.info.run_id, "name": run.info.run_name, "algorithm": run.data.params["algorithm/name"],
+    return {"run_id": original_run_id(run), "name": run.info.run_name, "algorithm": run.data.params["algorithm/name"],
             "seed": run.data.params.get("seed"), "status": run.info.status, "minutes": minutes,
             "iterations": iterations,
             "minutes_per_iteration": minutes / iterations if minutes is not None and iterations else None}

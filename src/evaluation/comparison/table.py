@@ -20,10 +20,19 @@ def _fmt(values: Sequence[float], digits: int) -> str:
     return f"{stats['mean']:.{digits}f}" + ("" if stats["stderr"] is None else f" ± {stats['stderr']:.{digits}f}")
 
 
+def _warm_start_text(metrics: dict[str, float], digits: int) -> str:
+    """``score ± s.e. / success`` of a run's ``warm_start/*`` metrics; ``none`` for a run without a warm start."""
+    if "warm_start/score" not in metrics:
+        return "none"
+    return (f"{metrics['warm_start/score']:.{digits}f} ± {metrics['warm_start/score_stderr']:.{digits}f} / "
+            f"{metrics['warm_start/success_rate']:.2f}")
+
+
 def results_table(client: mlflow.MlflowClient, runs: Sequence[Run], env) -> str:
     """Markdown table of the compared runs, per algorithm: warm-start held-out score and success, final held-out
     score and success (the last validation of each run; mean ± s.e. over runs), iterations, wall-clock minutes,
-    seconds per iteration (rollout / tips / update) and the seeds. Every number is read from the MLflow store."""
+    seconds per iteration (rollout / tips / update) and the seeds. Every number is read from the MLflow store.
+    Runs whose warm starts scored differently (built on different machines) get one entry each, with their seeds."""
     digits = 3 if env.max_score <= 1 else 1
     unit = env.score_unit
     lines = [f"| algorithm | seeds | iterations | wall-clock (min) | s / iteration: rollout / tips / update | "
@@ -35,9 +44,13 @@ def results_table(client: mlflow.MlflowClient, runs: Sequence[Run], env) -> str:
         info = [run_info(client, r) for r in mine]
         last = {k: [client.get_metric_history(r.info.run_id, k) for r in mine] for k in VAL_KEYS.values()}
         finals = {k: [max(h, key=lambda m: m.timestamp).value for h in hs if h] for k, hs in last.items()}
-        ws = mine[0].data.metrics  # one warm start for every run of the study
-        ws_txt = ("none" if "warm_start/score" not in ws else f"{ws['warm_start/score']:.{digits}f} ± "
-                  f"{ws['warm_start/score_stderr']:.{digits}f} / {ws['warm_start/success_rate']:.2f}")
+        # one warm start per study, but the same config trained on another machine rounds to other weights: each
+        # distinct held-out result is shown with the seeds that started from it
+        ws_runs: dict[str, list[str]] = {}
+        for r, i in zip(mine, info):
+            ws_runs.setdefault(_warm_start_text(r.data.metrics, digits), []).append(str(i["seed"]))
+        ws_txt = next(iter(ws_runs)) if len(ws_runs) == 1 else "; ".join(
+            f"{text} (seed{'s' if len(seeds) > 1 else ''} {', '.join(seeds)})" for text, seeds in ws_runs.items())
         timing = []
         for key in TIMING_KEYS.values():
             vals = [v for r in mine if (v := per_iteration_sum(client, r, key)) is not None]
