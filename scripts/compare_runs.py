@@ -2,11 +2,13 @@
 
     python scripts/compare_runs.py --tag scienceworld                         # finished runs tagged scienceworld
     python scripts/compare_runs.py --tag study-20261130-011000 --out-dir logs/comparison/study
-    python scripts/compare_runs.py --run-ids <id> <id> ... --no-log           # only write the files
+    python scripts/compare_runs.py --run-ids <id> <id> ... --no-log           # no comparison run in MLflow
     python scripts/compare_runs.py --tag scienceworld --adaptation logs/eval/a.json logs/eval/b.json
 
-Reads only (training is launched by `scripts/run_study.py`); the work is done by `src/evaluation/comparison/`. Runs are grouped by `algorithm/name`; several seeds
-give the mean and a ± standard-error band (std with Bessel correction / sqrt(n)). Writes to `--out-dir`:
+Trains nothing (training is launched by `scripts/run_study.py`); the work is done by `src/evaluation/comparison/`.
+It writes to the store only the comparison run and the runs it imports from records (below). Runs are grouped by
+`algorithm/name`; several seeds give the mean and a ± standard-error band (std with Bessel correction / sqrt(n)).
+Writes to `--out-dir`:
 
 - `learning_curves_iteration.png`: rollout return, score and success rate (solid) and validation score and success
   rate (dashed) against the number of training iterations the policy had completed when it played: the rollout of
@@ -51,7 +53,8 @@ sys.path.insert(0, str(ROOT))  # `python scripts/compare_runs.py` from anywhere:
 
 from src.evaluation.comparison.adaptation import load_adaptation  # noqa: E402
 from src.evaluation.comparison.figures import plot_adaptation, plot_learning_curves  # noqa: E402
-from src.evaluation.comparison.records import import_records, original_run_id, write_records  # noqa: E402
+from src.evaluation.comparison.records import (import_records, original_run_id, record_names,  # noqa: E402
+                                               write_records)
 from src.evaluation.comparison.runs import (collect, comparison_title, run_environment, run_info,  # noqa: E402
                                            select_runs)
 from src.evaluation.comparison.table import iterations_table, paired_table, results_table  # noqa: E402
@@ -73,7 +76,7 @@ def log_comparison(client: mlflow.MlflowClient, experiment_id: str, files: Seque
     try:
         for algo in sorted({r.data.params["algorithm/name"] for r in runs}):
             client.log_param(rid, f"runs/{algo}",
-                             ",".join(r.info.run_id for r in runs if r.data.params["algorithm/name"] == algo))
+                             ",".join(original_run_id(r) for r in runs if r.data.params["algorithm/name"] == algo))
         for f in files:  # run records under runs/, as in the out dir
             client.log_artifact(rid, str(f), artifact_path="runs" if f.parent.name == "runs" else None)
     except Exception:
@@ -140,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     "src/eval.py eval.protocol=adaptation), as PATH or LABEL=PATH")
     ap.add_argument("--out-dir", default=str(ROOT / "logs" / "comparison"), help="where the PNGs go")
     ap.add_argument("--name", default=None, help="name of the comparison MLflow run (default: comparison-<tags>)")
-    ap.add_argument("--no-log", action="store_true", help="only write the files, no MLflow comparison run")
+    ap.add_argument("--no-log", action="store_true", help="no MLflow comparison run (records are still imported)")
     ap.add_argument("--episodes-dir", default=None, help="only recompute paired.md / paired.json from the "
                     "<algorithm>-seed<seed>.csv files of this directory (no MLflow)")
     args = ap.parse_args(argv)
@@ -157,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if imported:
             log.info("imported %d run record(s) from %s that this store lacked", len(imported), out / "runs")
     runs = select_runs(client, args.experiment, args.tag, args.run_ids, args.algorithms, args.include_unfinished)
+    record_names(runs)  # two runs of one algorithm and seed: refused before any file is written
     env = run_environment(runs)
     for r in runs:
         log.info("run %s %s (%s)", r.info.run_id, r.info.run_name, r.info.status)

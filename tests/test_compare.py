@@ -353,6 +353,87 @@ def test_a_file_that_is_not_a_run_record_is_refused(tmp_path):
     assert client.search_runs([client.get_experiment_by_name("empo2").experiment_id]) == []
 
 
+def _records_of(store, out: Path, *keys: str) -> Path:
+    """Records of the fixture's runs ``keys`` written to ``out`` (a study directory's runs/)."""
+    client = store["client"]
+    run_records.write_records(client, [client.get_run(store["ids"][k]) for k in keys], out)
+    return out
+
+
+def _fresh_store(tmp: Path, name: str):
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp}/{name}.db")
+    return client, client.create_experiment("empo2", artifact_location=str(tmp / f"{name}-artifacts"))
+
+
+def test_a_record_taken_while_its_run_was_running_is_replaced_when_the_run_goes_on(store):
+    """Recorded while RUNNING (no end time: the copy keeps none, rather than the import's time), imported elsewhere,
+    then the run finished and its record was rewritten: the next import replaces the stale copy, which a
+    comparison would otherwise write back over the newer file."""
+    client, tmp = store["client"], store["tmp"]
+    rid = store["ids"]["running"]
+    records = _records_of(store, tmp / "runs", "running")
+    client2, exp2 = _fresh_store(tmp, "second")
+    [first] = run_records.import_records(client2, "empo2", records)
+    copy = client2.get_run(first)
+    assert copy.info.status == "RUNNING" and copy.info.end_time is None
+    assert (records / "empo2-seed3.json").read_text() == run_records._dumps(run_records.run_record(client2, copy))
+    client.log_batch(rid, metrics=[Metric("rollout/score", 77.0, T0 + 5 * MIN, 2)])
+    client.set_terminated(rid, status="FINISHED", end_time=T0 + 6 * MIN)
+    _records_of(store, records, "running")
+    [second] = run_records.import_records(client2, "empo2", records)
+    assert client2.get_run(first).info.lifecycle_stage == "deleted"
+    fresh = client2.get_run(second)
+    assert fresh.info.status == "FINISHED" and fresh.data.metrics["rollout/score"] == 77.0
+    assert run_records.import_records(client2, "empo2", records) == []  # now equal: nothing to do
+
+
+def test_an_interrupted_import_leaves_no_run_that_passes_for_the_record(store, monkeypatch):
+    """Ctrl-C during the artifact upload: the half-made run is deleted and the next import makes it; a run left by a
+    killed import (still tagged as importing) is deleted by the next import, not taken for the record's run."""
+    tmp = store["tmp"]
+    _log_episodes(store["client"], store["ids"]["grpo1"], [10.0, 30.0], tmp)
+    records = _records_of(store, tmp / "runs", "grpo1")
+    episodes = tmp / "episodes"
+    episodes.mkdir()
+    (episodes / "grpo-seed1.csv").write_text("iteration,task,episode,score,success,steps,failed\n2,t,0,10,0,3,0\n")
+    client2, exp2 = _fresh_store(tmp, "second")
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(client2, "log_artifact", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run_records.import_records(client2, "empo2", records, episodes)
+    assert client2.search_runs([exp2]) == []
+    monkeypatch.undo()
+    ghost = client2.create_run(exp2, tags={run_records.IMPORTING_TAG: store["ids"]["grpo1"]})  # a killed import
+    [rid] = run_records.import_records(client2, "empo2", records, episodes)
+    assert [r.info.run_id for r in client2.search_runs([exp2])] == [rid]
+    assert client2.get_run(ghost.info.run_id).info.lifecycle_stage == "deleted"
+    assert run_records.IMPORTING_TAG not in client2.get_run(rid).data.tags
+
+
+def test_a_run_deleted_from_the_store_stays_out_and_original_ids_find_imported_runs(store):
+    """A run the user deleted is not imported again from its record; ``--run-ids`` with the ids that curves.json and
+    the records report finds the imported runs; runs of one algorithm and seed are refused before any file is
+    written."""
+    tmp = store["tmp"]
+    records = _records_of(store, tmp / "study" / "runs", "grpo1", "empo1")
+    client2, exp2 = _fresh_store(tmp, "second")
+    imported = run_records.import_records(client2, "empo2", records)
+    runs = comparison_runs.select_runs(client2, None, run_ids=[store["ids"]["grpo1"], store["ids"]["empo1"]])
+    assert sorted(r.info.run_id for r in runs) == sorted(imported)
+    client2.delete_run(runs[0].info.run_id)
+    assert run_records.import_records(client2, "empo2", records) == []
+    with pytest.raises(ValueError, match="no run 'nope' in this store"):
+        comparison_runs.select_runs(client2, None, run_ids=["nope"])
+    twin = _log_run(store["client"], store["exp_id"], "grpo", 1, [(0, 1, 0, 5.0)])
+    with pytest.raises(ValueError, match=r"share algorithm and seed \{'grpo-seed1'"):
+        compare_runs.main(["--tracking-uri", store["uri"], "--run-ids", store["ids"]["grpo1"], twin,
+                           "--out-dir", str(tmp / "twins"), "--no-log"])
+    assert not (tmp / "twins").exists()
+
+
 def test_no_log_writes_files_only(store):
     out = store["tmp"] / "nolog"
     result = compare_runs.main(["--tracking-uri", store["uri"], "--run-ids", store["ids"]["grpo1"],

@@ -1,7 +1,8 @@
 """Rebuild the run records (runs/*.json) of GRPO and GRPO + novelty seed 1, whose MLflow store was lost.
 
 The two runs ran on 2026-12-04, before `scripts/compare_runs.py` wrote run records; the next session's checkout
-had no `logs/`. Their numbers survive in this directory's files as committed at commit e72688b: `curves.json`
+had no `logs/`. Their numbers survive in this directory's files as committed at commit e72688b (read from git,
+whatever the files hold now): `curves.json`
 (rollout and validation curves at full precision, with minutes since the run's start), `iterations.md` (the
 per-iteration columns as printed) and `results.md` (seconds per iteration). This script turns them back into
 records, so that `compare_runs.py` compares them beside the runs of later sessions; the records carry the tag
@@ -13,9 +14,11 @@ parameters beyond the four below) is not in the records: the start time is set t
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+SOURCE = "e72688b"  # the commit whose files hold the two runs (later comparisons rewrite them with more runs)
 DAY_START_MS = 1_796_342_400_000  # 2026-12-04 00:00 UTC
 COMMIT = "a9cdc4722897bd2c81d661c9845f8c711a523658"  # the frozen checkout the two runs ran from
 TIMING_S = {"grpo": (86, 101), "grpo_novelty": (95, 116)}  # results.md: rollout / update s per iteration
@@ -30,8 +33,14 @@ COLUMNS = {"zero-variance groups": ("rollout/adv/zero_var_group_frac", "last"),
            "clip frac": ("train/clip_frac", "mean"), "masked frac": ("train/masked_frac", "mean")}
 
 
+def committed(name: str) -> str:
+    """This directory's file ``name`` as of commit SOURCE."""
+    return subprocess.run(["git", "show", f"{SOURCE}:docs/results/webshop-seeds/{name}"], cwd=HERE, check=True,
+                          capture_output=True, text=True).stdout
+
+
 def iteration_rows(run_name: str) -> dict[int, dict[str, str]]:
-    lines = (HERE / "iterations.md").read_text().splitlines()
+    lines = committed("iterations.md").splitlines()
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = {}
     for line in lines[2:]:
@@ -81,11 +90,12 @@ def record(info: dict, curves: dict) -> dict:
 
 
 def main() -> None:
-    committed = json.loads((HERE / "curves.json").read_text())
-    for info in committed["run_info"]:
+    curves = json.loads(committed("curves.json"))
+    for info in curves["run_info"]:
+        assert info["seed"] == "1" and curves["curves"][info["algorithm"]]["rollout/score"]["n"][0] == 1  # one run
         path = HERE / "runs" / f"{info['algorithm']}-seed{info['seed']}.json"
         path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps(record(info, committed["curves"][info["algorithm"]]), separators=(",", ":")) + "\n")
+        path.write_text(json.dumps(record(info, curves["curves"][info["algorithm"]]), separators=(",", ":")) + "\n")
         print(f"wrote {path}")
 
 

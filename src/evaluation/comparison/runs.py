@@ -35,16 +35,37 @@ def run_tags(run: Run) -> list[str]:
     return [str(t) for t in value] if isinstance(value, (list, tuple)) else [str(value)]
 
 
+def _run_by_id(client: mlflow.MlflowClient, run_id: str) -> Run:
+    """The run ``run_id`` of this store, or the run imported from the record of the run ``run_id`` (records.py).
+
+    Raises:
+        ValueError: neither is in the store.
+    """
+    from mlflow.exceptions import MlflowException
+
+    from src.evaluation.comparison.records import RECORD_SOURCE_TAG
+
+    try:
+        return client.get_run(run_id)
+    except MlflowException:
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        found = client.search_runs(experiments, filter_string=f"tags.`{RECORD_SOURCE_TAG}` = '{run_id}'")
+        if not found:
+            raise ValueError(f"no run {run_id!r} in this store, nor one imported from its record") from None
+        return found[0]
+
+
 def select_runs(client: mlflow.MlflowClient, experiment: str | None, tags: Sequence[str] = (),
                 run_ids: Sequence[str] = (), algorithms: Sequence[str] = ("grpo", "grpo_novelty", "empo2"),
                 include_unfinished: bool = False) -> list[Run]:
-    """Training runs to compare: ``run_ids`` as given, or the runs of ``experiment`` that carry every tag in
+    """Training runs to compare: ``run_ids`` as given (an original id finds the run imported from its record), or
+    the runs of ``experiment`` that carry every tag in
     ``tags`` and whose ``algorithm/name`` is in ``algorithms`` (finished ones unless ``include_unfinished``).
 
     Raises ValueError for an unknown experiment, a run id that is not a training run, or no matching run.
     """
     if run_ids:
-        runs = [client.get_run(rid) for rid in run_ids]
+        runs = [_run_by_id(client, rid) for rid in run_ids]
         for run in runs:
             if "algorithm/name" not in run.data.params:
                 raise ValueError(f"run {run.info.run_id} ({run.info.run_name}) has no 'algorithm/name' parameter: "
