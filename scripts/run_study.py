@@ -233,8 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for cmd in commands:
         print("  python src/train.py " + " ".join(cmd[2:]))
     out_dir = args.out_dir or str(ROOT / "logs" / "comparison" / study_tag)
+    # every algorithm of the study, not only this invocation's: a study run in parts (--algorithms grpo now,
+    # empo2 in another session) is compared whole
     compare_argv = ["--tracking-uri", tracking_uri, "--experiment", exp_name, "--tag", study_tag, "--out-dir",
-                    out_dir, "--algorithms", *args.algorithms, "--name", f"comparison-{study_tag}"]
+                    out_dir, "--name", f"comparison-{study_tag}"]
     if args.adaptation:
         compare_argv += ["--adaptation", *args.adaptation]
     print("then: python scripts/compare_runs.py " + " ".join(compare_argv))

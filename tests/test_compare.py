@@ -454,6 +454,8 @@ def test_study_dry_run_prints_plan(tmp_path, capsys):
     assert "algorithm=empo2 seed=2" in lines[3]
     # no earlier runs in this store: (0.5 min start-up + 2.5 min x 3 iterations) x 2 seeds x 2 algorithms
     assert "--tag study-t1" in out and "Estimated total: 32 min" in out
+    # the comparison takes every algorithm of the study, also those another invocation ran
+    assert "--algorithms" not in out.split("then: python scripts/compare_runs.py")[1]
 
 
 def test_study_refuses_side_by_side_runs_that_do_not_fit_in_memory(tmp_path, capsys):
