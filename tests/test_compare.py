@@ -541,4 +541,6 @@ def test_two_real_training_runs(tmp_path):
     again = compare_runs.main(["--tracking-uri", f"sqlite:///{tmp_path}/fresh.db", "--tag", "scienceworld",
                                "--out-dir", str(out), "--no-log"])
     assert len(again["runs"]) == 2 and {name: (out / name).read_text() for name in before} == before
-    assert (tmp_path / "mlartifacts").is_dir() and not (Path.cwd() / "mlruns").exists()  # artifacts beside the store
+    fresh = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/fresh.db")  # artifacts beside the store
+    assert {r.info.artifact_uri.split("://")[-1].startswith(str(tmp_path))
+            for r in fresh.search_runs([e.experiment_id for e in fresh.search_experiments()])} == {True}
