@@ -126,18 +126,16 @@ def paired_files(client: mlflow.MlflowClient, runs: Sequence[Run], out: Path, en
     return write_paired(episodes, out, env) if len(episodes) >= 2 else []
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Parse ``argv``, write the figures and ``curves.json`` to ``--out-dir``, log them unless ``--no-log``.
-
-    Returns ``{"files": [Path, ...], "comparison_run_id": str | None, "runs": [run ids]}``.
-    """
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of this script (its docstring is the help text)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, help="MLflow store (default: %(default)s)")
     ap.add_argument("--experiment", default="empo2", help="MLflow experiment name (default: %(default)s)")
     ap.add_argument("--tag", action="append", default=[], help="keep runs whose Hydra tags include this "
                     "(repeatable: all must match)")
     ap.add_argument("--run-ids", nargs="+", default=[], help="compare exactly these runs (ignores --tag)")
-    ap.add_argument("--algorithms", nargs="+", default=["grpo", "grpo_novelty", "empo2"], help="algorithm/name values to keep")
+    ap.add_argument("--algorithms", nargs="+", default=["grpo", "grpo_novelty", "empo2"],
+                    help="algorithm/name values to keep")
     ap.add_argument("--include-unfinished", action="store_true", help="also running, failed and killed runs")
     ap.add_argument("--adaptation", nargs="+", default=[], help="adaptation summaries (eval_summary.json of "
                     "src/eval.py eval.protocol=adaptation), as PATH or LABEL=PATH")
@@ -146,7 +144,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-log", action="store_true", help="no MLflow comparison run (records are still imported)")
     ap.add_argument("--episodes-dir", default=None, help="only recompute paired.md / paired.json from the "
                     "<algorithm>-seed<seed>.csv files of this directory (no MLflow)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Parse ``argv``, write the figures and ``curves.json`` to ``--out-dir``, log them unless ``--no-log``.
+
+    Returns ``{"files": [Path, ...], "comparison_run_id": str | None, "runs": [run ids]}``.
+    """
+    args = build_parser().parse_args(argv)
     out = Path(args.out_dir)
     if args.episodes_dir:
         files = write_paired(read_runs(args.episodes_dir), out)

@@ -100,28 +100,33 @@ def data_problems(data: dict[str, Any]) -> list[str]:
     return problems
 
 
-def algorithm_problems(cfg: DictConfig) -> list[str]:
-    """The ``algorithm`` group's own checks (``AlgorithmConfig``), and its fit with the memory group."""
+def uses_memory(cfg: DictConfig) -> bool:
+    """``algorithm.use_memory``, the one memory switch (False where the algorithm group itself is refused)."""
     from src.models.algorithm_config import AlgorithmConfig
 
-    algorithm = _container(cfg.get("algorithm"))
     try:
-        AlgorithmConfig.from_dict(algorithm)
+        return AlgorithmConfig.from_dict(_container(cfg.get("algorithm"))).use_memory
+    except (ValueError, TypeError):
+        return False
+
+
+def algorithm_problems(cfg: DictConfig) -> list[str]:
+    """The ``algorithm`` group's own checks (``AlgorithmConfig``), and its fit with the memory switch."""
+    from src.models.algorithm_config import AlgorithmConfig
+
+    try:
+        algorithm = AlgorithmConfig.from_dict(_container(cfg.get("algorithm")))
     except (ValueError, TypeError) as err:
         return [str(err)]
     problems = []
-    name, use_memory = algorithm.get("name"), bool(algorithm.get("use_memory", False))
-    memory_group = "_target_" in _container(cfg.get("memory"))
-    if name == "grpo" and use_memory:
+    if algorithm.name == "grpo" and algorithm.use_memory:
         problems.append("algorithm.use_memory=true with algorithm=grpo: the GRPO baseline has no memory and no "
                         "novelty bonus, and a run named grpo-... would build the memory, write tips and add the bonus "
                         "(a contaminated baseline); use algorithm=empo2, or leave algorithm.use_memory=false")
-    prob = float(algorithm.get("memory_rollout_prob", 0.0))
-    if prob > 0 and not (use_memory and memory_group):
-        off = "algorithm.use_memory=false" if not use_memory else "memory=none"
-        problems.append(f"algorithm.memory_rollout_prob={prob:g} (algorithm={name}) draws memory rollouts, but "
-                        f"{off} builds no memory; set algorithm.memory_rollout_prob=0 or turn the memory on "
-                        "(algorithm.use_memory=true with memory=empo2)")
+    if algorithm.memory_rollout_prob > 0 and not algorithm.use_memory:
+        problems.append(f"algorithm.memory_rollout_prob={algorithm.memory_rollout_prob:g} (algorithm="
+                        f"{algorithm.name}) draws memory rollouts, but algorithm.use_memory=false builds no memory; "
+                        "set algorithm.memory_rollout_prob=0 or algorithm.use_memory=true")
     return problems
 
 
@@ -190,14 +195,12 @@ def check_training_settings(cfg: DictConfig) -> None:
     Raises:
         ConfigError: one line per bad setting.
     """
-    algorithm = _container(cfg.get("algorithm"))
     problems = trainer_problems(_container(cfg.get("trainer")))
     problems += data_problems(_container(cfg.get("data")))
     problems += algorithm_problems(cfg)
     problems += model_problems(_container(cfg.get("model")))
-    memory = _container(cfg.get("memory"))
-    if algorithm.get("use_memory") and "_target_" in memory:
-        problems += memory_problems(memory)
+    if uses_memory(cfg):
+        problems += memory_problems(_container(cfg.get("memory")))
     if any(p.startswith("data.temperature=") for p in problems):  # algorithm.temperature is ${data.temperature}
         problems = [p for p in problems if not p.startswith("algorithm.temperature=")]
     if problems:

@@ -17,15 +17,13 @@ Protocols (``eval.protocol``):
   finished episode's reflection is written (``MemoryCallback.write_tips``), so later rounds can retrieve it.
   ``eval.memory_file`` (a memory exported by ``src/export.py``) is read instead of the checkpoint's (read only).
 - ``adaptation`` (the paper's out-of-distribution, "OOD", adaptation; docs/evaluation.md#the-adaptation-protocol): the
-  policy plays a new task (``eval.task``, e.g. from the ``transfer_*`` experiments) for ``eval.trials`` + 1 trials, each
-  trial = all tasks × ``eval.episodes_per_task`` episodes. Trial 0 runs without retrieval (the baseline score); every
-  trial, trial 0 included, then writes its reflections, so trial k retrieves the tips of trials 0..k-1. The memory
-  starts empty (a trained memory holds no entries for the new task's partitions). No weight is updated: a SHA-256 of all
-  policy weights is taken before and after and a change raises.
+  policy plays a new task (``eval.task``, e.g. from the ``transfer_*`` experiments) for ``eval.trials`` + 1 trials of
+  all tasks × ``eval.episodes_per_task`` episodes, from an empty memory: trial 0 without retrieval, trial k with the
+  tips of trials 0..k-1 (``src/evaluation/protocols.py``). A change of the policy weights' SHA-256 raises.
 
 Every seed starts from the same memory and reseeds all generators (``lightning.seed_everything``) before its
 first episode, so a rerun with the same seeds gives identical numbers. The episodes run through
-``src.data.rollout_datamodule.evaluate``, the same code as in-training validation.
+``src.data.rollout.evaluate``, the same code as in-training validation.
 
 Outputs: the summary printed as JSON and written atomically to ``eval.summary_file``
 (``${paths.output_dir}/eval_summary.json``), metrics ``eval/*`` (standard) or ``adaptation/*`` (one step per

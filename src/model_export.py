@@ -103,11 +103,9 @@ def _write_model(policy, out: Path, adapter_only: bool, dtype: str | None) -> di
     """Save the model (merged, or the adapter alone) into ``out``; returns ``{"kind", "dtype"}`` (and, for a merged
     LoRA saved below float32, ``update_kept``).
 
-    LoRA is merged in float32: ``W + BA`` rounded to a bf16 base loses every update entry below half a bf16 ulp of
-    its weight (at lr 1e-6 most of them; docs/export.md). With ``dtype`` null the merged weights are saved in float32
-    and a full fine-tune in its master dtype, so the export holds exactly what training changed; a ``dtype`` below
-    that rounds them, and a warning says how much of the update survived (for a merged LoRA, measured on the
-    weights) or may not.
+    LoRA is merged in float32 and, with ``dtype`` null, saved in float32 (a full fine-tune in its master dtype), so
+    the export holds exactly what training changed; a ``dtype`` below that rounds away every update entry below half
+    an ulp of its weight (docs/export.md#what-the-export-keeps), with a warning.
     """
     from src.models.precision import torch_dtype
 

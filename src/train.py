@@ -28,7 +28,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     ends FAILED if the Trainer cannot be made.
     """
     import lightning as L
+    from omegaconf import OmegaConf
 
+    from src.config_checks import uses_memory
     from src.models.memory_estimate import check_device_memory
     from src.warm_start import warm_start_model_config
     from src.utils.checkpoint_io import AtomicCheckpointIO
@@ -45,16 +47,17 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     model_cfg, warm_start = warm_start_model_config(cfg)  # model.warm_start: built once, then reused
     log.info("Instantiating model <%s> from %s", cfg.model._target_, model_cfg.policy.name_or_path)
     module = hydra.utils.instantiate(model_cfg)
-    # `memory=none` leaves no `_target_` (an experiment's memory settings may still sit there, unused).
-    use_memory = cfg.algorithm.get("use_memory", True) and "_target_" in (cfg.get("memory") or {})
-    if use_memory and getattr(hydra.utils.get_class(cfg.memory._target_), "diagnostic", False):
-        # oracle tips come from hidden task data: a diagnostic of the evaluation only
-        raise ValueError(f"memory._target_={cfg.memory._target_!r} is a diagnostic arm of src/eval.py (oracle or "
-                         "placeholder tips); training uses the policy's own memory (src.callbacks.memory.MemoryCallback)")
-    memory = hydra.utils.instantiate(cfg.memory) if use_memory else None
+    memory = None
+    if uses_memory(cfg):  # algorithm.use_memory, the one switch
+        if getattr(hydra.utils.get_class(cfg.memory._target_), "diagnostic", False):
+            # oracle tips come from hidden task data: a diagnostic of the evaluation only
+            raise ValueError(f"memory._target_={cfg.memory._target_!r} is a diagnostic arm of src/eval.py (oracle or "
+                             "placeholder tips); training uses the policy's own memory "
+                             "(src.callbacks.memory.MemoryCallback)")
+        memory = hydra.utils.instantiate(cfg.memory)
+        memory.use_environment(OmegaConf.to_container(cfg.env, resolve=True))
     datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
-    if memory is not None:
-        memory.attach(datamodule)  # rollouts read and write it; Lightning saves it in every checkpoint
+    # Lightning saves the memory in every checkpoint and logs its tip tables
     callbacks = instantiate_callbacks(cfg.get("callbacks")) + ([memory] if memory is not None else [])
     loggers = instantiate_loggers(cfg.get("logger"))
     # ModelParallelStrategy (FSDP2) writes distributed checkpoints itself and takes no CheckpointIO plugin.
@@ -65,6 +68,10 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     except BaseException:
         end_tracker_runs(loggers, "FAILED")
         raise
+    # what the rollout stream plays with, handed to it here: nothing on the data side reaches through the Trainer
+    datamodule.attach(policy=module.policy, reference=module.ref_policy, memory=memory,
+                      precision=lambda: trainer.precision_plugin.forward_context(),
+                      global_step=lambda: trainer.global_step)
     return {"module": module, "datamodule": datamodule, "memory": memory, "trainer": trainer, "loggers": loggers,
             "warm_start": warm_start}
 

@@ -25,11 +25,10 @@ import logging
 import random
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import hydra
 import lightning as L
 import numpy as np
 from lightning.pytorch.callbacks import RichProgressBar
@@ -37,6 +36,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.data.demonstrations import build_examples, demonstration_records, make_dataloader
+from src.data.rollout_config import RolloutConfig
 from src.models.sft_module import ProgressLog, SFTModule, save_policy
 from src.utils.io import json_digest, write_json_atomic
 from src.utils.logging import flatten, set_tags
@@ -54,14 +54,14 @@ def _prepare(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
 
     policy_cfg = OmegaConf.to_container(cfg.model.policy, resolve=True)
     env_cfg = OmegaConf.to_container(cfg.env, resolve=True)
-    # The RL run's own datamodule (nothing started) gives its rollout and validation settings.
-    datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
+    # the RL run's own rollout and validation settings (the data group)
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    rollout = RolloutConfig.from_data(data)
     records, system_prompt = demonstration_records(env_cfg, ws.get("num_tasks"), ws["gold_dir"])
     L.seed_everything(int(ws["seed"]), verbose=False)
     policy = build_policy(**policy_cfg)
     truncated = policy.num_prompts_truncated
-    examples = build_examples(policy, records, system_prompt, datamodule.rollout_config(use_tips=False),
-                              datamodule.max_steps)
+    examples = build_examples(policy, records, system_prompt, rollout, data.get("max_steps"))
     if policy.num_prompts_truncated > truncated:
         log.warning("%d demonstration prompts were cut to max_prompt_tokens=%d by Policy.encode",
                     policy.num_prompts_truncated - truncated, policy.max_prompt_tokens)
@@ -75,17 +75,19 @@ def _prepare(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
            "examples": json_digest([[e.prompt_ids, e.response_ids] for e in examples], 64)}
     env_name = env_cfg["_target_"].rsplit(".", 1)[-1].removesuffix("Env").lower()
     base_name = Path(str(policy_cfg["name_or_path"]).split(":")[-1]).name
-    val = dict(datamodule.val_cfg or {})
-    protocol = {**val, "seed": int(ws["seed"]), "max_steps": datamodule.max_steps, "env": env_cfg,
-                "rollout": asdict(datamodule.rollout_config(use_tips=False, temperature=val.get("temperature")))}
-    prep = {"policy": policy, "policy_cfg": policy_cfg, "env_cfg": env_cfg, "datamodule": datamodule,
+    val = dict(data.get("val") or {})
+    held_out = rollout if val.get("temperature") is None else replace(rollout, temperature=float(val["temperature"]))
+    protocol = {**val, "seed": int(ws["seed"]), "max_steps": data.get("max_steps"), "env": env_cfg,
+                "rollout": asdict(held_out)}
+    prep = {"policy": policy, "policy_cfg": policy_cfg, "env_cfg": env_cfg, "rollout": rollout,
+            "pool_timeout_s": float(data.get("pool_timeout_s", 300.0)),
             "records": records, "examples": examples, "reflections": [], "tipped": [], "key": key,
             "out_dir": Path(ws["cache_dir"]) / f"{env_name}-{base_name}-{json_digest(key)}", "protocol": protocol}
     if not ws.get("reflections"):
         return prep
     # A second phase, started from the actions-only entry `prep` describes (its key stays as above, so the entries
     # built before the phase existed are reused).
-    reflections, tipped = _reflection_examples(cfg, ws, env_cfg, policy, datamodule, records)
+    reflections, tipped = _reflection_examples(cfg, ws, env_cfg, policy, rollout, data.get("max_steps"), records)
     key = {**key, "reflections": {**_reflection_settings(ws["reflections"]),
                                   "examples": json_digest([[e.prompt_ids, e.response_ids] for e in reflections], 64)}}
     if tipped:
@@ -113,8 +115,8 @@ def _reflection_settings(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: settings[k] for k in REFLECTION_SETTINGS} | ({"show_tips": True} if settings.get("show_tips") else {})
 
 
-def _reflection_examples(cfg: DictConfig, ws: dict[str, Any], env_cfg: dict[str, Any], policy, datamodule,
-                         demonstrations: list[dict]) -> tuple[list, list]:
+def _reflection_examples(cfg: DictConfig, ws: dict[str, Any], env_cfg: dict[str, Any], policy, rollout: RolloutConfig,
+                         max_steps: int | None, demonstrations: list[dict]) -> tuple[list, list]:
     """Reflection examples (``src/data/reflections.py``) under the memory's reflection settings
     (``model.warm_start.reflections``: ``max_tokens`` = ``memory.tip_max_tokens``, ``continue_last_prompt`` =
     ``memory.reuse_rollout_cache``). Set in the warm start, not read from ``memory``, so a run without memory (GRPO)
@@ -131,15 +133,14 @@ def _reflection_examples(cfg: DictConfig, ws: dict[str, Any], env_cfg: dict[str,
                         "under other settings than the memory asks for them", name, settings[name], memory_name,
                         memory[memory_name])
     records, write_tip, system_prompt = reflection_records(env_cfg, ws.get("num_tasks"), ws["gold_dir"])
-    examples = reflection_examples(policy, records, system_prompt, datamodule.rollout_config(use_tips=False),
-                                   datamodule.max_steps, write_tip, int(settings["max_tokens"]),
+    examples = reflection_examples(policy, records, system_prompt, rollout, max_steps, write_tip,
+                                   int(settings["max_tokens"]),
                                    bool(settings["continue_last_prompt"]))
     log.info("%d reflection examples from %d trajectories (%d end in success)", len(examples), len(records),
              sum(r["success"] for r in records))
     if settings.get("show_tips"):  # the demonstrations again, next to the tips the other trajectories leave
         tipped = tipped_demonstrations(policy, demonstrations, records, write_tip, int(settings["max_tokens"]))
-        tipped = build_examples(policy, tipped, system_prompt, datamodule.rollout_config(use_tips=True),
-                                datamodule.max_steps)
+        tipped = build_examples(policy, tipped, system_prompt, replace(rollout, use_tips=True), max_steps)
         log.info("%d demonstrated steps with tips shown in the prompt", len(tipped))
         return examples, tipped
     return examples, []
@@ -232,12 +233,12 @@ def _heldout(cfg: DictConfig, prep: dict[str, Any]) -> dict[str, Any]:
     from src.envs.pool import EnvPool
     from src.evaluation.stats import mean_stderr
 
-    dm, protocol = prep["datamodule"], prep["protocol"]
+    protocol = prep["protocol"]
     policy = _load(prep, prep["out_dir"])
     n = int(protocol["num_tasks"]) * int(protocol["episodes_per_task"])
     L.seed_everything(protocol["seed"], verbose=False)
     fabric = L.Fabric(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision)
-    pool = EnvPool(prep["env_cfg"], num_workers=n, timeout_s=dm.pool_timeout_s)
+    pool = EnvPool(prep["env_cfg"], num_workers=n, timeout_s=prep["pool_timeout_s"])
     policy.eval()
     tic = time.perf_counter()
     try:
@@ -245,8 +246,8 @@ def _heldout(cfg: DictConfig, prep: dict[str, Any]) -> dict[str, Any]:
                  for _ in range(int(protocol["episodes_per_task"]))]
         with torch.no_grad(), fabric.autocast():
             episodes, _ = run_episodes(pool, policy, tasks, list(range(len(tasks))),
-                                       dm.rollout_config(use_tips=False, temperature=protocol["temperature"]),
-                                       None, dm.max_steps)
+                                       replace(prep["rollout"], temperature=float(protocol["temperature"])), None,
+                                       protocol["max_steps"])
     finally:
         pool.close()
     log_episodes(episodes, "held-out")

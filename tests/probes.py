@@ -33,3 +33,15 @@ class LastCheckpointProbe(Callback):
         path = Path(trainer.checkpoint_callback.dirpath) / "last.ckpt"
         step = torch.load(path, map_location="cpu", weights_only=True)["global_step"] if path.exists() else None
         self.seen.append(step)
+
+
+class BatchRecorder(Callback):
+    """``batches``: a copy of every training micro-batch as the update receives it (before its training step)."""
+
+    def __init__(self) -> None:
+        self.batches: list = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import copy
+
+        self.batches.append(copy.deepcopy(batch))

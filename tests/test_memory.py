@@ -312,8 +312,9 @@ def test_novelty_revisits_decay_as_one_over_visits():
 def test_novelty_same_new_state_in_one_step_gives_equal_bonuses_and_zero_advantages():
     """8 episodes of one group reach the same new state in the same step: 8 equal bonuses, so with equal
     extrinsic returns every advantage is exactly 0 (nobody is rewarded for coming first in the list)."""
+    from src.data.iteration import group_advantages, make_samples
     from src.data.rollout import Episode, StepRecord
-    from src.data.rollout_datamodule import RolloutDataModule
+    from src.models.algorithm_config import AlgorithmConfig
 
     nov = NoveltyMemory(DIM, threshold=0.9, coef=1.0)
     bonus = nov.rewards(["t"] * 8, rows(*[e(0)] * 8))
@@ -322,8 +323,8 @@ def test_novelty_same_new_state_in_one_step_gives_equal_bonuses_and_zero_advanta
     assert nov.rewards(["t"] * 2, rows(e(0), e(0))).tolist() == [1 / 9, 1 / 9]  # 8 prior visits
     episodes = [Episode(task={}, group=0, steps=[StepRecord("o", [1], [1], [2], [-1.0], "a", "a", reward=5.0,
                                                             intrinsic=float(b))]) for b in bonus]
-    dm = RolloutDataModule(env={"_target_": "x"}, algorithm={"norm_adv_by_std": True})
-    samples, _ = dm.make_samples(episodes, "on_policy")
+    algorithm = AlgorithmConfig(norm_adv_by_std=True)
+    samples, _ = make_samples(episodes, group_advantages(episodes, algorithm, rank=0)[0], "on_policy", algorithm)
     assert [s.advantage for s in samples] == [0.0] * 8
 
 
@@ -331,24 +332,32 @@ def test_groups_ranked_by_the_bonus_alone_are_counted_and_warned_once():
     """Four episodes that all earn the environment's 1.0, with bonuses 0.01, 0.005, 0.0033, 0.0025: the bonus alone
     ranks them, and the std makes that full-size (advantages +1.43, -0.06, -0.56, -0.81); the metric says so and the
     process is warned once. Under Dr.GRPO the advantages stay at the bonus's scale and nothing is warned."""
+    from src.data.iteration import SignalGuard, group_advantages, make_samples
     from src.data.rollout import Episode, StepRecord
-    from src.data.rollout_datamodule import RolloutDataModule
+    from src.models.algorithm_config import AlgorithmConfig
 
     def episodes():
         return [Episode(task={}, group=0, steps=[StepRecord("o", [1], [1], [2], [-1.0], "a", "a", reward=1.0,
                                                             intrinsic=0.01 / k)]) for k in (1, 2, 3, 4)]
 
-    dm = RolloutDataModule(env={"_target_": "x"}, algorithm={"norm_adv_by_std": True})
+    def iteration(guard: SignalGuard) -> tuple[torch.Tensor, dict[str, float]]:
+        """The iteration's advantages and samples (steps 4-5) and the guard's check of their metrics, as
+        ``run_iteration`` runs them."""
+        advantages, metrics = group_advantages(episodes(), guard.algorithm, rank=0)
+        _, counts = make_samples(episodes(), advantages, "on_policy", guard.algorithm)
+        guard.check({f"rollout/adv/{k}": v for k, v in {**metrics, **counts}.items()}, iteration=0)
+        return advantages, metrics
+
+    guard = SignalGuard(AlgorithmConfig(norm_adv_by_std=True))
     with pytest.warns(UserWarning, match="100% of this iteration's groups have advantages set by the novelty bonus"):
-        samples, metrics = dm.make_samples(episodes(), "on_policy")
-    assert metrics["adv/bonus_only_group_frac"] == 1.0
-    assert max(abs(s.advantage) for s in samples) > 1.0
+        advantages, metrics = iteration(guard)
+    assert metrics["bonus_only_group_frac"] == 1.0
+    assert float(advantages.abs().max()) > 1.0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        dm.make_samples(episodes(), "on_policy")  # once per run
-        dr = RolloutDataModule(env={"_target_": "x"}, algorithm={"norm_adv_by_std": False})
-        samples, metrics = dr.make_samples(episodes(), "on_policy")
-    assert metrics["adv/bonus_only_group_frac"] == 1.0 and max(abs(s.advantage) for s in samples) < 0.01
+        iteration(guard)  # once per run
+        advantages, metrics = iteration(SignalGuard(AlgorithmConfig(norm_adv_by_std=False)))
+    assert metrics["bonus_only_group_frac"] == 1.0 and float(advantages.abs().max()) < 0.01
 
 
 @pytest.mark.parametrize("count", ["visits", "distinct"])
@@ -643,17 +652,25 @@ def test_novelty_bonus_is_scored_step_by_step_over_all_episodes(embedder):
 
 def test_the_written_table_holds_the_entries_stored_once_each(embedder, tiny_policy, tmp_path):
     """An episode that repeats an action writes the same line twice; the memory stores it once, and the iteration's
-    written-tips table (a real Trainer's run directory) holds exactly the entries stored, with their iteration."""
+    written-tips table (a real Trainer's run directory, written by the hook Lightning calls when the iteration's first
+    micro-batch reaches the update) holds exactly the entries stored, with their iteration."""
     import lightning as L
 
     from src.callbacks.memory import MemoryCallback
     from src.callbacks.tip_tables import read_table
+    from src.data.samples import MicroBatch
 
     memory = MemoryCallback(embedder, TipMemory(embedder.dim, embedder.name), tip_max_tokens=4)
-    memory.setup(L.Trainer(default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False), None, "fit")
+    trainer = L.Trainer(default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False)
+    memory.setup(trainer, None, "fit")
     episode = _long_episode(3, embedder.dim)
     episode.steps[1].action = episode.steps[0].action  # steps 0 and 1: the same tip, action and score
-    metrics = memory.write_tips([episode], tiny_policy, "You are an agent.", iteration=4, mode="on_policy")
+    metrics = memory.write_tips([episode], tiny_policy, "You are an agent.", iteration=4)
+    assert not (tmp_path / "tips").exists()  # the tables wait for the update of the iteration
+    batch = MicroBatch(samples=[], loss_scale=1.0, batch_num_tokens=1.0, global_batch_size=1.0, mode="on_policy",
+                       iteration=4, rollout_global_step=0, ppo_epoch=0, mini_batch=0, last_micro=True,
+                       metrics={"rollout/score": 0.0})
+    memory.on_train_batch_start(trainer, None, batch, 0)
     stored = memory.tips.entries("t/0")
     assert metrics["tips_written"] == 2 and [t.step for t in stored] == [0, 2]
     rows = read_table(tmp_path / "tips" / "iteration_0004_written.json")

@@ -12,7 +12,9 @@ from lightning.pytorch.loggers import Logger
 import torch
 from torch.utils.data import DataLoader
 
-from src.data.rollout_datamodule import RolloutDataModule
+from src.data.minibatches import micro_batches
+from src.data.rollout import inference
+from src.models.old_log_probs import score_samples
 from src.data.samples import MicroBatch, StepSample
 from src.models.algorithm_config import AlgorithmConfig
 from src.models.empo2_module import EMPO2Module, _pad_rows
@@ -42,10 +44,18 @@ def _samples(module: EMPO2Module) -> list[StepSample]:
             for i, (p, r) in enumerate(zip(prompts, responses))]
 
 
-def _micro_batches(samples: list[StepSample], micro_batch_size: int, mode: str = "on_policy") -> list[MicroBatch]:
-    """One mini-batch of ``samples`` cut into micro-batches by the datamodule's own ``micro_batches``."""
-    dm = RolloutDataModule(env={"_target_": "unused"}, algorithm={}, micro_batch_size=micro_batch_size)
-    return list(dm.micro_batches(samples, {"iteration": 0, "mode": mode, "rollout_global_step": 0}, {}, 0))
+def _micro_batches(samples: list[StepSample], micro_batch_size: int, mode: str = "on_policy",
+                   iteration: int = 0, eos: int = 0) -> list[MicroBatch]:
+    """One mini-batch of ``samples`` cut into micro-batches by the iteration's own ``micro_batches``."""
+    info = {"iteration": iteration, "mode": mode, "rollout_global_step": iteration}
+    return list(micro_batches(samples, info, {}, seed=0, iteration=iteration, ppo_epochs=1,
+                              micro_batch_size=micro_batch_size, padding=lambda: StepSample.padding(eos)))
+
+
+def _score(module, samples: list[StepSample]) -> None:
+    """π_old (and the reference's log-probs) as the iteration scores them: eval mode, no grad."""
+    with inference(module.policy):
+        score_samples(samples, module.policy, module.ref_policy, module.algorithm)
 
 
 def _fit(module: EMPO2Module, batches: list[MicroBatch]) -> None:
@@ -283,9 +293,7 @@ def test_a_mini_batch_without_samples_leaves_the_policy_alone(tiny_model_dir, mo
     adamw = partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     reference = _module(tiny_model_dir, model_cache_dir, adamw)
     samples = _samples(reference)
-    dm = RolloutDataModule(env={"_target_": "unused"}, algorithm={}, micro_batch_size=4)
-    dm._eos_token_id = lambda: reference.policy.tokenizer.eos_token_id  # no Trainer attached to this datamodule
-    empty = list(dm.micro_batches([], {"iteration": 1, "mode": "on_policy", "rollout_global_step": 1}, {}, 1))
+    empty = _micro_batches([], 4, iteration=1, eos=reference.policy.tokenizer.eos_token_id)
     assert [(b.loss_scale, b.has_data) for b in empty] == [(0.0, False)]
     trained = {}
     for name, extra in (("one step", []), ("then an empty mini-batch", empty)):
@@ -436,9 +444,8 @@ def test_the_first_ratio_is_exactly_one_despite_dropout_settings(tiny_model_dir,
             if "lora_B" in name:
                 p.normal_(std=0.5)
     samples = _samples(module)
-    with module.rollout_context():  # as the datamodule scores π_old: eval mode, no grad
-        module.score_samples([samples])
-    module.policy.train()  # the mode rollout_context restores, in which the update runs
+    _score(module, samples)
+    module.policy.train()  # the mode inference() restores, in which the update runs
     logger = _fit_logged(module, _micro_batches(samples, 4))
     assert logger.series("train/ratio_max") == [1.0]
     assert logger.series("train/ratio_mean") == [1.0]
@@ -496,15 +503,13 @@ def test_a_lora_adapter_passed_as_the_policy_is_trained_and_is_the_reference(sft
     assert counts.total == count_parameters(sft_adapter["base_dir"]).total
     assert counts.adapters == (sum(p.numel() for p in module.policy.parameters() if p.requires_grad) if lora else 0)
     samples = _samples(module)
-    with module.rollout_context():
-        module.score_samples([samples])
+    _score(module, samples)
     ref = _pad_rows([s.ref_log_probs for s in samples], sft.shape[1])
     torch.testing.assert_close(ref, sft, atol=1e-5, rtol=0,
                                msg=lambda m: f"the reference is not the adapted model:\n{m}")
     _fit(module, _micro_batches(samples, 4))
     assert (log_probs(module.policy.eval()) - sft).abs().max() > 1e-4  # the policy trained ...
-    with module.rollout_context():
-        module.score_samples([samples])
+    _score(module, samples)
     torch.testing.assert_close(_pad_rows([s.ref_log_probs for s in samples], sft.shape[1]), ref, atol=0, rtol=0)
 
 

@@ -10,13 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from src.data.minibatches import mini_batch_count
+from src.data.iteration import (Collaborators, IterationSettings, SignalGuard, draw_mode, group_advantages,
+                                make_samples, run_iteration)
+from src.data.minibatches import mini_batch_count, micro_batches
 from src.data.prompts import AUTHORS_TIPS_HEADER, TIPS_HEADER
 from src.data.rollout import Episode, StepRecord, episode_metrics, run_episodes
 from src.data.rollout_config import RolloutConfig
-from src.data.rollout_datamodule import RolloutDataModule, draw_mode
+from src.data.rollout_datamodule import RolloutDataModule
 from src.data.samples import StepSample
 from src.envs.pool import EnvPool
+from src.models.algorithm_config import AlgorithmConfig
+from src.models.old_log_probs import score_samples
 from src.models.policy import Generation, Policy, pack_batch
 from src.utils.rng import global_rng_state
 
@@ -72,6 +76,21 @@ def _datamodule(mode_algorithm: dict) -> RolloutDataModule:
                              micro_batch_size=3)
 
 
+def _make_samples(episodes: list[Episode], mode: str = "on_policy", **algorithm) -> tuple[list[StepSample], dict]:
+    """The iteration's steps 4-5 (``group_advantages`` then ``make_samples``) and its ``adv/*`` metrics."""
+    algo = AlgorithmConfig.from_dict(algorithm)
+    advantages, metrics = group_advantages(episodes, algo, rank=0)
+    samples, counts = make_samples(episodes, advantages, mode, algo)
+    return samples, {f"adv/{k}": v for k, v in {**metrics, **counts}.items()}
+
+
+def _micro_batches(samples: list[StepSample], micro_batch_size: int = 3, **sizes) -> list:
+    """The iteration's step 7 (``micro_batches``) at iteration 0, seed 0."""
+    info = {"iteration": 0, "mode": "on_policy", "rollout_global_step": 0}
+    return list(micro_batches(samples, info, {}, seed=0, iteration=0, ppo_epochs=sizes.pop("ppo_epochs", 1),
+                              micro_batch_size=micro_batch_size, padding=lambda: StepSample.padding(0), **sizes))
+
+
 @pytest.fixture(scope="module")
 def recorded(pool, module):
     """Two episodes of 3 steps with the real policy, and every generation the policy returned."""
@@ -97,9 +116,9 @@ def test_steps_hold_exactly_what_was_generated(recorded):
 
 
 def test_recomputed_old_log_probs_are_the_rollout_log_probs(recorded, module):
-    samples, _ = _datamodule({"norm_adv_by_std": True}).make_samples(recorded[1], "on_policy")
+    samples, _ = _make_samples(recorded[1], norm_adv_by_std=True)
     assert len(samples) == 6
-    module.score_samples(RolloutDataModule.scoring_chunks(samples, module.policy, chunk_size=4))
+    score_samples(samples, module.policy, None, module.algorithm, chunk_size=4)
     for s in samples:
         assert s.old_prompt_ids == s.update_prompt_ids  # on-policy: one prompt
         assert s.old_log_probs.shape == (len(s.response_ids),)
@@ -107,17 +126,15 @@ def test_recomputed_old_log_probs_are_the_rollout_log_probs(recorded, module):
         torch.testing.assert_close(s.old_log_probs, torch.tensor(s.rollout_log_probs), atol=1e-4, rtol=1e-4)
 
 
-def test_without_recomputation_old_log_probs_are_the_rollout_log_probs(recorded, module, monkeypatch):
-    samples, _ = _datamodule({"norm_adv_by_std": True}).make_samples(recorded[1], "on_policy")
-    monkeypatch.setattr(module, "algorithm", dataclasses.replace(module.algorithm, recompute_old_log_probs=False))
-    module.score_samples(RolloutDataModule.scoring_chunks(samples, module.policy))
+def test_without_recomputation_old_log_probs_are_the_rollout_log_probs(recorded, module):
+    samples, _ = _make_samples(recorded[1], norm_adv_by_std=True)
+    score_samples(samples, module.policy, None, dataclasses.replace(module.algorithm, recompute_old_log_probs=False))
     assert all(s.old_log_probs.tolist() == pytest.approx(s.rollout_log_probs) for s in samples)
 
 
 def test_micro_batch_response_masks_mark_each_response(recorded):
-    dm = _datamodule({"norm_adv_by_std": True})
-    samples, _ = dm.make_samples(recorded[1], "on_policy")
-    micro = list(dm.micro_batches(samples, {"iteration": 0, "mode": "on_policy", "rollout_global_step": 0}, {}, 0))
+    samples, _ = _make_samples(recorded[1], norm_adv_by_std=True)
+    micro = _micro_batches(samples)
     assert [len(m.samples) for m in micro] == [3, 3]
     assert [m.last_micro for m in micro] == [False, True]
     total = sum(len(s.response_ids) for s in samples)
@@ -133,8 +150,7 @@ def test_micro_batches_group_similar_lengths():
     samples = [StepSample(rollout_prompt_ids=[1] * n, update_prompt_ids=[1] * n, old_prompt_ids=[1] * n,
                           response_ids=[2, 3], rollout_log_probs=[-1.0, -1.0], advantage=float(k))
                for k, n in enumerate(lengths)]
-    dm = RolloutDataModule(env=ENV_CFG, algorithm={}, micro_batch_size=3, num_mini_batches=2)
-    micro = list(dm.micro_batches(samples, {"iteration": 0, "mode": "on_policy", "rollout_global_step": 0}, {}, 0))
+    micro = _micro_batches(samples, micro_batch_size=3, num_mini_batches=2)
     for mb in (0, 1):
         parts = [[len(s.update_prompt_ids) for s in m.samples] for m in micro if m.mini_batch == mb]
         flat = [n for part in parts for n in part]
@@ -161,8 +177,7 @@ def test_mini_batch_rows_set_the_optimizer_steps_by_the_rollouts_rows():
     samples = [StepSample(rollout_prompt_ids=[1, k], update_prompt_ids=[1, k], old_prompt_ids=[1, k],
                           response_ids=[2] * (1 + k % 3), rollout_log_probs=[-1.0] * (1 + k % 3), advantage=float(k),
                           key=(k, 0)) for k in range(10)]
-    dm = RolloutDataModule(env=ENV_CFG, algorithm={}, micro_batch_size=2, mini_batch_rows=4, ppo_epochs=2)
-    micro = list(dm.micro_batches(samples, {"iteration": 0, "mode": "on_policy", "rollout_global_step": 0}, {}, 0))
+    micro = _micro_batches(samples, micro_batch_size=2, mini_batch_rows=4, ppo_epochs=2)
     for epoch in (0, 1):
         rows = {mb: [s for m in micro if (m.ppo_epoch, m.mini_batch) == (epoch, mb) for s in m.samples]
                 for mb in range(3)}
@@ -184,10 +199,14 @@ def test_the_iteration_count_is_kept_with_the_checkpoint():
     state = {"rng": [global_rng_state()], "no_signal_iterations": 0, "iteration": 7}
     fresh = RolloutDataModule(env=ENV_CFG, algorithm={}, mini_batch_rows=4)
     fresh.load_state_dict(state)
-    assert fresh.iteration == 7 and fresh.steps_per_iteration is None
+    assert fresh.iteration == 7 and fresh._next_iteration(global_step=100) == 7
     old = RolloutDataModule(env=ENV_CFG, algorithm={}, num_mini_batches=2)
     old.load_state_dict({k: v for k, v in state.items() if k != "iteration"})
-    assert old.iteration is None and old.steps_per_iteration == 2
+    assert old.iteration is None and old._next_iteration(global_step=5) == 2  # 2 optimizer steps per iteration
+    rows = RolloutDataModule(env=ENV_CFG, algorithm={}, mini_batch_rows=4)
+    rows.load_state_dict({k: v for k, v in state.items() if k != "iteration"})
+    with pytest.raises(ValueError, match="resume it with data.num_mini_batches"):
+        rows._next_iteration(global_step=5)
 
 
 def test_off_policy_update_prompt_has_no_tips(pool, tiny_policy, memory):
@@ -205,12 +224,10 @@ def test_off_policy_update_prompt_has_no_tips(pool, tiny_policy, memory):
     for step in episodes[0].steps:
         update_text = decode(step.update_prompt_ids)
         assert "TIP-MARKER" not in update_text and TIPS_HEADER not in update_text and "<memory>" not in update_text
-    dm = _datamodule({"off_policy_old_log_prob": "with_tips"})
-    samples, _ = dm.make_samples(episodes, "off_policy")
+    samples, _ = _make_samples(episodes, "off_policy", off_policy_old_log_prob="with_tips")
     assert samples[0].old_prompt_ids == first.rollout_prompt_ids  # π_old(a|s, tips): true importance ratio
     assert samples[0].update_prompt_ids == first.update_prompt_ids
-    dm = _datamodule({"off_policy_old_log_prob": "without_tips"})
-    samples, _ = dm.make_samples(episodes, "off_policy")
+    samples, _ = _make_samples(episodes, "off_policy", off_policy_old_log_prob="without_tips")
     assert samples[0].old_prompt_ids == first.update_prompt_ids
 
 
@@ -225,8 +242,7 @@ def test_the_paper_configs_show_tips_under_the_authors_header(tiny_policy):
                                ("scienceworld", TIPS_HEADER), ("webshop", TIPS_HEADER)):
         with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
             data = compose("train", overrides=[f"experiment={experiment}"]).data
-        dm = RolloutDataModule(env=ENV_CFG, algorithm={}, tips_header=data.tips_header)
-        cfg = dm.rollout_config(use_tips=True, strip_tips_for_update=True)
+        cfg = RolloutConfig.from_data(data, use_tips=True, strip_tips_for_update=True)
         prompt = step_prompt(tiny_policy, cfg, "System.", "Find a chair.", [], "You see a chair.", None, 0, 5,
                              ["TIP-MARKER: focus on the chair."])
         text, update = (tiny_policy.tokenizer.decode(ids) for ids in (prompt.rollout_ids, prompt.update_ids))
@@ -240,9 +256,8 @@ def test_failed_episode_is_excluded_from_its_group():
         step = StepRecord("o", [1], [1], [2], [-1.0], "a", "a", reward=score)
         return Episode(task=TASK, group=0, steps=[step], score=score, failed=failed)
 
-    dm = _datamodule({"norm_adv_by_std": True})
     episodes = [ep(1.0), ep(3.0), ep(0.0, failed=True)]
-    samples, metrics = dm.make_samples(episodes, "on_policy")
+    samples, metrics = _make_samples(episodes, norm_adv_by_std=True)
     assert len(samples) == 2  # the failed episode contributes no sample
     assert episode_metrics(episodes)["failed_episodes"] == 1  # the one count of failed episodes
     assert not any("failed" in k for k in metrics)
@@ -335,7 +350,7 @@ def test_intrinsic_reward_enters_the_discounted_return():
     # 1.5 + 0.5 · 0.25 + 0.25 · 2 = 2.125;  1 + 0 + 0.25 · 2 = 1.5
     assert with_bonus.discounted_return(0.5) == 2.125 and without.discounted_return(0.5) == 1.5
     assert with_bonus.discounted_return(0.5, bonus=False) == 1.5  # the environment's part, discounted the same way
-    samples, _ = _datamodule({"norm_adv_by_std": False, "gamma": 0.5}).make_samples([with_bonus, without], "on_policy")
+    samples, _ = _make_samples([with_bonus, without], norm_adv_by_std=False, gamma=0.5)
     assert [s.advantage for s in samples] == [0.3125] * 3 + [-0.3125] * 3  # R - mean(R), mean 1.8125
     m = episode_metrics([with_bonus, without])
     assert (m["intrinsic_return"], m["extrinsic_return"], m["return"]) == (0.375, 3.0, 3.375)
@@ -353,7 +368,7 @@ def test_nan_reward_fails_the_episode_and_is_counted_once(tiny_policy):
     assert "non-finite reward nan at step 2" in episodes[1].error
     m = episode_metrics(episodes)
     assert m["failed_episodes"] == 1 and m["return"] == 3.0 and m["episodes"] == 3
-    samples, adv = _datamodule({}).make_samples(episodes, "on_policy")
+    samples, adv = _make_samples(episodes)
     assert len(samples) == 6 and adv["adv/steps"] == 6 and not any("failed" in k for k in adv)
 
 
@@ -391,27 +406,20 @@ def test_history_shows_the_raw_output_or_the_executed_action(corrected_pool, tin
     assert f"[Step 1] Action: {shown}\n" in prompt and f"[Step 1] Action: {hidden}\n" not in prompt
 
 
-class _Trainer:
-    """What the datamodule reads from the Trainer."""
-
-    def __init__(self, module):
-        self.lightning_module, self.global_step = module, 0
-
-
 @pytest.mark.parametrize("old_log_prob", ["with_tips", "without_tips"])
 def test_off_policy_iteration_old_log_probs_end_to_end(pool, module, memory, old_log_prob, monkeypatch):
-    """One off_policy iteration through the datamodule (real env, memory and policy, recomputed old log-probs):
-    π_old is evaluated under the rollout prompt with its tips, or under the tip-free update prompt."""
+    """One off_policy iteration (``run_iteration``: real env, memory and policy, recomputed old log-probs): π_old is
+    evaluated under the rollout prompt with its tips, or under the tip-free update prompt."""
     monkeypatch.setattr(memory, "tip_max_tokens", 4)  # the reflections are not under test
     obs, info = pool.reset([(0, TASK)])[0]
     key = memory.embed([memory.state_text(info["instruction"], obs)])
     memory.tips.add(memory.partition_key(TASK), key, ["TIP-OLD-LOG-PROB: focus on a chair."], [100.0], [0])
-    algorithm = {"memory_rollout_prob": 1.0, "off_policy_prob": 1.0, "off_policy_old_log_prob": old_log_prob}
-    dm = RolloutDataModule(env=ENV_CFG, algorithm=algorithm, tasks_per_iteration=1, group_size=2,
-                           micro_batch_size=4, max_response_tokens=6, history_length=2)
-    memory.attach(dm)
-    dm.pool, dm.train_tasks, dm.trainer = pool, [TASK], _Trainer(module)
-    batches = list(dm._iterate())
+    algorithm = AlgorithmConfig.from_dict({"memory_rollout_prob": 1.0, "off_policy_prob": 1.0,
+                                           "off_policy_old_log_prob": old_log_prob})
+    settings = IterationSettings(algorithm=algorithm, rollout=RolloutConfig(max_response_tokens=6, history_length=2),
+                                 tasks_per_iteration=1, group_size=2)
+    parts = Collaborators(policy=module.policy, pool=pool, tasks=[TASK], memory=memory)
+    batches = list(run_iteration(settings, parts, 0, 0, SignalGuard(algorithm)))
     assert {b.mode for b in batches} == {"off_policy"}
     samples = [s for b in batches for s in b.samples]
     assert len(samples) == sum(len(s.response_ids) > 0 for s in samples) > 0
@@ -463,7 +471,7 @@ def test_datamodule_checkpoint_state_restores_the_global_generators():
     import random
 
     dm = _datamodule({})
-    dm.no_signal_iterations = 2
+    dm.guard.no_signal_iterations = 2
     buf = io.BytesIO()
     torch.save(dm.state_dict(), buf)
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
@@ -471,7 +479,7 @@ def test_datamodule_checkpoint_state_restores_the_global_generators():
     fresh = _datamodule({})
     fresh.load_state_dict(torch.load(buf, weights_only=True))
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
-    assert fresh.no_signal_iterations == 2
+    assert fresh.guard.no_signal_iterations == 2
 
 
 def test_write_tips_stores_each_step_under_its_state_key(pool, tiny_policy, memory, monkeypatch):

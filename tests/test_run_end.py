@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = ["experiment=scienceworld", "debug=default", "logger=mlflow", "trainer.precision=32-true",
        "env._target_=stub_envs.StubEnv", "+env.reward_per_char=0.01", "env.max_steps=2", "data.val=null",
        "data.num_mini_batches=1",
-       "trainer.check_val_every_n_epoch=null", "algorithm=grpo", "memory=none", "~callbacks.rich_progress_bar",
+       "trainer.check_val_every_n_epoch=null", "algorithm=grpo", "~callbacks.rich_progress_bar",
        "trainer.enable_progress_bar=false", "log_checkpoint_artifact=false"]
 
 

@@ -152,7 +152,8 @@ BAD_SETTINGS = [
      r"algorithm.use_memory=true with algorithm=grpo: the GRPO baseline has no memory.*contaminated baseline"),
     (["algorithm=grpo", "algorithm.memory_rollout_prob=0.25"],
      r"algorithm.memory_rollout_prob=0.25 \(algorithm=grpo\) draws memory rollouts, but algorithm.use_memory=false"),
-    (["memory=none"], r"algorithm.memory_rollout_prob=0.25 \(algorithm=empo2\) draws memory rollouts, but memory=none"),
+    (["algorithm.use_memory=false"],
+     r"algorithm.memory_rollout_prob=0.25 \(algorithm=empo2\) draws memory rollouts, but algorithm.use_memory=false"),
     (["trainer.max_epochs=0"], r"trainer.max_epochs=0: the number of training iterations.*expected an int >= 1"),
     (["+trainer.max_epoch=3"], r"trainer.max_epoch: not an argument of Lightning's Trainer; did you mean "
                                r"trainer.max_epochs\?"),

@@ -291,7 +291,7 @@ def test_auto_precision_is_tagged_and_only_the_last_checkpoint_is_kept(tmp_path,
     from src.utils.logging import machine_description
 
     monkeypatch.setenv(precision_choice.ENV_VAR, "")  # probe here (restored afterwards)
-    cfg = _cfg(tmp_path, "algorithm=grpo", "memory=none", "trainer.max_epochs=2", "trainer.precision=auto",
+    cfg = _cfg(tmp_path, "algorithm=grpo", "trainer.max_epochs=2", "trainer.precision=auto",
                "trainer.check_val_every_n_epoch=2", "log_checkpoint_artifact=false")
     objs = train(cfg)
     chosen = os.environ[precision_choice.ENV_VAR].split("|")[1]
@@ -309,7 +309,7 @@ def test_checkpoints_follow_every_n_epochs_and_always_hold_the_last_iteration(tm
     (global step 2), and the run ends with the final iteration saved (global step 3), one file on disk."""
     from stub_envs import STUB_CFG
 
-    cfg = _cfg(tmp_path, "algorithm=grpo", "memory=none", "logger=csv", "data.val=null", "trainer.max_epochs=3",
+    cfg = _cfg(tmp_path, "algorithm=grpo", "logger=csv", "data.val=null", "trainer.max_epochs=3",
                "callbacks.model_checkpoint.every_n_epochs=2", "+callbacks.probe._target_=probes.LastCheckpointProbe")
     cfg.env = OmegaConf.create({**STUB_CFG, "reward_per_char": 0.01, "max_steps": 2})
     objs = train(cfg)
@@ -321,8 +321,8 @@ def test_checkpoints_follow_every_n_epochs_and_always_hold_the_last_iteration(tm
 
 
 def test_memory_mode_without_memory_is_refused(tmp_path):
-    cfg = _cfg(tmp_path, "memory=none", "trainer.max_epochs=1", "logger=csv")
-    with pytest.raises(ValueError, match="draws memory rollouts, but memory=none builds no memory"):
+    cfg = _cfg(tmp_path, "algorithm.use_memory=false", "trainer.max_epochs=1", "logger=csv")
+    with pytest.raises(ValueError, match="draws memory rollouts, but algorithm.use_memory=false builds no memory"):
         train(cfg)
 
 

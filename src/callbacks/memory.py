@@ -1,11 +1,12 @@
 """The EMPO² memory as a Lightning callback (docs/method.md#memory, docs/method.md#count-based-novelty-bonus).
 
-The callback owns the tip memory (FAISS, per partition), the novelty state memory and the embedder. The
-rollout runner calls it to embed states and retrieve tips; after each training rollout the datamodule calls
-``add_novelty_bonus`` (the count-based bonus of every state reached) and ``write_tips`` so the *current policy*
-reflects on every finished episode (one batched generation) and one entry per step is stored. Lightning saves its
-``state_dict`` inside every checkpoint and restores it on resume; evaluation reads it from the checkpoint too (the
-memory's one persistence path).
+The callback owns the tip memory (FAISS, per partition), the novelty state memory and the embedder. It is entered two
+ways. The iteration (``src/data/iteration.py``) and the rollout runner it calls make the rollout-facing calls with
+explicit arguments: embed states and retrieve tips while the episodes play, then ``write_tips`` (the *current
+policy*, handed in, reflects on every finished episode in one batched generation; one entry per step is stored) and
+``add_novelty_bonus`` (the count-based bonus of every state reached). Lightning calls its hooks: ``state_dict`` /
+``load_state_dict`` (every checkpoint holds the memory, and evaluation reads it from there: the memory's one
+persistence path) and, as an iteration's update starts, the logging of its tip tables. It keeps no Trainer.
 
 Under DDP/FSDP there is one memory, held whole by every rank: the tips and the novelty visits of all ranks'
 episodes are added on every rank in the same order, so every rank holds the same tips and novelty counts, and
@@ -135,22 +136,31 @@ class MemoryCallback(L.Callback):
                                      coef=float(novelty.get("coef", 1.0)), count=novelty.get("count", "visits"))
         self._warned_action_tips = False
         self.last_reflections: list[dict[str, Any]] = []
-        self._trainer: L.Trainer | None = None  # set in setup(): training logs each iteration's tip tables
+        self._record_tables = False  # set in setup(): a fit logs each iteration's tip tables
         self._retrieved: list[dict[str, Any]] = []  # this rank's rows of the retrieved-tips table (training only)
+        self._written: list[dict[str, Any]] = []  # all ranks' rows of the written-tips table (training only)
         self.bare_command = None  # the environment's bare-command pattern (is_action_reply), set by use_environment
         self._reset_counters()
 
     # ------------------------------------------------------------------ Lightning
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Keep the Trainer of a fit: each training iteration's tip tables go to its run directory and loggers."""
-        if stage == "fit":
-            self._trainer = trainer
+        """A fit records each iteration's tip tables (``on_train_batch_start`` logs them)."""
+        self._record_tables = stage == "fit"
 
-    def attach(self, datamodule) -> None:
-        """Make ``datamodule`` (a ``RolloutDataModule``) roll out with this memory: tips, novelty, tip writing
-        (``src/train.py`` wires them where it builds them)."""
-        datamodule.memory = self
-        self.use_environment(datamodule.env_cfg)
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        """On an iteration's first micro-batch (the one carrying its rollout metrics: the rollout and the tips are
+        done), log the iteration's tip tables (``log_tip_tables``: the entries written and the tips retrieved, every
+        rank's rows; a collective under DDP/FSDP) and the seconds it took as ``rollout/tip_tables_s``."""
+        if not getattr(batch, "metrics", None) or not self._record_tables:
+            return
+        tic = time.perf_counter()
+        retrieved, self._retrieved = gather_lists(self._retrieved), []
+        tables = {name: [{"iteration": batch.iteration, "mode": batch.mode, **row} for row in rows]
+                  for name, rows in (("written", self._written), ("retrieved", retrieved))}
+        self._written = []
+        log_tip_tables(trainer, batch.iteration, tables)
+        for logger in trainer.loggers if trainer.is_global_zero else []:
+            logger.log_metrics({"rollout/tip_tables_s": time.perf_counter() - tic}, step=batch.iteration)
 
     def use_environment(self, env_cfg: dict[str, Any]) -> None:
         """Read the environment's facts the memory needs: what a bare command looks like (``tip_action_frac``)."""
@@ -182,7 +192,7 @@ class MemoryCallback(L.Callback):
         self.counters["queries"] += len(hits)
         self.counters["hits"] += sum(1 for h in hits if h)
         self.counters["tips_shown"] += sum(len(h) for h in hits)
-        if where is not None and self._trainer is not None:
+        if where is not None and self._record_tables:
             for task, partition, (episode, step), hit in zip(tasks, partitions, where, hits):
                 self._retrieved += [{"partition": partition, "task": task_text(task), "episode": int(episode),
                                      "step": int(step), "rank": rank, "similarity": round(cos, 4), "tip_score": e.score,
@@ -217,7 +227,7 @@ class MemoryCallback(L.Callback):
 
     # ------------------------------------------------------------------ tip writing
     def write_tips(self, episodes, policy, system_prompt: str, sample_seed: int | None = None,
-                   iteration: int | None = None, mode: str | None = None) -> dict[str, float]:
+                   iteration: int | None = None) -> dict[str, float]:
         """Ask the policy for one reflection per finished episode (one batched call) and store one entry per step.
 
         Entry content: ``<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>.``,
@@ -227,8 +237,8 @@ class MemoryCallback(L.Callback):
         only (e.g. the imitation warm start) answers the reflection prompt with an action, and such tips carry no
         advice; above one half it is warned about once. The kept rollout keys/values (``Episode.reflection_prefix``)
         are released. With ``sample_seed`` each reflection draws from its episode's own stream (``row_seeds``).
-        ``iteration`` is stored with every entry; in training (``iteration`` and ``mode`` given, after ``setup``) the
-        iteration's tip tables are logged (``log_tip_tables``: the entries written and the tips retrieved).
+        ``iteration`` is stored with every entry; in a fit the rows of the entries written are kept for the
+        iteration's tip tables (``on_train_batch_start``).
 
         Under DDP/FSDP a collective: every rank adds every rank's entries (in rank order), and the numbers returned
         are over all ranks' reflections (counts summed, durations the slowest rank's).
@@ -276,25 +286,15 @@ class MemoryCallback(L.Callback):
             written += len(stored)
             table += [rows[i] for i in stored]  # a repeated line (same tip, action and score) is stored once
         self.counters["tips_written"] += written
-        tables_s = self._log_tables(iteration, mode, table) if iteration is not None and mode is not None else 0.0
+        if self._record_tables:
+            self._written += table
         local = {**timers, "tip_write_s": time.perf_counter() - tic,
                  "tip_tokens": float(sum(len(r) for r in gen.response_ids)),
                  "tip_prompt_tokens": float(sum(len(p) for p in prompts)),
                  "tip_prompt_cached_tokens": float(sum(p.length for p in prefixes if p is not None)),
                  "tip_prompts_continued": float(sum(p is not None for p in prefixes)),
-                 "tip_observations_shortened": float(shortened), "tip_tables_s": tables_s}
+                 "tip_observations_shortened": float(shortened)}
         return {"tips_written": float(written), **combine_over_ranks(local), **action_frac}
-
-    def _log_tables(self, iteration: int, mode: str, written: list[dict[str, Any]]) -> float:
-        """Log the iteration's tip tables (every rank's rows; a collective under DDP/FSDP); returns the seconds."""
-        if self._trainer is None:
-            return 0.0
-        tic = time.perf_counter()
-        retrieved, self._retrieved = gather_lists(self._retrieved), []
-        tables = {name: [{"iteration": iteration, "mode": mode, **row} for row in rows]
-                  for name, rows in (("written", written), ("retrieved", retrieved))}
-        log_tip_tables(self._trainer, iteration, tables)
-        return time.perf_counter() - tic
 
     def _check_reflections(self, texts: list[str]) -> dict[str, float]:
         """``{"tip_action_frac": share of all ranks' replies that are actions (an <action> tag or one bare

@@ -1,7 +1,7 @@
-"""An iteration's samples as the update consumes them (docs/method.md#one-iteration, step 5): ``ppo_epochs`` passes,
+"""An iteration's samples as the update consumes them (docs/method.md#one-iteration, step 7): ``ppo_epochs`` passes,
 each split into mini-batches (one optimizer step each: ``num_mini_batches`` of them, or as many as it takes to hold
 the iteration's rows ``mini_batch_rows`` at a time), each cut into micro-batches of at most ``micro_batch_size``
-samples (one forward/backward each); and the chunks the old/reference log-probs are scored in.
+samples (one forward/backward each).
 
 Padding and rank alignment happen here and only here: every rank yields the same number of micro-batches (a rank
 with fewer samples gets zero-weight padding micro-batches), because DDP/FSDP need the same number of backward
@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from src.data.samples import MicroBatch, StepSample
+from src.data.samples import MicroBatch, StepSample, prompt_order
 from src.models.core_algos import loss_denominators
 from src.utils.distributed import all_reduce, gather_lists, rank_and_world
 from src.utils.rng import PERMUTATION
@@ -100,22 +100,3 @@ def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict
                     last_micro=k == len(chunks) - 1, metrics=metrics if first else {},
                     num_samples=len(samples), has_data=g_seqs > 0)
                 first = False
-
-
-def prompt_order(sample: StepSample) -> tuple[list[int], int]:
-    """Sort key that puts samples with long common prompt prefixes next to each other (the update prompt's ids in
-    lexicographic order; the sample's key breaks ties, so the order never depends on the input order)."""
-    return sample.update_prompt_ids, sample.key if sample.key is not None else ()
-
-
-def scoring_chunks(samples: list[StepSample], policy, chunk_size: int = 8) -> list[list[StepSample]]:
-    """The chunks ``EMPO2Module.score_samples`` runs one forward pass each on, in prompt order (``prompt_order``:
-    a chunk's common prompt prefix is computed once). Under FSDP (``policy.synced``) every rank gets the same number
-    of chunks: a rank with fewer samples scores a throw-away padding sample to join the other ranks' forward
-    passes."""
-    samples = sorted(samples, key=prompt_order)
-    n_chunks = math.ceil(len(samples) / chunk_size)
-    if policy.synced:  # sharded weights: every rank runs the same number of forward passes
-        n_chunks = int(all_reduce([float(n_chunks)], op="max")[0])
-    return [samples[k * chunk_size:(k + 1) * chunk_size] or [StepSample.padding(policy.tokenizer.eos_token_id)]
-            for k in range(n_chunks)]

@@ -9,13 +9,15 @@ keys of the states each step reached (``StepRecord.reached_key``).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 import numpy as np
+import torch
 
 from src.data.prompts import HistoryItem
 from src.data.rollout_config import RolloutConfig
@@ -325,17 +327,32 @@ def play_groups(pool, policy, tasks: list[dict], episodes_per_task: int, cfg: Ro
     return run_episodes(pool, policy, episode_tasks, groups, cfg, memory, max_steps, episode_ids=episode_ids)
 
 
-def evaluate(pool, module, tasks: list[dict], episodes_per_task: int, cfg: RolloutConfig,
-             max_steps: int | None, memory=None, return_episodes: bool = False):
-    """Run ``episodes_per_task`` episodes on each task (this rank's shard) with ``cfg`` (its temperature, tips).
+@contextlib.contextmanager
+def inference(policy: Policy, precision: Callable[[], ContextManager] | None = None):
+    """How a policy plays and scores outside the update: eval mode, no autograd, and ``precision`` (the Trainer's
+    forward context, autocast under ``bf16-mixed``: handed over where the objects are built); the mode is restored."""
+    was_training = policy.training
+    policy.eval()
+    try:
+        with torch.no_grad(), (precision or contextlib.nullcontext)():
+            yield
+    finally:
+        policy.train(was_training)
+
+
+def evaluate(pool, policy: Policy, tasks: list[dict], episodes_per_task: int, cfg: RolloutConfig,
+             max_steps: int | None, memory=None, return_episodes: bool = False,
+             precision: Callable[[], ContextManager] | None = None):
+    """Run ``episodes_per_task`` episodes on each task (this rank's shard) with ``cfg`` (its temperature, tips), under
+    ``inference(policy, precision)``.
 
     Without ``memory`` and ``cfg.use_tips``: the paper's protocol (docs/evaluation.md#evaluating-a-policy). Returns
     episode metrics (``score``, ``success_rate``, ...) and the rollout time; with ``return_episodes`` the pair
     ``(metrics, episodes)``, episodes task-major (all episodes of task 0 first), for per-episode statistics
     (``src/evaluation/``).
     """
-    with module.rollout_context():
-        episodes, timing = play_groups(pool, module.policy, tasks, episodes_per_task, cfg, memory, max_steps)
+    with inference(policy, precision):
+        episodes, timing = play_groups(pool, policy, tasks, episodes_per_task, cfg, memory, max_steps)
     # every rank summarises all ranks' episodes, so the numbers (and the logged keys) agree everywhere
     metrics = episode_metrics(gather_lists([e.summary() for e in episodes]))
     metrics["rollout_s"] = all_reduce([timing["rollout_s"]], op="max")[0]

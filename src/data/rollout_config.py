@@ -2,7 +2,8 @@
 (``src/data/step_prompt.py``) both read, kept apart so that neither of them imports the other."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
 
 from src.data.prompts import TIPS_HEADER
 
@@ -39,4 +40,19 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         if self.history_action not in HISTORY_ACTIONS:
-            raise ValueError(f"history_action must be one of {HISTORY_ACTIONS}, got {self.history_action!r}")
+            raise ValueError(f"data.history_action={self.history_action!r}: expected one of {HISTORY_ACTIONS}")
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any], **overrides: Any) -> RolloutConfig:
+        """The rollout settings of the ``data`` group (``configs/data/rollout.yaml``: temperature, token and history
+        limits, ``tips_header`` with null for ``TIPS_HEADER``), other keys ignored, then ``overrides``: how training,
+        validation, evaluation and the warm start all render and sample a step.
+
+        Raises:
+            ValueError: an unknown ``history_action``.
+        """
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in dict(data).items() if k in known}
+        if values.get("tips_header") is None:
+            values.pop("tips_header", None)
+        return cls(**{**values, **overrides})

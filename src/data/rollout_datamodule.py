@@ -1,74 +1,42 @@
 """Fresh rollouts as a Lightning data stream: one epoch = one training iteration (docs/method.md#one-iteration).
 
-Each epoch the iterable dataset draws the iteration's update mode and tasks, runs groups of episodes with the *current*
-policy through the environment worker pool, writes tips, computes returns, GRPO advantages and old log-probs, and then
-yields the iteration's micro-batches: ``ppo_epochs`` passes, each split into mini-batches (one optimizer step each:
-``num_mini_batches`` of them, or one per ``mini_batch_rows`` rows, ``src/data/minibatches.py``), each split into
-micro-batches of at most ``micro_batch_size`` samples (one forward/backward each).
+Each epoch the stream runs one iteration (``run_iteration``, ``src/data/iteration.py``: draws, episodes with the
+*current* policy, tips, advantages, old log-probs) and yields its micro-batches: ``ppo_epochs`` passes, each split into
+mini-batches (one optimizer step each: ``num_mini_batches`` of them, or one per ``mini_batch_rows`` rows,
+``src/data/minibatches.py``), each split into micro-batches of at most ``micro_batch_size`` samples (one
+forward/backward each). Validation is one batch holding a no-memory evaluation's metrics and episodes.
 
 Why epoch = iteration: Lightning re-creates the iterator at the start of every epoch, after the previous
 epoch's last optimizer step, so every rollout is generated with the latest weights (Lightning prefetches one
 batch ahead *within* an epoch, where all batches already exist). ``tests/test_training.py`` checks it: each
 batch carries the ``global_step`` at which its rollout was generated. Checkpoints and validation fall on
 iteration boundaries, and resuming continues at the next iteration.
+
+The stream reaches nothing through the Trainer: what it plays with (the policy, the KL reference, the memory, the
+precision context and the global step) is handed to it by ``attach`` where the objects are built (``src/train.py``).
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
-from typing import Any, Iterator
+from dataclasses import replace
+from typing import Any, Callable, ContextManager, Iterator
 
 import lightning as L
-import numpy as np
-import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, IterableDataset
 
-from src.data.minibatches import mini_batch_count, micro_batches, scoring_chunks
-from src.data.prompts import TIPS_HEADER
-from src.data.rollout import Episode, episode_metrics, evaluate, log_episodes, play_groups
+from src.data.iteration import Collaborators, IterationSettings, SignalGuard, run_iteration
+from src.data.rollout import evaluate, log_episodes
 from src.data.rollout_config import RolloutConfig
-from src.data.samples import MicroBatch, StepSample
+from src.data.samples import MicroBatch
 from src.envs.pool import EnvPool
-from src.evaluation.episode_table import episode_rows, log_validation_episodes
+from src.evaluation.episode_table import episode_rows
 from src.models.algorithm_config import AlgorithmConfig
-from src.models.advantages import compute_grpo_advantages
-from src.utils.distributed import combine_over_ranks, gather_lists, gather_objects, rank_and_world
-from src.utils.rng import (MODE, REFLECTION, SAMPLING, TASKS, VALIDATION, global_rng_state, seed_torch,
-                           set_global_rng_state, stream_seed)
-from src.utils.timing import timed
+from src.utils.distributed import gather_lists, gather_objects, rank_and_world
+from src.utils.rng import VALIDATION, global_rng_state, seed_torch, set_global_rng_state, stream_seed
 
 log = logging.getLogger(__name__)
-
-
-def draw_mode(seed: int, iteration: int, memory_rollout_prob: float, off_policy_prob: float) -> str:
-    """The update mode of an iteration (docs/method.md#one-iteration, step 1): on_policy w.p. 1−p, else off_policy w.p.
-    q, else with tips.
-
-    Drawn from a generator seeded by (seed, iteration), so it is the same on every rank and after a resume
-    without storing RNG state.
-    """
-    rng = np.random.default_rng([seed, iteration, MODE])
-    if rng.random() >= memory_rollout_prob:
-        return "on_policy"
-    return "off_policy" if rng.random() < off_policy_prob else "on_policy_with_tips"
-
-
-NO_SIGNAL_METRICS = ("rollout/episodes", "rollout/failed_episodes", "rollout/return", "rollout/score",
-                     "rollout/adv/samples", "rollout/adv/zero_var_group_frac", "rollout/adv/skipped_zero_adv_samples")
-
-
-def no_signal_cause(steps: float, signal_samples: float, signal_tokens: float) -> str | None:
-    """Why an iteration has no policy-gradient signal (counts over all ranks), or None when it has one."""
-    if steps == 0:
-        return "no samples: every episode failed or ended before its first step"
-    if signal_samples == 0:
-        return "all advantages are zero: in every group all episodes had the same return"
-    if signal_tokens == 0:
-        return "zero trainable tokens: the steps with a non-zero advantage have empty responses"
-    return None
 
 
 class _Stream(IterableDataset):
@@ -80,7 +48,8 @@ class _Stream(IterableDataset):
 
 
 class RolloutDataModule(L.LightningDataModule):
-    """Streams rollouts generated by the current policy.
+    """Streams rollouts generated by the current policy. The settings are checked once, at start-up
+    (``src/config_checks.py``).
 
     Args:
         env: the environment's Hydra config (a ``_target_`` dict), built inside each worker process.
@@ -93,16 +62,10 @@ class RolloutDataModule(L.LightningDataModule):
         num_mini_batches, mini_batch_rows: optimizer steps per PPO epoch, a fixed number of them or one per
             ``mini_batch_rows`` training rows over all ranks (``src.data.minibatches.mini_batch_count``); at most
             one is set, neither means one step per epoch.
-        temperature: rollout sampling temperature (1.0).
-        max_response_tokens: tokens per action (32 ScienceWorld, 512 WebShop).
-        history_length: past steps shown in the prompt.
-        history_obs_chars: cut past observations to this many characters (null: keep whole).
-        history_action: ``raw`` (the model's output, default) or ``executed`` (the action the environment ran)
-            as each past step's action in the prompt (``RolloutConfig``).
+        temperature, max_response_tokens, history_length, history_obs_chars, history_action, tips_header: the
+            rollout settings (``RolloutConfig.from_data``; evaluation and the warm start read them from the same
+            config group).
         max_steps: shown in the prompt as the step budget (the env enforces its cap).
-        tips_header: the line above the retrieved tips in a prompt (None: ``src.data.prompts.TIPS_HEADER``; the
-            paper configs use the authors' ``AUTHORS_TIPS_HEADER``); the warm start's tipped demonstrations, the
-            rollouts and the evaluation all read it from here.
         num_env_workers: pool size; default = the largest number of concurrent episodes needed.
         val: ``{"split", "num_tasks", "episodes_per_task", "temperature"}`` for in-training validation
             (no memory, docs/evaluation.md#evaluating-a-policy), or null.
@@ -128,67 +91,45 @@ class RolloutDataModule(L.LightningDataModule):
                  val: DictConfig | dict | None = None, seed: int = 0, pool_timeout_s: float = 300.0,
                  tips_header: str | None = None):
         super().__init__()
-        for name, value in (("tasks_per_iteration", tasks_per_iteration), ("group_size", group_size),
-                            ("ppo_epochs", ppo_epochs), ("micro_batch_size", micro_batch_size)):
-            if int(value) < 1:
-                raise ValueError(f"data.{name} must be >= 1, got {value}")
-        mini_batch_count(0, num_mini_batches, mini_batch_rows)  # refuse both set, or a bad value, at start-up
         to_dict = lambda c: OmegaConf.to_container(c, resolve=True) if isinstance(c, DictConfig) else dict(c or {})
         self.env_cfg = to_dict(env)
-        self.algorithm = AlgorithmConfig.from_dict(to_dict(algorithm))
+        algorithm = AlgorithmConfig.from_dict(to_dict(algorithm))
+        rollout = RolloutConfig.from_data(dict(
+            temperature=float(temperature), max_response_tokens=max_response_tokens, history_length=history_length,
+            history_obs_chars=history_obs_chars, history_action=history_action, tips_header=tips_header))
+        self.settings = IterationSettings(
+            algorithm=algorithm, rollout=rollout, seed=seed, tasks_per_iteration=tasks_per_iteration,
+            group_size=group_size, ppo_epochs=ppo_epochs, num_mini_batches=num_mini_batches,
+            mini_batch_rows=mini_batch_rows, micro_batch_size=micro_batch_size, max_steps=max_steps)
         self.val_cfg = to_dict(val) if val else None
-        self.tasks_per_iteration = tasks_per_iteration
-        self.group_size = group_size
         self.train_split = train_split
-        self.ppo_epochs = ppo_epochs
-        self.num_mini_batches = num_mini_batches
-        self.mini_batch_rows = mini_batch_rows
-        self.micro_batch_size = micro_batch_size
-        self.temperature = temperature
-        self.max_response_tokens = max_response_tokens
-        self.history_length = history_length
-        self.history_obs_chars = history_obs_chars
-        self.history_action = history_action
-        RolloutConfig(history_action=history_action)  # refuse a bad value at start-up
-        self.max_steps = max_steps
-        self.tips_header = TIPS_HEADER if tips_header is None else str(tips_header)
         self.num_env_workers = num_env_workers
-        self.seed = seed
         self.pool_timeout_s = pool_timeout_s
-        self.memory = None  # the MemoryCallback, attached where the objects are built (src/train.py) when memory is on
         self.pool: EnvPool | None = None
         self.train_tasks: list[dict] = []
         self.val_tasks: list[dict] = []
-        self.no_signal_iterations = 0  # consecutive iterations without a policy-gradient signal
-        self.warned_bonus_only = False  # the bonus-only-groups warning is given once per process
+        self.guard = SignalGuard(algorithm)
         # the next iteration to run; None: derive it from the global step (a checkpoint from before it was saved)
         self.iteration: int | None = 0
+        self.policy = self.reference = self.memory = self.precision = None
+        self.global_step: Callable[[], int] = lambda: 0
 
-    def rollout_config(self, use_tips: bool, temperature: float | None = None, strip_tips_for_update: bool = False,
-                       sample_seed: int | None = None) -> RolloutConfig:
-        """How episodes are run; training uses the rollout temperature, validation/evaluation their own."""
-        return RolloutConfig(
-            temperature=self.temperature if temperature is None else float(temperature),
-            max_response_tokens=self.max_response_tokens, history_length=self.history_length,
-            history_obs_chars=self.history_obs_chars, use_tips=use_tips, strip_tips_for_update=strip_tips_for_update,
-            tips_scope=getattr(self.memory, "tips_scope", "current"), history_action=self.history_action,
-            sample_seed=sample_seed, tips_header=self.tips_header)
-
-    @property
-    def steps_per_iteration(self) -> int | None:
-        """Optimizer steps per iteration (one per mini-batch), or None where it follows the rollout
-        (``mini_batch_rows``)."""
-        if self.mini_batch_rows is not None:
-            return None
-        return self.ppo_epochs * (self.num_mini_batches or 1)
+    def attach(self, policy, reference=None, memory=None, precision: Callable[[], ContextManager] | None = None,
+               global_step: Callable[[], int] | None = None) -> None:
+        """Hand the stream what it plays with (``src/train.py`` wires them where it builds them): the policy that
+        generates and scores, the frozen KL reference (or None), the memory (``MemoryCallback``, or None: no tips,
+        no novelty bonus), the forward context of rollouts (the Trainer's precision) and the global step's source."""
+        self.policy, self.reference, self.memory, self.precision = policy, reference, memory, precision
+        self.global_step = global_step or self.global_step
+        if memory is not None:
+            self.settings.rollout = replace(self.settings.rollout, tips_scope=memory.tips_scope)
 
     # ------------------------------------------------------------------ setup
     def setup(self, stage: str | None = None) -> None:
         if self.pool is not None:
             return
-        rank, world = rank_and_world()
-        local_tasks = math.ceil(self.tasks_per_iteration / world)
-        needed = local_tasks * self.group_size
+        world = rank_and_world()[1]
+        needed = math.ceil(self.settings.tasks_per_iteration / world) * self.settings.group_size
         if self.val_cfg:
             needed = max(needed, math.ceil(self.val_cfg["num_tasks"] / world) * self.val_cfg["episodes_per_task"])
         self.pool = EnvPool(self.env_cfg, num_workers=self.num_env_workers or needed, timeout_s=self.pool_timeout_s)
@@ -213,25 +154,16 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(_Stream(self._validate), batch_size=None, num_workers=0)
 
     # ------------------------------------------------------------------ one iteration
-    def draw_mode(self, iteration: int) -> str:
-        """The iteration's update mode (``draw_mode``), refused where it needs a memory that is off.
-
-        Raises:
-            ValueError: a memory mode drawn with the memory off.
-        """
-        mode = draw_mode(self.seed, iteration, self.algorithm.memory_rollout_prob, self.algorithm.off_policy_prob)
-        if mode != "on_policy" and self.memory is None:
-            raise ValueError(f"iteration {iteration} drew mode {mode!r} but memory is off; set "
-                             "algorithm.memory_rollout_prob=0 or enable memory")
-        return mode
-
-    def draw_tasks(self, iteration: int) -> list[dict]:
-        """The iteration's task instances, drawn for all ranks (task k of the draw is group k and runs on rank
-        k mod world: ``play_groups``)."""
-        rng = np.random.default_rng([self.seed, iteration, TASKS])
-        replace = len(self.train_tasks) < self.tasks_per_iteration
-        picks = rng.choice(len(self.train_tasks), size=self.tasks_per_iteration, replace=replace)
-        return [self.train_tasks[int(i)] for i in picks]
+    def _iterate(self) -> Iterator[MicroBatch]:
+        """One training iteration (``run_iteration``); Lightning runs the update (``training_step``) on the
+        micro-batches it yields."""
+        step = self.global_step()
+        iteration = self._next_iteration(step)
+        parts = Collaborators(policy=self.policy, pool=self.pool, tasks=self.train_tasks, reference=self.reference,
+                              memory=self.memory, precision=self.precision)
+        yield from run_iteration(self.settings, parts, iteration, step, self.guard)
+        # runs when Lightning asks past the last micro-batch, before the epoch ends and its checkpoint is written
+        self.iteration = iteration + 1
 
     def _next_iteration(self, global_step: int) -> int:
         """The iteration to run: counted here and saved with the checkpoint (the optimizer steps per iteration may
@@ -242,178 +174,37 @@ class RolloutDataModule(L.LightningDataModule):
             ValueError: such an older checkpoint resumed with ``mini_batch_rows`` (no fixed steps per iteration).
         """
         if self.iteration is None:
-            if self.steps_per_iteration is None:
+            if self.settings.mini_batch_rows is not None:
                 raise ValueError("this checkpoint was written before the iteration count was saved with it, so its "
                                  "iteration follows from the global step only with a fixed number of optimizer steps "
                                  "per iteration; resume it with data.num_mini_batches as it was trained "
                                  "(data.mini_batch_rows=null)")
-            self.iteration = global_step // self.steps_per_iteration
+            self.iteration = global_step // (self.settings.ppo_epochs * (self.settings.num_mini_batches or 1))
         return self.iteration
 
-    def _iterate(self) -> Iterator[MicroBatch]:
-        """One training iteration, the steps of docs/method.md#one-iteration in order; Lightning runs the update
-        (``training_step``) on the micro-batches it yields."""
-        module = self.trainer.lightning_module
-        policy = module.policy
-        rollout_step = self.trainer.global_step
-        iteration = self._next_iteration(rollout_step)
-        mode = self.draw_mode(iteration)                                        # 1. on/off-policy, tips or not
-        tasks = self.draw_tasks(iteration)
-        truncated_before = policy.num_prompts_truncated
-        with module.rollout_context():
-            episodes, metrics = self.play(policy, tasks, mode, iteration)       # 2. the groups (tips in memory modes)
-            memory_metrics = self.reflect(episodes, policy, mode, iteration)    # 3. novelty bonus, tips written
-            samples, adv_metrics = self.make_samples(episodes, mode)            # 4. samples with GRPO advantages
-            with timed(metrics, "old_log_prob_s"):
-                module.score_samples(self.scoring_chunks(samples, policy))      # 5. old (and ref) log-probs
-        metrics["policy_prompts_truncated"] = float(policy.num_prompts_truncated - truncated_before)
-        metrics = self.iteration_metrics(metrics, memory_metrics, adv_metrics, episodes)
-        self.check_signal(metrics, iteration)
-        info = {"iteration": iteration, "mode": mode, "rollout_global_step": rollout_step}
-        yield from self.micro_batches(samples, info, metrics, iteration)        # 6. the update
-        # runs when Lightning asks past the last micro-batch, before the epoch ends and its checkpoint is written
-        self.iteration = iteration + 1
-
-    def play(self, policy, tasks: list[dict], mode: str, iteration: int) -> tuple[list[Episode], dict[str, float]]:
-        """This rank's episodes of the iteration: ``group_size`` per task (``play_groups``), retrieving tips in the
-        memory modes, sampled from the iteration's stream. Returns the episodes and this rank's rollout counts."""
-        rank, world = rank_and_world()
-        seed_torch(self.seed, iteration, SAMPLING, rank)  # anything else that draws from torch's generator
-        log.info("iteration %d (%s): rank %d of %d runs tasks %s", iteration, mode, rank, world,
-                 json.dumps(tasks[rank::world]))
-        cfg = self.rollout_config(use_tips=mode != "on_policy", strip_tips_for_update=mode == "off_policy",
-                                  sample_seed=stream_seed(self.seed, iteration, SAMPLING))
-        # the reflections written next continue each episode's last prompt without recomputing it
-        cfg.keep_reflection_prefix = self.memory is not None and self.memory.reuse_rollout_cache
-        return play_groups(self.pool, policy, tasks, self.group_size, cfg, self.memory, self.max_steps)
-
-    def reflect(self, episodes: list[Episode], policy, mode: str, iteration: int) -> dict[str, float]:
-        """With the memory on: add the novelty bonus to the episodes' rewards, then write each episode's tips
-        (``MemoryCallback.add_novelty_bonus``, ``write_tips``). Returns the tip-writing metrics (over all ranks)."""
-        if self.memory is None:
-            return {}
-        if self.memory.novelty_enabled:
-            self.memory.add_novelty_bonus(episodes)
-        return self.memory.write_tips(episodes, policy, self.pool.system_prompt, iteration=iteration, mode=mode,
-                                      sample_seed=stream_seed(self.seed, iteration, REFLECTION))
-
-    def iteration_metrics(self, metrics: dict[str, float], memory_metrics: dict[str, float],
-                          adv_metrics: dict[str, float], episodes: list[Episode]) -> dict[str, float]:
-        """The iteration's ``rollout/*`` metrics over all ranks: this rank's timings and counts combined
-        (durations: the slowest rank's; counts: summed), rates derived from them, then the tip, advantage, episode
-        and memory metrics (already over all ranks)."""
-        metrics = combine_over_ranks(metrics)
-        metrics["rollout_tokens_per_s"] = metrics["generated_tokens"] / max(metrics["generate_s"], 1e-9)
-        if metrics.get("prompt_tokens"):  # the share of prompt ids the rollout did not compute (shared prefixes)
-            metrics["prompt_shared_frac"] = 1.0 - metrics["prompt_tokens_computed"] / metrics["prompt_tokens"]
-        metrics.update(memory_metrics)
-        metrics.update(adv_metrics)
-        metrics.update(episode_metrics(gather_lists([e.summary() for e in episodes])))
-        if self.memory is not None:
-            metrics.update(self.memory.pop_metrics())
-        return {f"rollout/{k}": v for k, v in metrics.items()}
-
-    def make_samples(self, episodes: list[Episode], mode: str) -> tuple[list[StepSample], dict[str, float]]:
-        """One sample per step of every valid episode, carrying its episode's GRPO advantage
-        (docs/method.md#one-iteration, step 4).
-
-        The advantages and their metrics are computed over all ranks' episodes (group ids are unique over ranks),
-        the counts summed over ranks (a collective under DDP/FSDP), so the numbers are the whole iteration's.
-        """
-        algo = self.algorithm
-        rank = rank_and_world()[0]
-        per_rank = gather_objects([(e.discounted_return(algo.gamma), e.discounted_return(algo.gamma, bonus=False),
-                                    e.group) for e in episodes])
-        everyone = [row for rows in per_rank for row in rows]
-        returns = torch.tensor([r for r, _, _ in everyone], dtype=torch.float64)
-        extrinsic = torch.tensor([x for _, x, _ in everyone], dtype=torch.float64)
-        group_index = torch.tensor([g for _, _, g in everyone], dtype=torch.long)
-        advantages, metrics = compute_grpo_advantages(returns, group_index, algo.norm_adv_by_std,
-                                                      extrinsic_returns=extrinsic)
-        self.warn_bonus_only(metrics)
-        start = sum(len(rows) for rows in per_rank[:rank])
-        advantages = advantages[start:start + len(episodes)]
-        old_with_tips = algo.off_policy_old_log_prob == "with_tips"
-        # Optional (off by default): zero-advantage steps add no policy gradient, only cost (and token-mean
-        # denominator). Dropping them is DAPO-style filtering; it rescales the loss, so it is opt-in.
-        skip_zero = algo.skip_zero_advantage
-        metrics.pop("num_failed_episodes")  # counted once, as rollout/failed_episodes (episode_metrics)
-        samples, skipped, steps, signal_samples, signal_tokens = [], 0, 0, 0, 0
-        for episode, advantage in zip(episodes, advantages.tolist()):
-            if episode.failed:
-                continue
-            steps += len(episode.steps)
-            if advantage != 0.0:
-                signal_samples += len(episode.steps)
-                signal_tokens += sum(len(s.response_ids) for s in episode.steps)
-            if skip_zero and advantage == 0.0:
-                skipped += len(episode.steps)
-                continue
-            for t, step in enumerate(episode.steps):
-                samples.append(StepSample(
-                    rollout_prompt_ids=step.rollout_prompt_ids, update_prompt_ids=step.update_prompt_ids,
-                    # the prompt the behaviour log-prob is taken under
-                    # (docs/method.md#tip-stripping-for-the-off-policy-update)
-                    old_prompt_ids=step.rollout_prompt_ids if (mode != "off_policy" or old_with_tips)
-                    else step.update_prompt_ids,
-                    response_ids=step.response_ids, rollout_log_probs=step.rollout_log_probs, advantage=advantage,
-                    key=(episode.id, t)))
-        metrics.update(combine_over_ranks(dict(
-            skipped_zero_adv_samples=float(skipped), samples=float(len(samples)), steps=float(steps),
-            signal_samples=float(signal_samples), signal_tokens=float(signal_tokens))))
-        return samples, {f"adv/{k}": v for k, v in metrics.items()}
-
-    def warn_bonus_only(self, adv_metrics: dict[str, float]) -> None:
-        """Warn (once per process) when groups whose episodes earned the same environment return are ranked by the
-        novelty bonus alone under std-normalised advantages: a bonus difference of 1e-3 then weighs as much as a
-        success. Where every episode failed that is the bonus's purpose (exploration); where every episode
-        succeeded the update follows whatever the bonus favours, e.g. longer episodes, which collect more of it
-        (measured on Coin Collector: docs/results/coin-dfs)."""
-        frac = adv_metrics["bonus_only_group_frac"]
-        if frac == 0.0 or not self.algorithm.norm_adv_by_std or self.warned_bonus_only:
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> Iterator[dict[str, Any]]:
+        """One batch: the metrics of a no-memory evaluation on the validation tasks
+        (docs/evaluation.md#evaluating-a-policy), every rank's episodes as ``validation_episodes.csv`` rows, and
+        ``iteration``, the iterations trained so far (the module logs them)."""
+        if not self.val_cfg or not self.val_tasks:
             return
-        self.warned_bonus_only = True
-        rank_zero_warn(f"{frac:.0%} of this iteration's groups have advantages set by the novelty bonus alone "
-                       f"(equal environment returns; rollout/adv/bonus_only_group_frac): divided by the group std, "
-                       f"the bonus's small differences get full-size advantages. In groups that all failed that is "
-                       f"exploration; in groups that all succeeded it rewards what the bonus favours, such as longer "
-                       f"episodes (algorithm.norm_adv_by_std=false, Dr.GRPO, keeps them at the bonus's scale). "
-                       f"Warned once per process.")
-
-    scoring_chunks = staticmethod(scoring_chunks)
-
-    def check_signal(self, metrics: dict[str, float], iteration: int) -> None:
-        """The no-signal guard: warn (or raise, with ``algorithm.fail_on_no_signal``) after
-        ``algorithm.no_signal_patience`` consecutive iterations without a policy-gradient signal on any rank
-        (``metrics`` are over all ranks).
-
-        A signal is a response token of a step whose advantage is non-zero (the KL and entropy terms alone
-        teach nothing about the reward). Without one, the run trains nothing while looking healthy.
-
-        Raises:
-            RuntimeError: ``fail_on_no_signal`` and the patience is used up; the message names the cause and
-                the metrics that show it.
-        """
-        steps, signal, tokens = (metrics[f"rollout/adv/{k}"] for k in ("steps", "signal_samples", "signal_tokens"))
-        cause = no_signal_cause(steps, signal, tokens)
-        self.no_signal_iterations = self.no_signal_iterations + 1 if cause else 0
-        patience = self.algorithm.no_signal_patience
-        if cause is None or self.no_signal_iterations < patience:
-            return
-        shown = {k: metrics[k] for k in NO_SIGNAL_METRICS if k in metrics}
-        message = (f"no trainable signal for {self.no_signal_iterations} consecutive iterations (iterations "
-                   f"{iteration - self.no_signal_iterations + 1}..{iteration}; this one over all ranks: {steps:g} "
-                   f"steps, {signal:g} with a non-zero advantage, {tokens:g} of their tokens): {cause}. "
-                   f"Metrics over all ranks: {shown}")
-        if self.algorithm.fail_on_no_signal:
-            raise RuntimeError(message + " (algorithm.fail_on_no_signal=true)")
-        rank_zero_warn(message + " Set algorithm.fail_on_no_signal=true to stop such runs.")
+        step, seed, done = self.global_step(), self.settings.seed, self.iteration or 0
+        seed_torch(seed, step, VALIDATION, rank_and_world()[0])
+        cfg = replace(self.settings.rollout, use_tips=False, temperature=float(self.val_cfg.get("temperature", 0.4)),
+                      sample_seed=stream_seed(seed, step, VALIDATION))
+        metrics, episodes = evaluate(self.pool, self.policy, self.val_tasks,
+                                     int(self.val_cfg.get("episodes_per_task", 1)), cfg, self.settings.max_steps,
+                                     return_episodes=True, precision=self.precision)
+        # what the policy did on each held-out task (this rank's shard): a falling score can be read off the log
+        log_episodes(episodes, f"validation after {step} optimizer steps")
+        yield {"metrics": metrics, "iteration": done, "episode_rows": gather_lists(episode_rows(episodes, done))}
 
     # ------------------------------------------------------------------ checkpointing (exact resume)
     def state_dict(self) -> dict[str, Any]:
         """Every rank's global generators (rank order; a collective under DDP/FSDP), the next iteration and the
         no-signal counter."""
-        return {"rng": gather_objects(global_rng_state()), "no_signal_iterations": self.no_signal_iterations,
+        return {"rng": gather_objects(global_rng_state()), "no_signal_iterations": self.guard.no_signal_iterations,
                 "iteration": self.iteration}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -427,36 +218,5 @@ class RolloutDataModule(L.LightningDataModule):
         else:
             log.info("the checkpoint holds the generators of %d rank(s); rank %d keeps its start-up generators",
                      len(states), rank)
-        self.no_signal_iterations = int(state_dict["no_signal_iterations"])
+        self.guard.no_signal_iterations = int(state_dict["no_signal_iterations"])
         self.iteration = state_dict.get("iteration")  # None in older checkpoints: derived from the global step
-
-    def micro_batches(self, samples: list[StepSample], info: dict, metrics: dict,
-                      iteration: int) -> Iterator[MicroBatch]:
-        """The iteration's micro-batches (``src.data.minibatches.micro_batches`` with this datamodule's seed and
-        sizes); ``info``: ``mode``, ``iteration`` and ``rollout_global_step`` of the iteration."""
-        return micro_batches(samples, info, metrics, seed=self.seed, iteration=iteration, ppo_epochs=self.ppo_epochs,
-                             num_mini_batches=self.num_mini_batches, mini_batch_rows=self.mini_batch_rows,
-                             micro_batch_size=self.micro_batch_size,
-                             padding=lambda: StepSample.padding(self._eos_token_id()))
-
-    def _eos_token_id(self) -> int:
-        return self.trainer.lightning_module.policy.tokenizer.eos_token_id
-
-    # ------------------------------------------------------------------ validation
-    def _validate(self) -> Iterator[dict[str, Any]]:
-        """One batch holding the metrics of a no-memory evaluation on the validation tasks
-        (docs/evaluation.md#evaluating-a-policy)."""
-        if not self.val_cfg or not self.val_tasks:
-            return
-        step = self.trainer.global_step
-        seed_torch(self.seed, step, VALIDATION, rank_and_world()[0])
-        cfg = self.rollout_config(use_tips=False, temperature=self.val_cfg.get("temperature", 0.4),
-                                  sample_seed=stream_seed(self.seed, step, VALIDATION))
-        metrics, episodes = evaluate(self.pool, self.trainer.lightning_module, self.val_tasks,
-                                     int(self.val_cfg.get("episodes_per_task", 1)), cfg, self.max_steps,
-                                     return_episodes=True)
-        # what the policy did on each held-out task (this rank's shard): a falling score can be read off the log
-        log_episodes(episodes, f"validation after {self.trainer.global_step} optimizer steps")
-        # every held-out episode to the run's validation_episodes.csv, for paired differences between runs
-        log_validation_episodes(self.trainer, gather_lists(episode_rows(episodes, self.iteration or 0)))
-        yield {"metrics": metrics}

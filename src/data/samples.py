@@ -1,8 +1,8 @@
 """The shapes the training data takes between the data layer that makes it and the model layer that trains on it.
 
-``StepSample``: one agent step as a training sample (made by ``RolloutDataModule.make_samples``, scored by
-``EMPO2Module.score_samples``). ``MicroBatch``: what one ``training_step`` receives (made by
-``RolloutDataModule.micro_batches``; the counts and flags the loss needs ride along with the samples). In verl
+``StepSample``: one agent step as a training sample (made by ``make_samples`` of ``src/data/iteration.py``, scored by
+``src/models/old_log_probs.py``). ``MicroBatch``: what one ``training_step`` receives (made by
+``src/data/minibatches.py``; the counts and flags the loss needs ride along with the samples). In verl
 both are one ``DataProto``; here token ids stay unpadded lists until the policy packs them for a forward pass.
 ``SFTExample``: one demonstrated step of the imitation warm start (made by ``src/data/demonstrations.py``, trained
 on by ``src/models/sft_module.py``). They live here, apart from the code that makes them, so that the model layer
@@ -30,7 +30,7 @@ class StepSample:
         response_ids: the sampled response tokens, ``[T_i]``.
         rollout_log_probs: log-probs of ``response_ids`` as sampled (nats, ``[T_i]``).
         advantage: the episode's advantage (dimensionless).
-        old_log_probs, ref_log_probs: float32 ``[T_i]`` set by ``EMPO2Module.score_samples`` (ref only with KL).
+        old_log_probs, ref_log_probs: float32 ``[T_i]`` set by ``score_samples`` (ref only with KL).
         key: ``(episode id, step index)``, the sample's place among all ranks' samples of the iteration: the
             mini-batches are drawn over these, so they hold the same samples whatever the number of ranks (None:
             the sample's place in this rank's list).
@@ -58,6 +58,13 @@ class StepSample:
         ids = [eos_token_id]
         return cls(rollout_prompt_ids=ids, update_prompt_ids=ids, old_prompt_ids=ids, response_ids=ids,
                    rollout_log_probs=[0.0], advantage=0.0, old_log_probs=torch.zeros(1), ref_log_probs=torch.zeros(1))
+
+
+def prompt_order(sample: StepSample) -> tuple[list[int], int]:
+    """Sort key that puts samples with long common prompt prefixes next to each other (the update prompt's ids in
+    lexicographic order; the sample's key breaks ties, so the order never depends on the input order): a batch's
+    common prefix is then computed once (``Policy.log_probs(share_prefix=True)``)."""
+    return sample.update_prompt_ids, sample.key if sample.key is not None else ()
 
 
 @dataclass

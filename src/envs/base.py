@@ -50,6 +50,15 @@ def extract_action(response: str) -> tuple[str | None, bool]:
     return action, len(opens) == 1 and close is not None
 
 
+def read_action(response: str) -> tuple[str, bool]:
+    """``extract_action`` for an environment that takes a reply without a tag as a bare command: its first
+    non-empty line, stripped ("" when there is none)."""
+    action, well_formed = extract_action(response)
+    if action is None:
+        action = next((line.strip() for line in response.splitlines() if line.strip()), "")
+    return action, well_formed
+
+
 def is_action_reply(text: str, bare_command: re.Pattern | None = None) -> bool:
     """Whether a reply is an action rather than prose: it holds an ``<action>`` tag, or it is one bare command of
     the environment (``bare_command``, its ``Environment.bare_command``: ``open door to hallway``, ``click[grey]``;

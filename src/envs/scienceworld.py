@@ -16,7 +16,7 @@ import re
 import shutil
 from typing import Any
 
-from src.envs.base import Environment, extract_action
+from src.envs.base import Environment, read_action
 from src.envs.scienceworld_demos import scienceworld_tip
 from src.envs.scienceworld_tasks import default_max_steps, resolve_task
 from src.utils.environ import temporary_environ
@@ -49,18 +49,9 @@ def parse_action(response: str) -> str:
 
     The first ``<action>`` tag's action by the rule of ``src.envs.base.extract_action`` (an unclosed tag, e.g.
     a generation cut at the token limit, runs to the end of the text); without a tag, the first non-empty line
-    of the whole text, stripped. Returns "" when there is none.
+    of the whole text, stripped (``src.envs.base.read_action``). Returns "" when there is none.
     """
-    return _parse(response)[0]
-
-
-def _parse(response: str) -> tuple[str, bool]:
-    """(action, format_ok): ``format_ok`` is False for several ``<action>`` tags or an unclosed one; free text
-    without any tag is well formed here (the system prompt asks for a bare command)."""
-    action, well_formed = extract_action(response)
-    if action is None:
-        action = next((line.strip() for line in response.splitlines() if line.strip()), "")
-    return action, well_formed
+    return read_action(response)[0]
 
 
 def start_jvm(jvm_heap: str):
@@ -262,7 +253,7 @@ class ScienceWorldEnv(Environment):
             raise RuntimeError("ScienceWorldEnv.step() called before reset()")
         if self._done:
             raise RuntimeError("ScienceWorldEnv.step() called after the episode ended; call reset() first")
-        action, format_ok = _parse(response)
+        action, format_ok = read_action(response)
         observation, executed, valid = self._execute(action)
         corrected = False
         if not valid and self.action_correction and action and not _blocked(action):
@@ -275,8 +266,7 @@ class ScienceWorldEnv(Environment):
         self._steps += 1
         score = self._read_score()
         completed = bool(self._server.getCompleted())
-        reward = float(score - self._score)
-        self._score = score
+        reward, self._score = float(score - self._score), score
         terminated = completed or score < 0
         truncated = not terminated and self._steps >= self._cap
         self._done = terminated or truncated
@@ -334,9 +324,8 @@ class ScienceWorldEnv(Environment):
         return info
 
     def _make_system_prompt(self) -> str:
-        teleport = "easy" in self.simplification or "teleportAction" in self.simplification
         commands = ["look around", "look at OBJ", "look in OBJ", "go to LOCATION"]
-        if teleport:
+        if "easy" in self.simplification or "teleportAction" in self.simplification:
             commands.append("teleport to LOCATION")
         commands += ["open OBJ", "close OBJ", "pick up OBJ", "put down OBJ", "move OBJ to OBJ", "pour OBJ in OBJ",
                      "mix OBJ", "activate OBJ", "deactivate OBJ", "use OBJ on OBJ", "connect OBJ to OBJ",
@@ -391,19 +380,17 @@ class ScienceWorldEnv(Environment):
 
     def close(self) -> None:
         """Shut the JVM down (idempotent)."""
-        if self._closed:
+        if getattr(self, "_closed", True):
             return
         self._closed = True
         try:
             self._sw.close()
         except Exception as exc:  # the JVM may already be gone; nothing left to release
             logger.debug("ScienceWorld JVM shutdown: %s", exc)
-        # The package object's __del__ would call close() again on the dead gateway.
-        self._sw.close = lambda: None
+        self._sw.close = lambda: None  # the package object's __del__ would call close() again on the dead gateway
 
     def __del__(self) -> None:
-        if hasattr(self, "_sw"):
-            self.close()
+        self.close()
 
 
 __all__ = ["ScienceWorldEnv", "resolve_task", "default_max_steps", "parse_action", "start_jvm"]

@@ -8,7 +8,8 @@ and evaluation play test seeds.
 
 Demonstrations for the imitation warm start are gold paths that explore (the agent cannot see where the coin is): for
 Coin Collector a seeded depth-first search of ours, the same on every machine; for CookingWorld the simulator's.
-Reflection examples are the gold path and a seeded random walk that runs out of steps, with a hindsight tip written from what the trajectory showed (rooms seen, doors opened, where the coin was or was not).
+Reflection examples are the gold path and a seeded random walk that runs out of steps, with a hindsight tip written
+from what the trajectory showed (rooms seen, doors opened, where the coin was or was not: textworld_express_tips.py).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import re
 import shutil
 from typing import Any
 
-from src.envs.base import Environment, extract_action, replay
+from src.envs.base import Environment, read_action, replay
+from src.envs.textworld_express_tips import EXIT, ROOM, textworld_express_tip
 from src.utils.environ import temporary_environ
 
 logger = logging.getLogger(__name__)
@@ -28,75 +30,11 @@ GAMES = ("coin", "cookingworld")
 FOLDS = {"train": "train", "dev": "dev", "test": "test"}
 # The simulator's answers to an action it did not carry out (strings of its jar): an invalid no-op.
 _INVALID_PREFIXES = ("Unknown action", "You can't")
-_WASTE = ("look around", "inventory")  # actions that show but never change the state
 
 
 def _params(game_params: dict[str, Any]) -> str:
     # The simulator reads "key=value,key=value"; booleans are 0/1.
     return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in game_params.items())
-
-
-_ROOM = re.compile(r"You are in the ([\w -]+?)\.")
-_EXIT = re.compile(r"[Tt]o the (North|South|East|West) you see (?:a closed [\w -]+? door|the ([\w -]+?))\s*\.")
-_OPENED = re.compile(r"You open the [\w -]+? door, revealing the ([\w -]+?)\s*\.")
-_RECIPE = re.compile(r"Directions:\s*(.+)", re.DOTALL)
-
-
-def textworld_express_tip(record: dict[str, Any]) -> list[str]:
-    """The hindsight tip on a TextWorldExpress trajectory, as sentences in order of importance.
-
-    Reads only ``instruction``, ``initial_observation``, ``actions`` (executed), ``observations`` and ``score``
-    (in [0, 1]): the rooms seen, where the coin was seen (or that it was not), the exits never taken; for
-    CookingWorld the recipe's directions when the cookbook was read."""
-    actions, observations, score = record["actions"], record["observations"], float(record["score"])
-    top = float(record.get("max_score", 1.0))
-    views = [record["initial_observation"], *observations]
-    rooms: list[str] = []
-    coin_room = None
-    exits: dict[str, dict[str, str | None]] = {}  # room -> direction -> the room it leads to (None: closed door)
-    room = None
-    for k, view in enumerate(views):
-        found = _ROOM.search(view)
-        if found:
-            room = found.group(1)
-            rooms += [room] if room not in rooms else []
-            if re.search(r"\ba coin\b", view):
-                coin_room = room
-            for direction, leads_to in _EXIT.findall(view):
-                exits.setdefault(room, {})[direction.lower()] = leads_to or None
-        opened = _OPENED.search(view)
-        if opened and room and k > 0 and actions[k - 1].startswith("open door to "):
-            # the door opened is the one the action named: its exit now leads to the room it revealed
-            exits.setdefault(room, {})[actions[k - 1].rsplit(" ", 1)[-1]] = opened.group(1)
-    key = [a for a in actions if a not in _WASTE]
-    if score >= top:
-        where = f"The coin was in the {coin_room}. " if coin_room else ""
-        return [f"Score {score:g}: worked. {where}{'; '.join(key)}.", "Repeat it with no extra look around."]
-    waste = sum(a in _WASTE for a in actions)
-    coin = "coin" in record["instruction"]
-    # Coin Collector ends only at the coin or the step cap; CookingWorld also on a wrong step (which it does not name)
-    out = [f"Score {score:g}: " + (f"I ran out of steps after {len(actions)} actions" if coin else
-                                   f"the episode ended after {len(actions)} actions"
-                                   + (f", the last {actions[-1]}" if actions else ""))
-           + (f", {waste} of them needless look around or inventory" if waste else "") + "."]
-    if coin:
-        if coin_room:
-            out.append(f"The coin is in the {coin_room}: go there and take coin.")
-        else:
-            unexplored = [f"{d} of the {r}" for r, ways in exits.items() for d, to in ways.items()
-                          if to is None or to not in rooms]
-            searched = f"No coin in the {', '.join(rooms)}." if rooms else "I never saw the coin."
-            out.append(searched + (f" Next time try the exits {', '.join(unexplored)}." if unexplored else ""))
-    else:
-        recipe = next((_RECIPE.search(o) for o in observations if _RECIPE.search(o)), None)
-        if recipe:
-            out.append("The recipe says: " + "; ".join(line.strip() for line in recipe.group(1).splitlines()
-                                                       if line.strip()) + ".")
-        else:
-            out.append("Next time take and read the cookbook first.")
-    out.append(f"Done: {'; '.join(key)}." if key else "Nothing done.")
-    return out
-
 
 
 class TextWorldExpressEnv(Environment):
@@ -227,9 +165,7 @@ class TextWorldExpressEnv(Environment):
             raise RuntimeError("TextWorldExpressEnv.step() called before reset()")
         if self._done:
             raise RuntimeError("TextWorldExpressEnv.step() called after the episode ended; call reset() first")
-        action, format_ok = extract_action(response)
-        if action is None:
-            action = next((line.strip() for line in response.splitlines() if line.strip()), "")
+        action, format_ok = read_action(response)
         self._steps += 1
         if action:
             observation, _, _, raw = self._sim.step(action)
@@ -291,10 +227,10 @@ class TextWorldExpressEnv(Environment):
             return self._sim.step(action)[3]
 
         def exits(look: str) -> dict[str, str | None]:  # direction -> the room in sight there (None: closed door)
-            return {m.group(1).lower(): m.group(2) for m in _EXIT.finditer(look)}
+            return {m.group(1).lower(): m.group(2) for m in EXIT.finditer(look)}
 
         def room_of(look: str) -> str:
-            found = _ROOM.search(look)
+            found = ROOM.search(look)
             if found is None:
                 raise RuntimeError(f"explore({task}): no room name in {look!r}")
             return found.group(1)
@@ -362,32 +298,26 @@ class TextWorldExpressEnv(Environment):
 
         seen, score = states(actions)
         path = list(actions)
-        changed = True
-        while changed:
-            changed = False
-            for j in range(1, len(seen)):
-                for i in range(j):
-                    if seen[i] == seen[j] and set(seen[i + 1:j]) <= set(seen[:i + 1]):
-                        candidate = path[:i] + path[j:]
-                        new_seen, new_score = states(candidate)
-                        # at least the score: a path cut under the step cap may now finish where it did not
-                        if new_score >= score:
-                            path, seen, score, changed = candidate, new_seen, new_score, True
-                            break
-                if changed:
+        while True:  # cut the loop that ends first (then starts first) and keeps the score, until none does
+            for i, j in ((i, j) for j in range(1, len(seen)) for i in range(j)
+                         if seen[i] == seen[j] and set(seen[i + 1:j]) <= set(seen[:i + 1])):
+                candidate = path[:i] + path[j:]
+                new_seen, new_score = states(candidate)
+                # at least the score: a path cut under the step cap may now finish where it did not
+                if new_score >= score:
+                    path, seen, score = candidate, new_seen, new_score
                     break
-        return path
+            else:
+                return path
 
     def reflection_records(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[dict]:
         """Per training task the gold path without its loops (``gold_actions``, ``without_loops``) and a
         random walk over moves, door openings and (CookingWorld) the ingredient actions, never the action that
         finishes the game, so it runs out of steps or (CookingWorld) fails the recipe; seeded by the task's seed, so
         every run gets the same records."""
-        out = []
-        for task in tasks:
-            out += [replay(self, task, self.without_loops(task, self.gold_actions(task))),
-                    replay(self, task, self._random_walk(task))]
-        return out
+        return [record for task in tasks for record in (
+            replay(self, task, self.without_loops(task, self.gold_actions(task))),
+            replay(self, task, self._random_walk(task)))]
 
     def oracle_tips(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[list[str]]:
         """Diagnostic only (``Environment.oracle_tips``): where the coin is (coin) and the gold path without its
@@ -397,7 +327,7 @@ class TextWorldExpressEnv(Environment):
             path = self.without_loops(task, self.gold_actions(task))
             record = replay(self, task, path)
             rooms = [m.group(1) for v in [record["initial_observation"], *record["observations"]]
-                     for m in [_ROOM.search(v)] if m]
+                     for m in [ROOM.search(v)] if m]
             lines = [f"The coin is in the {rooms[-1]}."] if self.game == "coin" and rooms else []
             out.append(lines + [f"The way: {'; '.join(path)}."])
         return out

@@ -32,12 +32,8 @@ def episode_rows(episodes: Iterable, iteration: int) -> list[dict[str, Any]]:
     the episode's id (its number among all ranks' episodes of the evaluation), score, success, steps, failed."""
     from src.callbacks.memory import task_text
 
-    rows = []
-    for e in episodes:
-        rows.append({"iteration": int(iteration), "task": task_text(e.task), "episode": int(e.id),
-                     "score": float(e.score), "success": int(bool(e.success)), "steps": len(e.steps),
-                     "failed": int(bool(e.failed))})
-    return rows
+    return [{"iteration": int(iteration), "task": task_text(e.task), "episode": int(e.id), "score": float(e.score),
+             "success": int(bool(e.success)), "steps": len(e.steps), "failed": int(bool(e.failed))} for e in episodes]
 
 
 def append_rows(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
@@ -77,9 +73,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
             raise ValueError(f"{path}: not a validation-episodes file, it lacks the columns {missing}")
-        return [{"iteration": int(r["iteration"]), "task": r["task"], "episode": int(r["episode"]),
-                 "score": float(r["score"]), "success": int(r["success"]), "steps": int(r["steps"]),
-                 "failed": int(r["failed"])} for r in reader]
+        return [{c: (str if c == "task" else float if c == "score" else int)(r[c]) for c in COLUMNS} for r in reader]
 
 
 def read_runs(directory: str | Path) -> dict[str, dict[int, list[dict[str, Any]]]]:

@@ -63,17 +63,17 @@ def oracle_tips(env, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_
     return FixedTips({task_key(t): list(tip) for t, tip in zip(tasks, lines)}, "oracle")
 
 
+def _num_tokens(tokenizer, line: str) -> int:
+    return len(tokenizer(line, add_special_tokens=False)["input_ids"])
+
+
 def empty_tips(oracle: FixedTips, tokenizer) -> FixedTips:
     """Placeholder lines of the oracle lines' token lengths (counted by ``tokenizer``)."""
-    def blank(line: str) -> str:
-        n = len(tokenizer(line, add_special_tokens=False)["input_ids"])
-        return (PLACEHOLDER * n).strip()
-
-    return FixedTips({key: [blank(line) for line in lines] for key, lines in oracle.tips.items()}, "empty")
+    return FixedTips({key: [(PLACEHOLDER * _num_tokens(tokenizer, line)).strip() for line in lines]
+                      for key, lines in oracle.tips.items()}, "empty")
 
 
 def token_lengths(arm: FixedTips, tokenizer) -> float:
     """Mean tokens per task of an arm's tip lines (the empty arm's should equal the oracle's)."""
-    counts = [sum(len(tokenizer(line, add_special_tokens=False)["input_ids"]) for line in lines)
-              for lines in arm.tips.values()]
+    counts = [sum(_num_tokens(tokenizer, line) for line in lines) for lines in arm.tips.values()]
     return float(np.mean(counts)) if counts else 0.0

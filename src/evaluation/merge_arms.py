@@ -5,7 +5,7 @@ An adaptation run with four arms on WebShop takes hours on a CPU; the arms can r
 are the same evaluation: the same policy weights, tasks, seeds, trials and temperature, and therefore the same
 sampling streams — checked on the episodes themselves: every arm's trial 0 (no tips shown) must be the same
 episodes, action by action, as the base's. The paired differences to the memory-off control are then recomputed
-from the episode rows (``paired_by_trial``), as one run would have computed them.
+from the episode rows (``paired_vs_control``), as one run would have computed them.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import copy
 import json
 from typing import Any
 
-from src.evaluation.protocols import paired_by_trial
+from src.evaluation.protocols import paired_vs_control
 
 # the settings that make two adaptation summaries the same evaluation (the weights' hash names the policy)
 SAME_EVALUATION = ("protocol", "model", "env", "task", "split", "num_tasks", "episodes_per_task", "seeds",
@@ -85,13 +85,7 @@ def merge_arms(base: dict[str, Any], extra: dict[str, Any], base_name: str = "ba
         for key in _ARM_KEYS.get(arm, (f"{arm}_trials",)):
             if key in extra:
                 merged[key] = copy.deepcopy(extra[key])
-    rows = merged["episode_rows"]
-    if "control" in rows:
-        merged["paired_vs_off"] = {"own" if arm == "memory" else arm: paired_by_trial(rows[arm], rows["control"])
-                                   for arm in rows if arm != "control"}
-        if "memory" in rows:
-            merged["paired"] = merged["paired_vs_off"]["own"]
-            merged["last_trial_paired_score_diff"] = merged["paired"][-1]["score_diff"]
+    merged.update(paired_vs_control(merged["episode_rows"]))
     merged["rollout_s"] = float(base.get("rollout_s", 0.0)) + float(extra.get("rollout_s", 0.0))
     merged["merged_from"] = [base_name, extra_name]
     return merged

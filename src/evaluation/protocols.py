@@ -1,12 +1,13 @@
 """The evaluation protocols (``eval.protocol``): ``standard`` and ``adaptation`` (see ``src/eval.py``).
 
-Both run their episodes through ``src.data.rollout_datamodule.evaluate``, the code of in-training validation.
+Both run their episodes through ``src.data.rollout.evaluate``, the code of in-training validation.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+from dataclasses import replace
 from typing import Any, Sequence
 
 from omegaconf import DictConfig
@@ -32,7 +33,7 @@ def check_eval_config(ev: DictConfig | dict) -> None:
     if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Sequence) or not seeds \
             or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise ValueError(f"eval.seeds={seeds!r}: expected a non-empty list of ints, e.g. [0, 1, 2]")
-    for name in ("control", "own_tips"):
+    for name in ("control", "own_tips", "oracle_tips", "empty_tips"):
         if not isinstance(ev.get(name, False), bool):
             raise ValueError(f"eval.{name}={ev.get(name)!r}: expected true or false")
     if ev.get("own_tips", True) is False and not any(ev.get(k) for k in ("control", "oracle_tips", "empty_tips")):
@@ -45,8 +46,6 @@ def check_eval_config(ev: DictConfig | dict) -> None:
     if not float(ev.get("temperature")) > 0:
         raise ValueError(f"eval.temperature={ev.get('temperature')!r}: expected > 0 (sampling)")
     for name in ("oracle_tips", "empty_tips"):
-        if not isinstance(ev.get(name, False), bool):
-            raise ValueError(f"eval.{name}={ev.get(name)!r}: expected true or false")
         if ev.get(name) and protocol != "adaptation":
             raise ValueError(f"eval.{name}=true with eval.protocol={protocol!r}: the diagnostic arms belong to the "
                              "adaptation protocol (eval.protocol=adaptation)")
@@ -58,28 +57,28 @@ def check_eval_config(ev: DictConfig | dict) -> None:
 def run_standard(cfg, b, pool, tasks, memory, write_tips: bool) -> dict[str, Any]:
     import lightning as L
 
-    from src.data.rollout import evaluate
+    from src.data.rollout import evaluate, inference
 
-    ev, module, dm = cfg.eval, b["module"], b["datamodule"]
-    rollout_cfg = dm.rollout_config(use_tips=memory is not None, temperature=float(ev.temperature))
+    ev, policy, max_steps = cfg.eval, b["module"].policy, b["max_steps"]
+    rollout_cfg = replace(b["rollout"], use_tips=memory is not None, temperature=float(ev.temperature))
     start_state = memory.state_dict() if memory is not None else None
     all_episodes, per_seed, rollout_s, rows = [], [], 0.0, []
     for seed in ev.seeds:
         L.seed_everything(seed, verbose=False)
         if memory is None:
-            metrics, episodes = evaluate(pool, module, tasks, int(ev.episodes_per_task), rollout_cfg,
-                                         dm.max_steps, return_episodes=True)
+            metrics, episodes = evaluate(pool, policy, tasks, int(ev.episodes_per_task), rollout_cfg, max_steps,
+                                         return_episodes=True)
             rollout_s += metrics["rollout_s"]
         else:
             memory.load_state_dict(start_state)
             episodes = []
             for _ in range(int(ev.episodes_per_task)):  # rounds: one episode per task, then its tips
-                metrics, round_episodes = evaluate(pool, module, tasks, 1, rollout_cfg, dm.max_steps, memory,
+                metrics, round_episodes = evaluate(pool, policy, tasks, 1, rollout_cfg, max_steps, memory,
                                                    return_episodes=True)
                 rollout_s += metrics["rollout_s"]
                 if write_tips:
-                    with module.rollout_context():
-                        memory.write_tips(round_episodes, module.policy, pool.system_prompt)
+                    with inference(policy):
+                        memory.write_tips(round_episodes, policy, pool.system_prompt)
                 episodes += round_episodes
         seed_summary = episode_summary(episodes)
         per_seed.append({"seed": seed, "score": seed_summary["score"]["mean"],
@@ -104,19 +103,18 @@ def run_adaptation(cfg, b, pool, tasks, memory, fixed_arms: dict[str, Any] | Non
 
     ``fixed_arms`` (``eval.oracle_tips`` / ``eval.empty_tips``: ``{"oracle": FixedTips, "empty": FixedTips}``,
     docs/evaluation.md#diagnostic-arms) run the same trials showing their fixed lines from trial 1 on and writing
-    nothing; each adds ``<arm>_trials`` and, with the control, ``paired_vs_off[<arm>]`` (arm − control per trial).
-    Every arm draws trial k's tokens from the same streams, so trial 0 is the same episodes in all of them.
+    nothing (from the same streams); each adds ``<arm>_trials`` and, with the control, ``paired_vs_off[<arm>]``
+    (arm − control per trial).
 
     ``eval.own_tips=false`` leaves the own-tips arm out (no ``trials``, ``best_*``, ``reflections``, ``paired``):
-    the control and diagnostic arms alone, e.g. to add them to an earlier run's summary
-    (``scripts/merge_adaptation.py``, which checks that trial 0 is the same episodes in both).
+    the control and diagnostic arms alone, e.g. to add to an earlier run's summary (``scripts/merge_adaptation.py``).
     """
     import lightning as L
 
-    from src.data.rollout import evaluate
+    from src.data.rollout import evaluate, inference
     from src.utils.rng import REFLECTION, VALIDATION, stream_seed
 
-    ev, module, dm = cfg.eval, b["module"], b["datamodule"]
+    ev, policy = cfg.eval, b["module"].policy
     trials, n = int(ev.trials), int(ev.episodes_per_task)
     empty = memory.state_dict()
     arms = {**({"memory": memory} if ev.get("own_tips", True) else {}),
@@ -132,19 +130,19 @@ def run_adaptation(cfg, b, pool, tasks, memory, fixed_arms: dict[str, Any] | Non
             if own:
                 mem.load_state_dict(empty)
             for trial in range(trials + 1):
-                rollout_cfg = dm.rollout_config(use_tips=mem is not None and trial > 0,
-                                                temperature=float(ev.temperature),
-                                                sample_seed=stream_seed(seed, trial, VALIDATION))
                 # the reflection continues the last rollout prompt, as in training (and the warm start teaches)
-                rollout_cfg.keep_reflection_prefix = own and mem.reuse_rollout_cache
+                rollout_cfg = replace(b["rollout"], use_tips=mem is not None and trial > 0,
+                                      temperature=float(ev.temperature),
+                                      sample_seed=stream_seed(seed, trial, VALIDATION),
+                                      keep_reflection_prefix=own and mem.reuse_rollout_cache)
                 # trial 0 passes the memory too (no retrieval): its states are embedded so its tips can be written
-                metrics, episodes = evaluate(pool, module, tasks, n, rollout_cfg, dm.max_steps, mem,
+                metrics, episodes = evaluate(pool, policy, tasks, n, rollout_cfg, b["max_steps"], mem,
                                              return_episodes=True)
                 rollout_s += metrics["rollout_s"]
                 if own:
                     memory_sizes[trial].append(len(mem.tips))
-                    with module.rollout_context():
-                        written = mem.write_tips(episodes, module.policy, pool.system_prompt,
+                    with inference(policy):
+                        written = mem.write_tips(episodes, policy, pool.system_prompt,
                                                  sample_seed=stream_seed(seed, trial, REFLECTION))
                     if "tip_action_frac" in written:
                         tip_action[trial].append(written["tip_action_frac"])
@@ -153,38 +151,63 @@ def run_adaptation(cfg, b, pool, tasks, memory, fixed_arms: dict[str, Any] | Non
                 log.info("seed %d trial %d (%s): score %.2f", seed, trial,
                          "no memory" if mem is None or trial == 0 else "tips",
                          episode_summary(episodes)["score"]["mean"] or math.nan)
-    rows = {arm: [_trial_row(trial, [e for eps in runs for e in eps], arm != "control" and trial > 0)
-                  for trial, runs in enumerate(per_trial[arm])] for arm in arms}
-    for arm, arm_rows in rows.items():
-        scores = [r["score"] for r in arm_rows]
-        if any(s is None for s in scores):
-            raise RuntimeError(f"a trial of the {arm} arm has no finished episode (scores per trial: {scores}); "
-                               "see the worker errors")
+    rows = _arm_trial_rows(per_trial)
     # every episode of every arm, so paired differences can be recomputed from the summary (and trial 0 compared)
     episode_rows = {arm: [[_episode_row(seed, e) for seed, eps in zip(ev.seeds, runs) for e in eps]
                           for runs in per_trial[arm]] for arm in arms}
     out = {"trial0_score": rows[next(iter(arms))][0]["score"], "rollout_s": rollout_s}
     if "memory" in arms:
-        for trial, row in enumerate(rows["memory"]):
-            row["memory_size_before"] = float(sum(memory_sizes[trial]) / len(memory_sizes[trial]))
-            row["tip_action_frac"] = sum(tip_action[trial]) / len(tip_action[trial]) if tip_action[trial] else None
-        scores = [r["score"] for r in rows["memory"]]
-        best = max(range(1, trials + 1), key=lambda k: scores[k])
-        out.update({"trials": rows["memory"], "best_trial": best, "best_score": scores[best],
-                    "best_absolute_gain": scores[best] - scores[0], "best_relative_gain": best_relative_gain(scores),
-                    "reflections": reflections})
+        out.update(_own_tips_results(rows["memory"], memory_sizes, tip_action, reflections))
     if "control" in arms:
         out["control_trials"] = rows["control"]
-        for arm in arms:
-            if arm != "control":
-                out.setdefault("paired_vs_off", {})["own" if arm == "memory" else arm] = paired_by_trial(
-                    episode_rows[arm], episode_rows["control"])
-        if "memory" in arms:
-            out["paired"] = out["paired_vs_off"]["own"]
-            out["last_trial_paired_score_diff"] = out["paired"][-1]["score_diff"]
+        out.update(paired_vs_control(episode_rows))
     out["episode_rows"] = episode_rows
     for arm in fixed_arms or {}:
         out[f"{arm}_trials"] = rows[arm]
+    return out
+
+
+def _arm_trial_rows(per_trial: dict[str, list[list[list]]]) -> dict[str, list[dict[str, Any]]]:
+    """Per arm, one ``_trial_row`` per trial from ``per_trial[arm][trial]`` (that trial's episodes, one list per seed).
+
+    Raises:
+        RuntimeError: a trial of an arm has no finished episode.
+    """
+    rows = {arm: [_trial_row(trial, [e for eps in runs for e in eps], arm != "control" and trial > 0)
+                  for trial, runs in enumerate(trials)] for arm, trials in per_trial.items()}
+    for arm, arm_rows in rows.items():
+        scores = [r["score"] for r in arm_rows]
+        if any(s is None for s in scores):
+            raise RuntimeError(f"a trial of the {arm} arm has no finished episode (scores per trial: {scores}); "
+                               "see the worker errors")
+    return rows
+
+
+def _own_tips_results(rows: list[dict], memory_sizes: list[list[int]], tip_action: list[list[float]],
+                      reflections: list[dict]) -> dict[str, Any]:
+    """The own-tips arm's part of the adaptation summary: its trial rows (with the mean memory size before each
+    trial and the mean ``tip_action_frac``), the best later trial and its gains, the reflections written."""
+    for trial, row in enumerate(rows):
+        row["memory_size_before"] = float(sum(memory_sizes[trial]) / len(memory_sizes[trial]))
+        row["tip_action_frac"] = sum(tip_action[trial]) / len(tip_action[trial]) if tip_action[trial] else None
+    scores = [r["score"] for r in rows]
+    best = max(range(1, len(rows)), key=lambda k: scores[k])
+    return {"trials": rows, "best_trial": best, "best_score": scores[best],
+            "best_absolute_gain": scores[best] - scores[0], "best_relative_gain": best_relative_gain(scores),
+            "reflections": reflections}
+
+
+def paired_vs_control(episode_rows: dict[str, list[list[dict]]]) -> dict[str, Any]:
+    """Every other arm's ``paired_by_trial`` against the control arm, as ``paired_vs_off[<arm>]`` (the own tips'
+    under ``own``, also as ``paired`` with ``last_trial_paired_score_diff``); {} without a control or another arm."""
+    if "control" not in episode_rows or len(episode_rows) < 2:
+        return {}
+    control = episode_rows["control"]
+    out = {"paired_vs_off": {"own" if arm == "memory" else arm: paired_by_trial(rows, control)
+                             for arm, rows in episode_rows.items() if arm != "control"}}
+    if "memory" in episode_rows:
+        out["paired"] = out["paired_vs_off"]["own"]
+        out["last_trial_paired_score_diff"] = out["paired"][-1]["score_diff"]
     return out
 
 

@@ -1,6 +1,7 @@
 """One evaluation run: build the policy (checkpoint weights) and memory, run the protocol, write and log the summary."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -36,7 +37,7 @@ def load_checkpoint(module, ckpt: dict[str, Any], ckpt_path: str) -> dict[str, A
     """Load the policy weights of a checkpoint (``read_checkpoint``) into ``module.policy``: all of them, or the LoRA
     adapters of an adapter-only checkpoint (``load_policy_weights``).
 
-    Returns the checkpoint's ``MemoryCallback`` state, or None when it has none (GRPO, ``memory=none``).
+    Returns the checkpoint's ``MemoryCallback`` state, or None when it has none (GRPO).
 
     Raises:
         ValueError: no policy weights, weights that do not fit the configured model (a different ``model=``), or
@@ -50,40 +51,37 @@ def load_checkpoint(module, ckpt: dict[str, Any], ckpt_path: str) -> dict[str, A
 
 
 def _build(cfg: DictConfig) -> dict[str, Any]:
-    """Module (checkpoint weights, no reference model), datamodule (rollout settings), Fabric, env config."""
+    """Module (checkpoint weights, no reference model), Fabric, env config, the rollout settings of the data group."""
     import lightning as L
+
+    from src.data.rollout_config import RolloutConfig
+    from src.models.checkpoint_state import rebuild_policy_config
+    from src.warm_start import warm_start_model_config
 
     L.seed_everything(cfg.seed, verbose=False)
     algorithm = OmegaConf.to_container(cfg.algorithm, resolve=True)
-    # No update happens here, so no frozen reference copy is needed even when the run used a KL term.
-    from src.warm_start import warm_start_model_config
-
-    from src.models.checkpoint_state import rebuild_policy_config
-
     ckpt = read_checkpoint(cfg.ckpt_path) if cfg.get("ckpt_path") else None
     # Checkpoint weights replace the warm start's, so it is only built/loaded when there is no checkpoint.
     model_cfg, _ = warm_start_model_config(cfg, build=ckpt is None)
     if ckpt is not None:  # an adapter-only checkpoint names its base model
         model_cfg.policy = rebuild_policy_config(ckpt, OmegaConf.to_container(model_cfg.policy))
+    # No update happens here, so no frozen reference copy is needed even when the run used a KL term.
     module = hydra.utils.instantiate(model_cfg, algorithm={**algorithm, "kl_coef": 0.0})
     memory_state = load_checkpoint(module, ckpt, cfg.ckpt_path) if ckpt is not None else None
     module.policy.requires_grad_(False)
     # One device, the trainer group's accelerator and precision (autocast under bf16-mixed); no strategy.
     fabric = L.Fabric(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision)
     module.to(fabric.device)
-    datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
+    data = OmegaConf.to_container(cfg.data, resolve=True)
     env_cfg = OmegaConf.to_container(cfg.env, resolve=True)
     task = OmegaConf.to_container(cfg.eval, resolve=True).get("task")
     if task is not None:
         env_cfg["task"] = task
-    return {"module": module, "memory_state": memory_state, "fabric": fabric, "datamodule": datamodule,
-            "env_cfg": env_cfg}
+    return {"module": module, "memory_state": memory_state, "fabric": fabric, "env_cfg": env_cfg,
+            "rollout": RolloutConfig.from_data(data), "max_steps": data.get("max_steps")}
 
 
 def _build_memory(cfg: DictConfig):
-    if not cfg.get("memory") or "_target_" not in cfg.memory:
-        raise ValueError("memory-on evaluation (eval.memory=true or eval.protocol=adaptation) needs the memory "
-                         "group (memory=empo2); it is memory=none")
     memory = hydra.utils.instantiate(cfg.memory)
     memory.use_environment(OmegaConf.to_container(cfg.env, resolve=True))
     return memory
@@ -95,11 +93,9 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     Raises:
         ConfigError: a bad ``eval`` setting (see ``check_eval_config``) or an ``eval.memory_file`` that cannot be
             read, before anything is built.
-        ValueError: a checkpoint that does not fit the model, memory-on evaluation with ``memory=none``, an empty
-            split.
+        ValueError: a checkpoint that does not fit the model, an empty split.
         RuntimeError: the policy weights changed during the evaluation.
     """
-    from src.envs.pool import EnvPool
     from src.utils.config_error import refused_settings
     from src.utils.precision_choice import resolve_precision
 
@@ -109,32 +105,10 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         check_eval_config(ev)
         memory_file = _read_memory_file(cfg)
     b = _build(cfg)
-    module, fabric = b["module"], b["fabric"]
-    adaptation = ev.protocol == "adaptation"
     memory, memory_source, write_tips = _eval_memory(cfg, b, memory_file)
-
-    hash_before = weights_sha256(module.policy)
-    pool = None
-    try:
-        # one worker to list the split's tasks, then as many as one batch of concurrent episodes needs
-        pool = EnvPool(b["env_cfg"], num_workers=1, timeout_s=float(cfg.data.pool_timeout_s))
-        all_tasks = pool.tasks(ev.split)
-        tasks = all_tasks[: ev.num_tasks] if ev.num_tasks is not None else all_tasks
-        if not tasks:
-            raise ValueError(f"eval.split={ev.split!r} has no tasks for env.task={b['env_cfg'].get('task')!r}")
-        per_round = 1 if (memory is not None and not adaptation) else int(ev.episodes_per_task)
-        pool.resize(len(tasks) * per_round)
-        if memory is not None:
-            memory.pop_metrics()  # start the hit-rate counters at zero
-        fixed_arms = _fixed_arms(cfg, b, tasks) if adaptation else {}
-        with fabric.autocast():
-            result = run_adaptation(cfg, b, pool, tasks, memory, fixed_arms) if adaptation else \
-                run_standard(cfg, b, pool, tasks, memory, write_tips)
-        memory_metrics = memory.pop_metrics() if memory is not None else {}
-    finally:
-        if pool is not None:
-            pool.close()
-    hash_after = weights_sha256(module.policy)
+    hash_before = weights_sha256(b["module"].policy)
+    tasks, result, memory_metrics = _run_protocol(cfg, b, memory, write_tips)
+    hash_after = weights_sha256(b["module"].policy)
     if hash_after != hash_before:
         raise RuntimeError(f"policy weights changed during evaluation (sha256 {hash_before} -> {hash_after})")
 
@@ -154,7 +128,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         "memory_source": memory_source,
         "memory_hit_rate": memory_metrics.get("memory/hit_rate"),
         "memory_size": memory_metrics.get("memory/size"),
-        **({"trials_k": int(ev.trials)} if adaptation else {}),
+        **({"trials_k": int(ev.trials)} if ev.protocol == "adaptation" else {}),
         **result,
         "weights_sha256": hash_after,
         "weights_unchanged": True,
@@ -164,6 +138,40 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
                     "partitions do not cover the evaluation tasks)", memory.partition)
     _write_and_log(cfg, summary)
     return summary
+
+
+def _run_protocol(cfg: DictConfig, b: dict[str, Any], memory, write_tips: bool) -> tuple[list[dict], dict, dict]:
+    """Run ``eval.protocol`` on the split's tasks in an environment pool (closed at the end): (the tasks, the
+    protocol's result, the memory's metrics, ``{}`` without a memory).
+
+    Raises:
+        ValueError: the split has no tasks.
+    """
+    from src.envs.pool import EnvPool
+
+    ev = cfg.eval
+    adaptation = ev.protocol == "adaptation"
+    pool = None
+    try:
+        # one worker to list the split's tasks, then as many as one batch of concurrent episodes needs
+        pool = EnvPool(b["env_cfg"], num_workers=1, timeout_s=float(cfg.data.pool_timeout_s))
+        all_tasks = pool.tasks(ev.split)
+        tasks = all_tasks[: ev.num_tasks] if ev.num_tasks is not None else all_tasks
+        if not tasks:
+            raise ValueError(f"eval.split={ev.split!r} has no tasks for env.task={b['env_cfg'].get('task')!r}")
+        per_round = 1 if (memory is not None and not adaptation) else int(ev.episodes_per_task)
+        pool.resize(len(tasks) * per_round)
+        if memory is not None:
+            memory.pop_metrics()  # start the hit-rate counters at zero
+        fixed_arms = _fixed_arms(cfg, b, tasks) if adaptation else {}
+        with b["fabric"].autocast():
+            result = run_adaptation(cfg, b, pool, tasks, memory, fixed_arms) if adaptation else \
+                run_standard(cfg, b, pool, tasks, memory, write_tips)
+        memory_metrics = memory.pop_metrics() if memory is not None else {}
+    finally:
+        if pool is not None:
+            pool.close()
+    return tasks, result, memory_metrics
 
 
 def _read_memory_file(cfg: DictConfig) -> dict[str, Any] | None:
@@ -217,7 +225,8 @@ def _fixed_arms(cfg: DictConfig, b: dict[str, Any], tasks: list[dict]) -> dict[s
 
 def _eval_memory(cfg: DictConfig, b: dict[str, Any], memory_file: dict[str, Any] | None):
     """(memory or None, where it comes from: ``none`` / ``file`` / ``checkpoint`` / ``built``, whether reflections
-    are written during the evaluation), attached to the datamodule. ``memory_file``: ``_read_memory_file``'s state.
+    are written during the evaluation); the rollouts take its ``tips_scope``. ``memory_file``: ``_read_memory_file``'s
+    state.
 
     Raises:
         ValueError: ``eval.memory_file`` stored with another embedder than the memory group's.
@@ -236,8 +245,8 @@ def _eval_memory(cfg: DictConfig, b: dict[str, Any], memory_file: dict[str, Any]
             memory_source = "checkpoint"
         else:
             memory_source, write_tips = "built", True
-    if memory is not None:  # no Trainer here to call the callback's setup: rollout_config reads its tips_scope
-        memory.attach(b["datamodule"])
+    if memory is not None:
+        b["rollout"] = dataclasses.replace(b["rollout"], tips_scope=memory.tips_scope)
     return memory, memory_source, write_tips
 
 
@@ -273,12 +282,10 @@ def _log_summary(summary: dict[str, Any], loggers, path: Path) -> None:
 
     if summary["protocol"] == "adaptation":
         per_step = [(t, {}) for t in range(summary["trials_k"] + 1)]
-        for row in summary.get("trials") or []:  # absent with eval.own_tips=false
-            per_step[row["trial"]][1].update(finite({f"adaptation/{k}": v for k, v in row.items()
-                                                     if k not in ("trial", "memory")}))
-        for row in summary.get("control_trials") or []:
-            per_step[row["trial"]][1].update(finite({f"adaptation/control_{k}": v for k, v in row.items()
-                                                     if k not in ("trial", "memory")}))
+        for key, prefix in (("trials", "adaptation/"), ("control_trials", "adaptation/control_")):
+            for row in summary.get(key) or []:  # trials: absent with eval.own_tips=false
+                per_step[row["trial"]][1].update(finite({prefix + k: v for k, v in row.items()
+                                                         if k not in ("trial", "memory")}))
         for paired in summary.get("paired") or []:
             per_step[paired["trial"]][1].update(finite({
                 "adaptation/paired_score_diff": paired["score_diff"]["mean"],

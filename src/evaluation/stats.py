@@ -1,7 +1,6 @@
 """Statistics of an evaluation: pooled mean and standard error, the adaptation gain, a weights fingerprint."""
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Any, Sequence
 
@@ -50,14 +49,9 @@ def best_relative_gain(trial_scores: Sequence[float]) -> float | None:
 
 def weights_sha256(module) -> str:
     """SHA-256 over every tensor of ``module.state_dict()`` (names, dtypes, shapes and raw bytes, in order)."""
-    import torch
+    from src.models.checkpoint_state import frozen_weights_sha256
 
-    h = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
-        t = tensor.detach().cpu().contiguous().reshape(-1)
-        h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy())
-    return h.hexdigest()
+    return frozen_weights_sha256(module, set())[0]
 
 
 def episode_summary(episodes) -> dict[str, Any]:

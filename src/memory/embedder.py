@@ -80,8 +80,7 @@ class Embedder:
         self.batch_size = int(batch_size)
         embedded_path = str(embedded_model_dir()) if self.name == EMBEDDED_NAME else None
 
-        # Imported first so huggingface_hub reads the user's own offline setting at import time: the offline flag
-        # below must not leak into the rest of the process (a hub-hosted policy may still need to download).
+        # Imported first, so that huggingface_hub reads the user's own offline setting, not the flag set below.
         import torch
         from sentence_transformers import SentenceTransformer
 

@@ -79,7 +79,9 @@ class NoveltyMemory:
             ValueError: length/shape mismatch, non-finite or non-normalised embeddings.
             TypeError: a task key is not a str.
         """
-        emb = self._check(task_keys, embeddings)
+        emb = check_unit_rows(embeddings, self.dim)
+        if len(task_keys) != emb.shape[0]:
+            raise ValueError(f"got {len(task_keys)} task keys for {emb.shape[0]} embeddings")
         groups: dict[str, list[int]] = {}
         for i, k in enumerate(task_keys):
             if not isinstance(k, str):
@@ -119,12 +121,6 @@ class NoveltyMemory:
     def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         # Normalised within 1e-3, float32: a dot product can leave [-1, 1] by rounding; a cosine cannot.
         return np.clip(a @ b.T, -1.0, 1.0)
-
-    def _check(self, task_keys: list[str], embeddings: np.ndarray) -> np.ndarray:
-        emb = check_unit_rows(embeddings, self.dim)
-        if len(task_keys) != emb.shape[0]:
-            raise ValueError(f"got {len(task_keys)} task keys for {emb.shape[0]} embeddings")
-        return emb
 
     def __len__(self) -> int:
         return sum(len(s) for s in self._states.values())

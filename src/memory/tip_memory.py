@@ -6,12 +6,10 @@ vector in the same order (row i of the index is entry i). Writes deduplicate by 
 ``capacity`` entries per partition (FIFO). Reads keep entries with cosine > ``threshold`` and return the
 ``top_k`` with the highest stored score (the authors' choice) or highest similarity.
 
-Reads scale with the partition size, all queries of a partition at once: ranked by score, the entries are scanned
-in score order in growing chunks (one BLAS product each) until every query's top k is settled, so a large
-partition with many entries above the threshold is read in its first chunk; ranked by similarity, one product
-with every stored key (read from the FAISS index's own storage: exact inner products, as a FAISS range search
-would give, which took 2-3x longer). Only candidates that can still reach a top k are sorted, all queries in one
-``numpy.lexsort``. ``scripts/bench_memory.py`` compares this with a list scan.
+Reads take all queries of a partition at once: in score order in growing chunks (``_candidates_in_score_order``),
+or by similarity in one product with every stored key, read from the FAISS index's own storage (exact inner
+products, as a FAISS range search would give, which took 2-3x longer). ``scripts/bench_memory.py`` compares this
+with a list scan.
 """
 from __future__ import annotations
 
@@ -79,16 +77,8 @@ class TipMemory:
         self._parts: dict[str, Partition] = {}
         self._counters = {"added": 0, "duplicates": 0, "evicted": 0}
 
-    # ------------------------------------------------------------------ write
-    def add(
-        self,
-        partition: str,
-        keys: np.ndarray,
-        contents: list[str],
-        scores: list[float] | np.ndarray,
-        steps: list[int] | np.ndarray,
-        iteration: int | None = None,
-    ) -> int:
+    def add(self, partition: str, keys: np.ndarray, contents: list[str], scores: list[float] | np.ndarray,
+            steps: list[int] | np.ndarray, iteration: int | None = None) -> int:
         """Store N tips in one partition; returns how many were stored (``add_rows`` says which)."""
         return len(self.add_rows(partition, keys, contents, scores, steps, iteration))
 
@@ -177,7 +167,6 @@ class TipMemory:
         part.set_scores(part.scores[extra:].copy())
         self._counters["evicted"] += extra
 
-    # ------------------------------------------------------------------ read
     def retrieve(self, partitions: list[str], queries: np.ndarray, with_similarity: bool = False
                  ) -> list[list[TipEntry]] | list[list[tuple[TipEntry, float]]]:
         """Tips for a batch of queries (all queries of one partition read together).
@@ -281,7 +270,6 @@ class TipMemory:
             return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
         return tuple(np.concatenate(parts) for parts in zip(*out))
 
-    # ------------------------------------------------------------------ info
     def __len__(self) -> int:
         return sum(len(p.entries) for p in self._parts.values())
 
@@ -304,7 +292,6 @@ class TipMemory:
             **self._counters,
         }
 
-    # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
         """Plain objects for a Lightning checkpoint.
 
@@ -336,7 +323,11 @@ class TipMemory:
         """
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a tip-memory state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
-        self._check_compatible(state["embedder_name"], int(state["dim"]), self.embedder_name, self.dim)
+        stored = (state["embedder_name"], int(state["dim"]))
+        if stored != (self.embedder_name, self.dim):
+            raise ValueError(f"tip memory embedder mismatch: stored with embedder {stored[0]!r} (dim {stored[1]}), "
+                             f"but the current embedder is {self.embedder_name!r} (dim {self.dim}); keys from "
+                             "different embedders are not comparable")
         parts: dict[str, Partition] = {}
         for name, p in state["partitions"].items():
             keys = np.asarray(p["keys"], dtype=np.float32).reshape(-1, self.dim)
@@ -344,16 +335,6 @@ class TipMemory:
             parts[name] = self._build_partition(name, keys, entries)
         self._parts = parts
         self._counters = {k: int(state.get("counters", {}).get(k, 0)) for k in self._counters}
-
-    # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _check_compatible(stored_name: str, stored_dim: int, current_name: str, current_dim: int) -> None:
-        if (stored_name, stored_dim) != (current_name, current_dim):
-            raise ValueError(
-                f"tip memory embedder mismatch: stored with embedder {stored_name!r} (dim {stored_dim}), "
-                f"but the current embedder is {current_name!r} (dim {current_dim}); keys from different "
-                f"embedders are not comparable"
-            )
 
     def _build_partition(self, name: str, keys: np.ndarray, entries: list[TipEntry]) -> Partition:
         if keys.shape != (len(entries), self.dim):

@@ -42,11 +42,9 @@ def _content_spans(text: str, messages: list[dict[str, str]]) -> list[tuple[int,
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
                 add_generation_prompt: bool = True) -> list[int]:
-    """Prompt ids of ``messages`` (``[{"role", "content"}]``) rendered by the tokenizer's chat template.
-
-    An added token spelled inside a message's content is encoded as the plain-text tokens of its string
-    (``split_special_tokens``), so only the template's markers are control tokens. Needs a fast tokenizer (character
-    offsets); a template that does not copy contents verbatim falls back to the template's ids with a warning.
+    """Prompt ids of ``messages`` (``[{"role", "content"}]``) rendered by the tokenizer's chat template, contents as
+    plain text (module docstring; ``split_special_tokens``). Needs a fast tokenizer (character offsets); a template
+    that does not copy contents verbatim falls back to the template's ids with a warning.
     """
     def render(tokenize: bool):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,

@@ -1,4 +1,4 @@
-"""Pure loss functions for GRPO / EMPO² (docs/method.md#one-iteration, step 5;
+"""Pure loss functions for GRPO / EMPO² (docs/method.md#one-iteration, step 8;
 docs/method.md#low-probability-token-masking; docs/method.md#rollout-importance-sampling-correction). The advantages
 of step 4 are in ``src/models/advantages.py``.
 
@@ -40,9 +40,6 @@ def _check_count(name: str, count: int | float | Tensor | None) -> None:
     # Tensors (e.g. all-reduced counts) are not checked here, to avoid a device sync.
     if count is not None and not isinstance(count, Tensor) and count <= 0:
         raise ValueError(f"{name} must be > 0, got {count}")
-
-
-# ---------------------------------------------------------------------------------------- masks and counts
 
 
 def low_prob_token_mask(
@@ -94,9 +91,6 @@ def loss_denominators(response_mask: Tensor) -> tuple[int, int]:
     return int(resp.sum()), int(resp.any(dim=-1).sum())
 
 
-# ------------------------------------------------------------------------------------------------- losses
-
-
 def aggregate_loss(
     loss_mat: Tensor,
     mask: Tensor,
@@ -104,16 +98,15 @@ def aggregate_loss(
     batch_num_tokens: int | float | Tensor | None = None,
     global_batch_size: int | float | Tensor | None = None,
 ) -> Tensor:
-    """Reduce a per-token loss matrix to a scalar (``loss_agg_mode``; docs/method.md#one-iteration, step 5).
+    """Reduce a per-token loss matrix to a scalar (``loss_agg_mode``; docs/method.md#one-iteration, step 8).
 
     - ``token-mean``: sum of all masked tokens / token count.
     - ``seq-mean-token-mean``: per-row mean over its tokens, then sum over rows / sequence count.
     - ``seq-mean-token-sum``: per-row sum over its tokens, then sum over rows / sequence count.
 
     The token count defaults to ``mask.sum()``, the sequence count to the number of rows with at least
-    one masked token (rows with none contribute 0 and are not counted; they never give NaN). Passing the
-    global counts (see :func:`loss_denominators`) makes the loss a partial sum, so summing it over
-    micro-batches reproduces the full-batch loss and gradient exactly.
+    one masked token (rows with none contribute 0 and are not counted; they never give NaN). With the global
+    counts the loss is a partial sum (module docstring).
 
     Args:
         loss_mat: ``[B, T]`` per-token loss.
@@ -161,7 +154,7 @@ def compute_policy_loss(
     batch_num_tokens: int | float | Tensor | None = None,
     global_batch_size: int | float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip policy loss with asymmetric clipping and dual clip (docs/method.md#one-iteration, step 5), low-prob
+    """PPO-clip policy loss with asymmetric clipping and dual clip (docs/method.md#one-iteration, step 8), low-prob
     masking (docs/method.md#low-probability-token-masking).
 
     Per response token, ``ρ = exp(logπ - logπ_old)``,
@@ -225,7 +218,6 @@ def compute_policy_loss(
     loss = aggregate_loss(torch.where(keep, pg_losses, 0.0), resp, loss_agg_mode,
                           batch_num_tokens, global_batch_size)
 
-    # float32 metrics, or float64 when the inputs are float64
     md = torch.promote_types(log_prob.dtype, torch.float32)
     return loss, _policy_loss_metrics(loss, ratio, log_ratio, pg, pg_clipped, pg_unclipped, pg_dual_bound,
                                       negative, resp, keep, md)
@@ -310,7 +302,6 @@ def rollout_is_weights(
     if not bool(m.any()):
         return weights, dict.fromkeys(names, 0.0)
     w, d = weights[m], diff[m].abs()
-    # one .tolist(): a single device sync for all metrics
     values = torch.stack([w.mean(), w.amax(), (raw[m] > cap).to(dtype).mean(), d.mean(), d.amax()]).tolist()
     return weights, dict(zip(names, values))
 

@@ -1,7 +1,7 @@
-"""The LightningModule: the policy and the hybrid EMPO²/GRPO update (docs/method.md#one-iteration, steps 4–5).
+"""The LightningModule: the policy and the hybrid EMPO²/GRPO update (docs/method.md#one-iteration, step 8).
 
-One training batch is one micro-batch of step samples from ``RolloutDataModule`` (update prompt ids, response
-ids, old log-probs, advantage). The update reads top to bottom in the paper's terms:
+One training batch is one micro-batch of step samples made by the iteration (``src/data/iteration.py``: update prompt
+ids, response ids, old log-probs, advantage). The update reads top to bottom in the paper's terms:
 
     log π_θ(a|s)  →  low-probability mask (modes in ``mask_modes``)  →  PPO-clip + dual clip
     (× rollout importance weight with ``rollout_is``) (+ KL)  →  aggregation with the mini-batch's global token
@@ -11,7 +11,6 @@ Optimization is manual because a mini-batch is a variable number of micro-batche
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -31,7 +30,7 @@ from src.models.update_metrics import MiniBatchMetrics
 from src.utils.distributed import all_reduce, combine_over_ranks
 from src.utils.timing import peak_rss_gib
 
-if TYPE_CHECKING:  # the module reads these types; it builds none of them (the datamodule does)
+if TYPE_CHECKING:  # the module reads these types; it builds none of them (the iteration does)
     from src.data.samples import MicroBatch, StepSample
 
 log = logging.getLogger(__name__)
@@ -122,64 +121,6 @@ class EMPO2Module(L.LightningModule):
             summary += f"; FSDP2 compute {mp.param_dtype or 'unchanged'}, gradient reduction {mp.reduce_dtype}"
         log.info("Precision: %s", summary)
 
-    # ------------------------------------------------------------------ rollout-time helpers
-    @contextlib.contextmanager
-    def rollout_context(self):
-        """Eval mode, no grad, the Trainer's precision context (autocast under bf16-mixed)."""
-        was_training = self.policy.training
-        self.policy.eval()
-        ctx = self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext()
-        try:
-            with torch.no_grad(), ctx:
-                yield
-        finally:
-            self.policy.train(was_training)
-
-    @torch.no_grad()
-    def score_samples(self, chunks: list[list[StepSample]]) -> None:
-        """Set ``old_log_probs`` (and ``ref_log_probs`` when KL is on) of each sample, in place, one forward pass
-        per chunk (``RolloutDataModule.scoring_chunks``: under FSDP every rank gets the same number of chunks).
-
-        Old log-probs are recomputed by a forward pass over the behaviour prompt (``old_prompt_ids``: with tips,
-        or without under ``off_policy_old_log_prob: without_tips``), so the first update's ratio is exactly 1 where
-        nothing changed. With ``algorithm.recompute_old_log_probs: false`` the rollout log-probs are used wherever
-        the behaviour prompt is the rollout prompt (they agree to ~1e-4 in fp32, see tests/test_rollout.py).
-        """
-        algo = self.algorithm
-        # The rollout log-probs are π_old itself when the behaviour prompt is the rollout prompt; recomputing
-        # costs a forward pass (a third of a CPU iteration) for numerically tiny differences, so it is optional.
-        # The off-policy `without_tips` variant always needs the forward pass (a different prompt).
-        # Under FSDP every rank must run the same forward passes, so nothing is reused there.
-        reuse = not algo.recompute_old_log_probs and not self.policy.synced
-        for chunk in chunks:
-            need = []
-            for s in chunk:
-                if reuse and s.old_prompt_ids is s.rollout_prompt_ids:
-                    s.old_log_probs = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
-                else:
-                    need.append(s)
-            if need:
-                for s, lp in zip(need, self._response_log_probs(self.policy, need, "old_prompt_ids")):
-                    s.old_log_probs = lp
-            if algo.kl_coef > 0:
-                # a frozen copy (reference_is_a_copy), else the base model with the LoRA adapters off
-                ref = self.ref_policy or self.policy
-                for s, lp in zip(chunk, self._response_log_probs(ref, chunk, "update_prompt_ids",
-                                                                 disable_adapters=self.ref_policy is None)):
-                    s.ref_log_probs = lp
-
-    def _share_prefix(self) -> bool:
-        """Whether forward passes compute a batch's common prompt prefix once. Not under FSDP: the prefix pass is
-        one more forward call only where the rows share a long prefix, and sharded weights need every rank to run
-        the same number of forward calls."""
-        return self.share_prompt_prefix and not self.policy.synced
-
-    def _response_log_probs(self, policy, samples: list[StepSample], prompt: str, **kwargs) -> list[torch.Tensor]:
-        """Each sample's response log-probs (float32 ``[T_i]`` on the CPU) under its prompt ``prompt``."""
-        out = policy.log_probs([getattr(s, prompt) for s in samples], [s.response_ids for s in samples],
-                               temperature=self.algorithm.temperature, share_prefix=self._share_prefix(), **kwargs)
-        return [out["log_probs"][i, : len(s.response_ids)].float().cpu() for i, s in enumerate(samples)]
-
     # ------------------------------------------------------------------ training
     def training_step(self, batch: MicroBatch, batch_idx: int) -> torch.Tensor:
         """One forward/backward of the hybrid loss on a micro-batch; the optimizer steps after its mini-batch's
@@ -215,7 +156,8 @@ class EMPO2Module(L.LightningModule):
         """(micro-batch loss, its metrics, its response-token count)."""
         algo, samples = self.algorithm, batch.samples
         out = self.policy.log_probs([s.update_prompt_ids for s in samples], [s.response_ids for s in samples],
-                                    temperature=algo.temperature, with_entropy=True, share_prefix=self._share_prefix())
+                                    temperature=algo.temperature, with_entropy=True,
+                                    share_prefix=self.share_prompt_prefix and not self.policy.synced)
         log_prob, mask = out["log_probs"], out["response_mask"]
         width = log_prob.shape[1]
         old_log_prob = _pad_rows([s.old_log_probs for s in samples], width).to(log_prob.device)
@@ -412,14 +354,13 @@ class EMPO2Module(L.LightningModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Log the held-out metrics (already summarised over all ranks' episodes by ``evaluate``) with the number of
-        iterations trained as their step (validation runs after an iteration: after iteration 4 it is step 5, as
+        iterations trained as their step (``batch["iteration"]``: after iteration 4 it is step 5, as
         ``warm_start/score``, the score RL starts from, is step 0); also kept as callback metrics (checkpoints
         record them)."""
         metrics = {f"val/{k}": v for k, v in batch["metrics"].items()}
         self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1, logger=False)
         if not self.trainer.sanity_checking:
-            done = getattr(self.trainer.datamodule, "iteration", None)  # the datamodule counts iterations run
-            self._log_metrics(metrics, step=done if isinstance(done, int) else self.current_epoch + 1)
+            self._log_metrics(metrics, step=batch["iteration"])
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]

@@ -51,11 +51,8 @@ def _smollm2_gguf() -> tuple[str, str]:
 
 
 def convert_embedded_smollm2(out_dir: str | Path) -> Path:
-    """Dequantise the embedded SmolLM2 GGUF into a Hugging Face directory (bf16 safetensors), once.
-
-    The directory is written next to its final place and renamed into it, so an interrupted conversion
-    never leaves a half-written model behind. Returns ``out_dir``; does nothing if it already holds a model.
-    """
+    """Dequantise the embedded SmolLM2 GGUF into a Hugging Face directory (bf16 safetensors), once, atomically
+    (``atomic_dir``). Returns ``out_dir``; does nothing if it already holds a model."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
         return out_dir
@@ -84,7 +81,8 @@ def resolve_name_or_path(name_or_path: str, cache_dir: str | Path) -> str:
         smollm2 = convert_embedded_smollm2(Path(cache_dir) / "SmolLM2-135M-Instruct")
         return str(build_tiny_model(smollm2, Path(cache_dir) / "tiny-random-llama"))
     if name_or_path.startswith("embedded:"):
-        raise ValueError(f"Unknown embedded model {name_or_path!r}; expected {EMBEDDED_SMOLLM2!r} or {EMBEDDED_TINY!r}.")
+        raise ValueError(f"Unknown embedded model {name_or_path!r}; expected {EMBEDDED_SMOLLM2!r} or "
+                         f"{EMBEDDED_TINY!r}.")
     return name_or_path
 
 
@@ -181,11 +179,8 @@ def load_causal_lm(name_or_path: str, dtype: str = "bfloat16", attn_implementati
 
 def build_tiny_model(tokenizer_dir: str | Path, out_dir: str | Path, seed: int = 0, hidden_size: int = 64,
                      num_layers: int = 2) -> Path:
-    """Write a tiny randomly initialised Llama (SmolLM2's architecture and tokenizer) to ``out_dir``.
-
-    Used by tests and quick runs: same vocabulary and chat template as the real policy, a few MB of weights,
-    built in-process (no download).
-    """
+    """Write a tiny randomly initialised Llama (SmolLM2's architecture, vocabulary and chat template; a few MB of
+    weights, built in-process) to ``out_dir``."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
         return out_dir

@@ -16,12 +16,10 @@ from src.models.core_algos import check_shape
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # bf16/fp16 logits are upcast to float32; float64 stays float64 (exact gradient checks).
     return torch.promote_types(dtype, torch.float32)
 
 
 def _upcast(logits: Tensor, temperature: float) -> Tensor:
-    # Temperature is applied after the upcast: bf16 logits / T in bf16 would round once more.
     z = logits.to(_compute_dtype(logits.dtype))
     return z / temperature if temperature != 1.0 else z
 
@@ -71,9 +69,8 @@ def _chunked(fn, logits: Tensor, labels: Tensor | None, chunk_tokens: int) -> Te
 def log_probs_from_logits(logits: Tensor, labels: Tensor, chunk_tokens: int = 1024, temperature: float = 1.0) -> Tensor:
     """Log-probability of each label token, ``log_softmax(logits / temperature)[..., label]``, memory-efficiently.
 
-    Computed as ``logit[label] - logsumexp(logits)`` in float32 (float64 stays float64), over slices of
-    about ``chunk_tokens`` tokens, so bf16 logits such as ``[8, 1024, 49152]`` are never upcast or
-    log-softmaxed as a whole. Differentiable w.r.t. ``logits``.
+    Computed as ``logit[label] - logsumexp(logits)`` over slices (module docstring). Differentiable w.r.t.
+    ``logits``.
 
     Args:
         logits: ``[B, T, V]`` (any float dtype; may be a non-contiguous view).

@@ -13,11 +13,10 @@ s = W when the strategy shards (FSDP, FSDP2) and 1 when it replicates (DDP, one 
   (embeddings, final norm, LM head) plus two decoder layers (the current one and the prefetched one).
 
 Parameter counts come from the model's ``config.json`` alone (an adapter directory's base model, and its
-``adapter_config.json`` for the adapters) (the model is built on the meta device; no
-weights are read or downloaded beyond the config). Activations, the generation KV cache and the CUDA context
-are not estimated: a combination is refused when the model states alone exceed ``usable_fraction`` of the
-device memory. The device memory is read from the GPU when one is visible, else taken from the config
-(``memory_check.device_memory_gib``).
+``adapter_config.json`` for the adapters), the model built on the meta device: no weights are read or downloaded.
+Activations, the generation KV cache and the CUDA context are not estimated: a combination is refused when the
+model states alone exceed ``usable_fraction`` of the device memory. The device memory is read from the GPU when one
+is visible, else taken from the config (``memory_check.device_memory_gib``).
 """
 from __future__ import annotations
 

@@ -1,17 +1,13 @@
 """The policy: a Hugging Face causal LM behind one small class (docs/usage.md#models).
 
-It does three things and nothing else:
+- ``encode`` renders chat messages to prompt token ids with the tokenizer's chat template;
+- ``generate`` samples responses for a batch of prompts from exactly ``softmax(logits / T)`` and returns the sampled
+  token ids with their per-token log-probs under that distribution (the trainer trains on these ids: a response is
+  never decoded and re-encoded);
+- ``log_probs`` recomputes per-token log-probs (and optionally entropies) of given responses for given prompts, in
+  one padded forward pass.
 
-- ``encode`` renders structured chat messages to prompt token ids with the tokenizer's chat template;
-- ``generate`` samples responses for a batch of prompts from exactly ``softmax(logits / T)`` and returns the
-  sampled token ids with their per-token log-probs under that distribution (these ids are what the trainer
-  trains on: a response is never decoded and re-encoded);
-- ``log_probs`` recomputes per-token log-probs (and optionally entropies) of given responses for given
-  prompts, in one padded forward pass.
-
-Batches are laid out as ``[left-padded prompt | right-padded response]``: every prompt ends at column ``P``
-and every response starts there, so the logits predicting response token ``j`` are at column ``P - 1 + j``.
-Position ids are derived from the attention mask, so padding never shifts positions.
+Batches are laid out as ``[left-padded prompt | right-padded response]`` (``src/models/batch_layout.py``).
 """
 from __future__ import annotations
 
@@ -32,7 +28,8 @@ from src.models.hub import (adapter_base_model, base_model_setting, load_causal_
                             resolve_name_or_path)
 from src.models.log_probs import entropy_from_logits, log_probs_from_logits
 from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
-from src.models.prompt_cache import PromptKV, SharedPrefixes, batch_with_prefixes, prompt_spans, row_prompt_kv
+from src.models.prompt_cache import (PromptKV, SharedPrefixes, batch_with_prefixes, common_prefix, prompt_spans,
+                                     row_prompt_kv)
 from src.models.sampling import (SampledTokenLogProbs, SeededRowSampler, checkpoint_generation_defaults_off,
                                  dropped_generation_defaults, sampling_config)
 from src.utils.threads import adapt_threads
@@ -111,17 +108,15 @@ class Policy(nn.Module):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    # ------------------------------------------------------------------ prompts
     def encode(self, messages: list[dict[str, str]], truncate: bool = True) -> list[int]:
         """Render chat ``messages`` (``[{"role", "content"}]``) to prompt ids ending with the assistant header; every
         content is encoded as text, so a control marker it spells is no control token (``encode_chat``).
 
         With ``truncate``, a prompt over ``max_prompt_tokens`` keeps its last ``max_prompt_tokens`` ids.
         """
-        ids = encode_chat(self.tokenizer, messages)  # contents stay text, whatever control marker they spell
+        ids = encode_chat(self.tokenizer, messages)
         if truncate and len(ids) > self.max_prompt_tokens:
-            # Keep the end (current observation and the generation header); the prompt builder already
-            # bounds the history, so this is a last-resort guard.
+            # a last-resort guard (the prompt builder already bounds the history): keep the end, the current turn
             self.num_prompts_truncated += 1
             ids = ids[-self.max_prompt_tokens:]
         return ids
@@ -132,18 +127,14 @@ class Policy(nn.Module):
         continued conversation. ``None`` when the chat template renders a conversation's beginning differently
         once more turns follow (then continuing by ids would not match a fresh rendering).
         """
-        def render(messages, generation_prompt):
-            return encode_chat(self.tokenizer, messages, add_generation_prompt=generation_prompt)
-
         head = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+        turns = [{"role": "assistant", "content": "A"}, {"role": "user", "content": content}]
         answer = self.tokenizer.encode("A", add_special_tokens=False)
-        prompt = render(head, True)
-        full = render(head + [{"role": "assistant", "content": "A"}, {"role": "user", "content": content}], True)
+        prompt, full = encode_chat(self.tokenizer, head), encode_chat(self.tokenizer, head + turns)
         if full[:len(prompt)] != prompt or full[len(prompt):len(prompt) + len(answer)] != answer:
             return None
         return full[len(prompt) + len(answer):]
 
-    # ------------------------------------------------------------------ sampling
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], max_new_tokens: int | None = None, temperature: float | None = None,
                  do_sample: bool = True, keep_prompt_kv: bool = False,
@@ -173,10 +164,9 @@ class Policy(nn.Module):
         adapt_threads()  # the cores other processes leave free (src/utils/threads.py)
         max_new_tokens = max_new_tokens or self.max_response_tokens
         temperature = self.temperature if temperature is None else temperature
-        if not prompt_ids and not self.synced:
-            return Generation([], [], [], [])
-        if not prompt_ids:  # this rank has nothing to say, but must join the other ranks' forward passes
-            self.generate([[self.tokenizer.eos_token_id]], max_new_tokens, temperature, do_sample)
+        if not prompt_ids:
+            if self.synced:  # this rank has nothing to say, but must join the other ranks' forward passes
+                self.generate([[self.tokenizer.eos_token_id]], max_new_tokens, temperature, do_sample)
             return Generation([], [], [], [])
         self._warn_dropped_generation_defaults()
         recorder = SampledTokenLogProbs(temperature)
@@ -242,7 +232,6 @@ class Policy(nn.Module):
                         "from softmax(logits / T) over the full vocabulary, the distribution whose log-probs the "
                         "trainer uses", ", ".join(f"{k}={v!r}" for k, v in dropped.items()))
 
-    # ------------------------------------------------------------------ scoring
     def log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float = 1.0,
                   with_entropy: bool = False, disable_adapters: bool = False,
                   share_prefix: bool = False) -> dict[str, Tensor]:
@@ -251,13 +240,11 @@ class Policy(nn.Module):
         Returns ``log_probs`` [B, R] (float32, 0 where masked), ``response_mask`` [B, R] (float32) and, with
         ``with_entropy``, ``entropy`` [B, R] of the (temperature-scaled) next-token distribution.
         ``disable_adapters=True`` evaluates the base model of a PEFT policy (the KL reference,
-        docs/method.md#one-iteration, step 5).
+        docs/method.md#one-iteration, step 6).
 
         ``share_prefix=True``: the token prefix all prompts share (e.g. system prompt and task) is computed once
         and its keys/values reused by every row, in the forward and the backward pass; the result is the same up to
-        float rounding (``shared_prefix_length`` says how many tokens are shared; below ``MIN_SHARED_PREFIX``, when
-        computing it once saves under ``MIN_SHARED_SAVING`` of the batch's tokens (``prefix_to_share``), or with
-        gradient checkpointing on, which drops a passed cache, the batch runs as usual).
+        float rounding. ``prefix_to_share`` says when (else the batch runs as usual).
         """
         adapt_threads()
         n_shared = self.prefix_to_share(prompt_ids, response_ids) if share_prefix else 0
@@ -267,19 +254,17 @@ class Policy(nn.Module):
         batch = pack_batch(prompt_ids, response_ids, self.tokenizer.pad_token_id)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         p_len = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
-        ctx = self.model.disable_adapter() if disable_adapters else contextlib.nullcontext()
         r_len = batch["response_mask"].shape[1]
         extra, attention_mask, position_ids = {}, batch["attention_mask"], batch["position_ids"]
         if n_shared:  # the rows continue the shared prefix: its columns are attended to and positions follow it
             extra["cache"] = prefix_cache
             attention_mask = torch.cat([attention_mask.new_ones(len(prompt_ids), n_shared), attention_mask], dim=1)
             position_ids = position_ids + n_shared
-        with ctx:
+        with self.model.disable_adapter() if disable_adapters else contextlib.nullcontext():
             # Responses are right-aligned after column P, so only the last R + 1 positions' logits are needed;
             # asking for just those avoids a [B, P + R, V] tensor (GBs for long prompts).
             logits = self.model(input_ids=batch["input_ids"], attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=False, logits_to_keep=r_len + 1, **extra).logits
-        # bf16 logits (autocast) are upcast to float32 slice by slice before the temperature is applied
         logits = logits[:, :-1]
         response = batch["input_ids"][:, p_len:]
         mask = batch["response_mask"].float()
@@ -292,12 +277,11 @@ class Policy(nn.Module):
     def shared_prefix_length(self, prompt_ids: list[list[int]]) -> int:
         """Tokens at the start of every prompt that ``log_probs(share_prefix=True)`` computes once: their common
         prefix, less the last prompt token of the shortest prompt (it must be fed to predict the first response
-        token); 0 when that is under ``MIN_SHARED_PREFIX``, for one prompt, or with gradient checkpointing on."""
+        token); 0 when that is under ``MIN_SHARED_PREFIX``, for one prompt, or with gradient checkpointing on (it
+        drops a passed cache)."""
         if len(prompt_ids) < 2 or getattr(self.model, "is_activation_checkpointing", False):
             return 0
-        first, n = prompt_ids[0], min(len(p) for p in prompt_ids) - 1
-        for other in prompt_ids[1:]:
-            n = next((j for j in range(n) if other[j] != first[j]), n)
+        n = min([min(len(p) for p in prompt_ids) - 1] + [common_prefix(prompt_ids[0], p) for p in prompt_ids[1:]])
         return n if n >= MIN_SHARED_PREFIX else 0
 
     def prefix_to_share(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> int:
@@ -310,8 +294,7 @@ class Policy(nn.Module):
 
     def _prefix_cache(self, prefix: list[int], batch_size: int, disable_adapters: bool) -> DynamicCache:
         """Keys/values of ``prefix`` computed once (with autograd), viewed as ``batch_size`` identical rows."""
-        ctx = self.model.disable_adapter() if disable_adapters else contextlib.nullcontext()
-        with ctx:
+        with self.model.disable_adapter() if disable_adapters else contextlib.nullcontext():
             out = self.model(input_ids=torch.tensor([prefix], device=self.device), use_cache=True, logits_to_keep=1)
         layers = [(layer.keys.expand(batch_size, -1, -1, -1), layer.values.expand(batch_size, -1, -1, -1))
                   for layer in out.cache.layers]
@@ -320,11 +303,8 @@ class Policy(nn.Module):
 
 def reference_is_a_copy(policy: dict[str, Any]) -> bool:
     """Whether the KL reference of the policy built from ``policy`` (``build_policy`` kwargs) is a frozen copy of
-    the model as loaded, rather than the same model with its LoRA adapters off.
-
-    The copy is needed without LoRA, and when LoRA continues an adapter loaded from ``name_or_path``: turning the
-    adapters off would give the raw base model, not the adapted model training started from.
-    """
+    the model as loaded, rather than the same model with its LoRA adapters off: without LoRA, and when LoRA continues
+    an adapter loaded from ``name_or_path`` (adapters off would give the raw base model, not the starting model)."""
     if not (policy.get("lora") or {}).get("enabled", False):
         return True
     path = resolve_name_or_path(policy["name_or_path"], policy.get("cache_dir", "."))
@@ -341,9 +321,8 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
     ``master_dtype`` (float32 unless insisted otherwise, with a warning); frozen weights (the LoRA base model, or
     the whole model with ``trainable=False``, e.g. the KL reference) stay in the loading ``dtype``.
 
-    The policy has no dropout: every dropout probability (the config's ``*dropout*`` fields, dropout modules,
-    ``lora.dropout``) is set to 0, with a warning naming what was non-zero. π_old is scored in eval mode and the
-    update runs in train mode, so active dropout would make the ratio of the first update differ from 1.
+    The policy has no dropout (``src/models/dropout.py`` says why): every dropout probability (the config's
+    ``*dropout*`` fields, dropout modules, ``lora.dropout``) is set to 0, with a warning naming what was non-zero.
 
     ``name_or_path`` may be a PEFT adapter directory (``adapter_config.json``, e.g. an SFT result): the policy is
     then the adapted model. With LoRA on, the loaded adapter itself is trained (its own r, alpha and target

@@ -23,9 +23,6 @@ class PromptKV:
     layers: list[tuple[Tensor, Tensor]]
     length: int
 
-    def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
-
 
 def row_prompt_kv(cache, row: int, spans: list[tuple[int, int]]) -> PromptKV:
     """Copy row ``row``'s prompt keys/values out of a batch cache (a ``transformers`` cache with

@@ -7,10 +7,6 @@ distribution. A checkpoint's ``generation_config`` may carry defaults that chang
 ``bad_words_ids``, ...), and transformers fills every field a call leaves unset from it, so passing a fresh
 ``GenerationConfig`` is not enough: :func:`checkpoint_generation_defaults_off` also hides the checkpoint's config for
 the duration of a call.
-
-:class:`SampledTokenLogProbs` records the sampled tokens' log-probs step by step instead of keeping every
-step's ``[B, V]`` logits (``output_logits=True`` held ``[B, T, V]`` float32: ~5 GB for 16 × 512 tokens of a
-152k vocabulary).
 """
 from __future__ import annotations
 
@@ -79,7 +75,8 @@ class SampledTokenLogProbs(LogitsProcessor):
     ``generate`` calls it at every step with that step's raw logits ``[B, V]`` (no other processor runs before it
     under :func:`sampling_config`); the token drawn at step t is the last column of ``input_ids`` at step t + 1,
     and the last step's token is passed to :meth:`finish`. Only one step's ``[B, V]`` float32 log-softmax is
-    held at a time: extra memory O(B·V), independent of the response length.
+    held at a time: extra memory O(B·V), independent of the response length (``output_logits=True`` held
+    ``[B, T, V]`` float32: ~5 GB for 16 × 512 tokens of a 152k vocabulary).
     """
 
     def __init__(self, temperature: float):
@@ -164,10 +161,10 @@ class SeededRowSampler(LogitsProcessor):
     token and -inf elsewhere, so ``generate`` run greedily (``do_sample=False``, no warper) takes that token. It must
     come after the log-prob recorder, which needs the raw logits.
 
-    The stream: on a CUDA GPU the counter-based :func:`counter_exponentials` (``counter=True``: per-row generators
-    there slow every decoding step 2.3-4x); elsewhere one ``torch.Generator`` per row (``counter=False``: on a CPU the
-    counter's int64 arithmetic is ~10x slower than torch's sampler, and Apple's MPS has no float64). The two give
-    different tokens for the same seeds, each the same in every batch.
+    The stream: on a CUDA GPU the counter-based :func:`counter_exponentials` (``counter=True``); elsewhere one
+    ``torch.Generator`` per row (``counter=False``: on a CPU the counter's int64 arithmetic is ~10x slower than
+    torch's sampler, and Apple's MPS has no float64). The two give different tokens for the same seeds, each the
+    same in every batch.
     """
 
     def __init__(self, seeds: list[int], temperature: float, device: torch.device | str = "cpu",

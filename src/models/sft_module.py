@@ -2,8 +2,7 @@
 
 The loss is the mean token cross-entropy over the reply tokens only: prompt and padding tokens carry none.
 ``SFTModule`` trains a ``Policy`` on batches of ``SFTExample`` (``src/data/samples.py``, made by
-``src/data/demonstrations.py``);
-``save_policy`` writes the result as a Hugging Face directory that ``build_policy`` loads.
+``src/data/demonstrations.py``); ``save_policy`` writes the result as a directory that ``build_policy`` loads.
 """
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ def response_nll(policy: Policy, examples: list[SFTExample], share_prefix: bool 
     ``share_prefix``: compute the prompts' common prefix once (``Policy.log_probs``); same values."""
     out = policy.log_probs([e.prompt_ids for e in examples], [e.response_ids for e in examples],
                            share_prefix=share_prefix)
-    # log_probs is already 0 outside the response mask, so prompt and padding tokens contribute nothing.
     return -out["log_probs"].sum(), out["response_mask"].sum()
 
 
@@ -168,11 +166,9 @@ class ProgressLog(L.Callback):
 
 
 def save_policy(policy: Policy, out_dir: str | os.PathLike, info: dict[str, Any] | None = None) -> Path:
-    """Write the policy's model and tokenizer to ``out_dir`` as a Hugging Face directory, atomically.
-
-    Written into a temporary directory next to ``out_dir`` and renamed into place; an existing ``out_dir`` is
-    moved aside first and deleted after the rename. A PEFT (LoRA) model is merged into its base weights first,
-    so the directory loads with plain ``from_pretrained``. ``info`` is stored as ``sft_info.json``.
+    """Write the policy's model and tokenizer to ``out_dir`` as a Hugging Face directory, atomically (``atomic_dir``,
+    replacing an existing one). A PEFT (LoRA) model is merged into its base weights first, so the directory loads
+    with plain ``from_pretrained``. ``info`` is stored as ``sft_info.json``.
     """
     out_dir = Path(out_dir)
     model = policy.model

@@ -15,8 +15,7 @@ from src.utils.io import atomic_file
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` to a temporary file (``.<name>.tmp<pid>``) in the same directory, fsync, then ``os.replace``
-    onto the target; loads a file or a distributed-checkpoint directory."""
+    """Saves with ``atomic_file``; loads a file or a distributed-checkpoint directory."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
         with atomic_file(path, "wb") as f:

@@ -43,8 +43,6 @@ def start_run(cfg: DictConfig) -> None:
     adapt_threads()  # the first reading of the load: the first generation already knows what the others use
 
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        # with them every Lightning INFO line was printed twice; Hydra's handlers (the console and the run's log
-        # file) print it once
         logger = logging.getLogger(name)
         for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
             logger.removeHandler(handler)

@@ -1,11 +1,6 @@
-"""Atomic writes: a crash or a kill mid-write never leaves a half-written file or directory in place.
-
-- A file is written to ``.<name>.tmp<pid>`` next to it, flushed and fsynced, then renamed onto its name
-  (``atomic_file``, ``write_text_atomic``, ``write_json_atomic``). A killed writer leaves only that temporary file,
-  which ``remove_stale_temp_files`` deletes at the next start-up.
-- A directory is built in a temporary sibling and renamed into place (``atomic_dir``).
-
-``json_digest`` names what a cache entry was built from.
+"""Atomic writes: a crash or a kill mid-write never leaves a half-written file (``atomic_file``) or directory
+(``atomic_dir``) in place; the temporary file a killed writer leaves is deleted at the next start-up
+(``remove_stale_temp_files``). ``json_digest`` names what a cache entry was built from.
 """
 from __future__ import annotations
 

@@ -136,8 +136,7 @@ def _device_kind(accelerator: str) -> str:
 def resolve_precision(cfg: DictConfig) -> str | None:
     """Replace ``trainer.precision=auto`` in ``cfg`` by the choice of ``decide_precision`` and log it as
     ``Precision: <choice> (<reason>)``. An explicit value is left as it is (and logged once). Returns the
-    precision, or None when ``cfg`` has no trainer group. Called by everything that reads ``trainer.precision``
-    first: ``src/train.py`` (``build``), ``src/eval.py``, the warm start."""
+    precision, or None when ``cfg`` has no trainer group. Called before anything reads ``trainer.precision``."""
     trainer = cfg.get("trainer")
     if trainer is None or trainer.get("precision") is None:
         return None

@@ -1,12 +1,6 @@
-"""Checks and fixes applied to a training config before anything is built (``src/train.py``).
-
-- Lightning options that cannot work with one epoch = one training iteration are refused with the reason, and
-  ``fast_dev_run`` becomes one real iteration (``check_trainer_options``);
-- a GPU accelerator on a machine without a usable GPU is refused with the overrides that run on the CPU
-  (``check_accelerator``);
-- a ``ckpt_path`` that is missing, unreadable, cut short or not a checkpoint of this project is refused naming the
-  file (``check_checkpoint_path``);
-- temporary files of checkpoint saves that a killed run left behind are removed (``clean_checkpoint_dirs``).
+"""Checks and fixes applied to a training config before anything is built (``src/train.py``): the Lightning options
+(``check_trainer_options``), the accelerator (``check_accelerator``), ``ckpt_path`` (``check_checkpoint_path``) and
+the temporary files of checkpoint saves a killed run left behind (``clean_checkpoint_dirs``).
 
 torch is imported only by the checks that need it (a GPU accelerator, a ``ckpt_path``). ``src/config_checks.py`` runs
 them all with the checks of every setting's value (``prepare_run``). Checks that need to know an

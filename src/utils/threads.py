@@ -6,9 +6,8 @@ core the descheduled one needs, and a decoding step that waits at dozens of barr
 measured table). A bounded spin (``GOMP_SPINCOUNT``) keeps the quiet speed of small operations and sleeps soon enough
 to give a busy core away.
 
-``configure_threads`` is called by the entry points before anything imports torch (libgomp reads its variables once,
-when it loads); environment workers and DDP ranks are child processes and inherit the setting. A setting of the
-user's (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``, ``OMP_NUM_THREADS``) is left as it is.
+``configure_threads`` runs before anything imports torch (libgomp reads its variables once, when it loads);
+environment workers and DDP ranks are child processes and inherit the setting.
 """
 from __future__ import annotations
 

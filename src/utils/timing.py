@@ -36,10 +36,8 @@ def eta_text(elapsed_s: float, done: float, total: float) -> str:
 
 class EtaLog:
     """Progress of a phase as log lines ``<what>: <done>/<total> <unit>, <eta_text>[, detail]``, at most every
-    ``every_s`` seconds and always for the last item, so a long start-up phase is never silent.
-
-    Used for the phases before the first training metric that have no progress bar of their own (ScienceWorld
-    gold paths, WebShop expert demonstrations).
+    ``every_s`` seconds and always for the last item, so a long start-up phase without a progress bar of its own is
+    never silent.
     """
 
     def __init__(self, logger, what: str, total: int, unit: str = "", every_s: float = 10.0):

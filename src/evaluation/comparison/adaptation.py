@@ -82,11 +82,9 @@ def load_adaptation(specs: Sequence[str | Path]) -> dict[str, dict[str, Any]]:
         entry["scores"].append(scores)
         entry["files"].append(str(path))
     for entry in out.values():
+        single = len(entry["scores"]) == 1 and entry["stderr"] is not None  # a single file's own standard errors
         entry["scores"] = np.asarray(entry["scores"], dtype=float)
-        if len(entry["scores"]) > 1 or entry["stderr"] is None:
-            entry["stderr"] = None
-        else:
-            entry["stderr"] = np.asarray(entry["stderr"], dtype=float)
+        entry["stderr"] = np.asarray(entry["stderr"], dtype=float) if single else None
     return out
 
 

@@ -88,14 +88,12 @@ def plot_learning_curves(data: dict[str, dict[str, list[Curve]]], env, x_axis: s
         ax.grid(alpha=0.3)
     if x_axis == "minutes":  # after all panels are drawn: fixing a limit earlier would freeze the shared x range
         axes[0].set_xlim(left=0)
-    handles, names = [], []
-    for ax in axes:  # one legend for the figure, each entry once
+    legend: dict[str, Any] = {}  # one legend for the figure, each entry once
+    for ax in axes:
         for h, n in zip(*ax.get_legend_handles_labels()):
-            if n not in names:
-                handles.append(h)
-                names.append(n)
+            legend.setdefault(n, h)
     fig.suptitle(title + "  —  line: mean over seeds, band / bars: ± 1 standard error, dots: single seeds")
-    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 4), frameon=False)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(len(legend), 4), frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))
     _save(fig, path)
     return aggs
@@ -105,10 +103,9 @@ def plot_adaptation(adapt: dict[str, dict[str, Any]], env, path: Path) -> dict[s
     """Score per trial (trial 0 without memory, then memory trials) per label.
 
     Band: ± standard error over files with one label, or, for a single file, the summary's own per-trial
-    standard error over its episodes (and seeds). Units from the summaries' ``env`` (else ``env``, an
-    ``Environment`` class or None).
-    Returns ``{label: {"mean": [...], "sem": [...], "best_relative_gain": float | None, "files": [...]}}`` with
-    the gain as ``src.evaluation.stats.best_relative_gain`` defines it (max over trials ≥ 1 of (score − score₀) / |score₀|).
+    standard error over its episodes (and seeds). Units from the summaries' ``env`` (else ``env``, an ``Environment``
+    class or None). Returns ``{label: {"mean": [...], "sem": [...], "best_relative_gain": float | None, "files":
+    [...]}}``, the gain as ``src.evaluation.stats.best_relative_gain`` defines it.
     """
     fig, ax = plt.subplots(figsize=ADAPT_FIGSIZE, dpi=DPI)
     summary = {}

@@ -5,8 +5,7 @@ comparison made in the last store would see only the runs made there. ``scripts/
 record of every run it compares to ``<out-dir>/runs/<algorithm>-seed<seed>.json`` and, before it selects runs,
 imports the records of that directory whose runs its store lacks. An imported run carries its original run id in
 the tag ``RECORD_SOURCE_TAG``; its record is written back with that id, so a record read into a store and written
-out again is the same file. A record taken while its run was RUNNING goes stale when the run goes on: the import
-replaces a copy that differs from its record file.
+out again is the same file.
 
 A record holds what the comparison reads: the run's name, status, start and end time (ms since the epoch), its
 parameters and tags, and the full history of every metric as ``[step, timestamp (ms), value]`` rows. The per-episode

@@ -24,7 +24,6 @@ def algorithm_rank(algo: str) -> tuple[int, str]:
     return (known.index(algo) if algo in known else len(known), algo)
 
 
-# ---------------------------------------------------------------------------------------------------- selection
 def run_tags(run: Run) -> list[str]:
     """The run's Hydra ``tags`` (logged as the parameter ``tags``, the string form of a list)."""
     raw = run.data.params.get("tags", "")
@@ -59,8 +58,8 @@ def select_runs(client: mlflow.MlflowClient, experiment: str | None, tags: Seque
                 run_ids: Sequence[str] = (), algorithms: Sequence[str] = ("grpo", "grpo_novelty", "empo2"),
                 include_unfinished: bool = False) -> list[Run]:
     """Training runs to compare: ``run_ids`` as given (an original id finds the run imported from its record), or
-    the runs of ``experiment`` that carry every tag in
-    ``tags`` and whose ``algorithm/name`` is in ``algorithms`` (finished ones unless ``include_unfinished``).
+    the runs of ``experiment`` that carry every tag in ``tags`` and whose ``algorithm/name`` is in ``algorithms``
+    (finished ones unless ``include_unfinished``).
 
     Raises ValueError for an unknown experiment, a run id that is not a training run, or no matching run.
     """
@@ -115,7 +114,6 @@ def comparison_title(runs: Sequence[Run], env) -> str:
         f" ({', '.join(tasks)})" if tasks else "")
 
 
-# ---------------------------------------------------------------------------------------------------- curves
 def rollout_curve(client: mlflow.MlflowClient, run: Run, key: str) -> Curve:
     """A per-iteration rollout metric (``rollout/*``) against its iteration index.
 
@@ -178,7 +176,6 @@ def collect(client: mlflow.MlflowClient, runs: Sequence[Run]) -> dict[str, dict[
     return out
 
 
-# ---------------------------------------------------------------------------------------------------- run facts
 def run_info(client: mlflow.MlflowClient, run: Run) -> dict[str, Any]:
     """Name, algorithm, seed, status, wall-clock minutes, iterations logged and minutes per iteration of a run
     (``run_id``: the id it was first logged under, also for a run imported from a record)."""

@@ -44,8 +44,6 @@ def results_table(client: mlflow.MlflowClient, runs: Sequence[Run], env) -> str:
         info = [run_info(client, r) for r in mine]
         last = {k: [client.get_metric_history(r.info.run_id, k) for r in mine] for k in VAL_KEYS.values()}
         finals = {k: [max(h, key=lambda m: m.timestamp).value for h in hs if h] for k, hs in last.items()}
-        # one warm start per study, but the same config trained on another machine rounds to other weights: each
-        # distinct held-out result is shown with the seeds that started from it
         ws_runs: dict[str, list[str]] = {}
         for r, i in zip(mine, info):
             ws_runs.setdefault(_warm_start_text(r.data.metrics, digits), []).append(str(i["seed"]))
