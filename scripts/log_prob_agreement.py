@@ -75,17 +75,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 def _prompts(policy, cfg, episodes: int, steps: int) -> list[list[int]]:
     """``episodes`` prompts for each of the first ``steps`` steps of the scripted expert's demonstrations, rendered
     as the rollout renders them: every generate call is then a batch of different prompt lengths, as in a rollout."""
-    import hydra
     from omegaconf import OmegaConf
 
     from src.data.demonstrations import build_examples, demonstration_records
+    from src.data.rollout_config import RolloutConfig
 
-    datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
+    data = OmegaConf.to_container(cfg.data, resolve=True)
     records, system_prompt = demonstration_records(OmegaConf.to_container(cfg.env, resolve=True),
                                                    episodes * steps,
                                                    Path(cfg.paths.data_dir) / "scienceworld_gold")
-    examples = build_examples(policy, records, system_prompt, datamodule.rollout_config(use_tips=False),
-                              datamodule.max_steps)
+    examples = build_examples(policy, records, system_prompt, RolloutConfig.from_data(data), data.get("max_steps"))
     by_step = {}
     for e in examples:
         by_step.setdefault(e.step, []).append(e.prompt_ids)

@@ -29,7 +29,6 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=3, help="first N training tasks")
     args = parser.parse_args()
 
-    import hydra
     import torch
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
@@ -37,6 +36,7 @@ def main() -> None:
     import src.utils.entrypoint  # noqa: F401 - registers the config resolvers
     from src.data.demonstrations import build_examples, demonstration_records
     from src.data.reflections import reflection_examples, reflection_records
+    from src.data.rollout_config import RolloutConfig
     from src.envs.base import environment_class, is_action_reply
     from src.models.policy import build_policy
 
@@ -44,17 +44,17 @@ def main() -> None:
         cfg = compose(config_name="sft", overrides=args.overrides)
     ws = OmegaConf.to_container(cfg.model.warm_start, resolve=True)
     env_cfg = OmegaConf.to_container(cfg.env, resolve=True)
-    dm = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
-    rollout = dm.rollout_config(use_tips=False)
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    rollout, max_steps = RolloutConfig.from_data(data), data.get("max_steps")
     policy = build_policy(**{**OmegaConf.to_container(cfg.model.policy, resolve=True), "name_or_path": args.path})
     policy.eval()
     tok = policy.tokenizer
     records, system_prompt = demonstration_records(env_cfg, args.tasks, ws["gold_dir"])
-    actions = build_examples(policy, records, system_prompt, rollout, dm.max_steps)
+    actions = build_examples(policy, records, system_prompt, rollout, max_steps)
     settings = ws.get("reflections") or {"max_tokens": int(cfg.memory.tip_max_tokens),
                                          "continue_last_prompt": bool(cfg.memory.reuse_rollout_cache)}
     refl_records, write_tip, _ = reflection_records(env_cfg, args.tasks, ws["gold_dir"])
-    reflections = reflection_examples(policy, refl_records, system_prompt, rollout, dm.max_steps, write_tip,
+    reflections = reflection_examples(policy, refl_records, system_prompt, rollout, max_steps, write_tip,
                                       int(settings["max_tokens"]), bool(settings["continue_last_prompt"]))
     with torch.no_grad():
         out = policy.log_probs([e.prompt_ids for e in actions], [e.response_ids for e in actions])

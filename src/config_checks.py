@@ -62,7 +62,7 @@ def trainer_problems(trainer: dict[str, Any]) -> list[str]:
 def data_problems(data: dict[str, Any]) -> list[str]:
     """Rollout counts, temperatures and the validation settings (``data.*``)."""
     from src.data.minibatches import mini_batch_count
-    from src.data.rollout_config import HISTORY_ACTIONS
+    from src.data.rollout_config import RolloutConfig
 
     problems = []
     for key in ("tasks_per_iteration", "ppo_epochs", "micro_batch_size", "max_response_tokens"):
@@ -81,8 +81,10 @@ def data_problems(data: dict[str, Any]) -> list[str]:
     length = data.get("history_length")
     if length is not None and (not _is_int(length) or length < 0):
         problems.append(f"data.history_length={length!r}: expected an int >= 0 (past steps shown in the prompt)")
-    if data.get("history_action", "raw") not in HISTORY_ACTIONS:
-        problems.append(f"data.history_action={data.get('history_action')!r}: expected one of {HISTORY_ACTIONS}")
+    try:  # the rollout settings' own check (history_action), the one evaluation and the warm start meet too
+        RolloutConfig.from_data(data)
+    except (ValueError, TypeError) as err:
+        problems.append(str(err))
     temperature = _number(data.get("temperature", 1.0))
     if temperature is None or temperature <= 0:
         problems.append(f"data.temperature={data.get('temperature')!r}: the rollout sampling temperature; expected a "

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -57,8 +58,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         memory = hydra.utils.instantiate(cfg.memory)
         memory.use_environment(OmegaConf.to_container(cfg.env, resolve=True))
     datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
-    # Lightning saves the memory in every checkpoint and logs its tip tables
-    callbacks = instantiate_callbacks(cfg.get("callbacks")) + ([memory] if memory is not None else [])
+    # Lightning saves the memory in every checkpoint and logs its tip tables (first: the tables are rollout time)
+    callbacks = ([memory] if memory is not None else []) + instantiate_callbacks(cfg.get("callbacks"))
     loggers = instantiate_loggers(cfg.get("logger"))
     # ModelParallelStrategy (FSDP2) writes distributed checkpoints itself and takes no CheckpointIO plugin.
     sharded = "ModelParallelStrategy" in str(cfg.trainer.get("strategy"))
@@ -70,8 +71,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         raise
     # what the rollout stream plays with, handed to it here: nothing on the data side reaches through the Trainer
     datamodule.attach(policy=module.policy, reference=module.ref_policy, memory=memory,
-                      precision=lambda: trainer.precision_plugin.forward_context(),
-                      global_step=lambda: trainer.global_step)
+                      precision=trainer.precision_plugin.forward_context,
+                      global_step=functools.partial(getattr, trainer, "global_step"))  # picklable (ddp_spawn)
     return {"module": module, "datamodule": datamodule, "memory": memory, "trainer": trainer, "loggers": loggers,
             "warm_start": warm_start}
 

@@ -2,7 +2,6 @@
 
 The metrics go to the tracker; this line is what ``train.log`` (and the console) says of each iteration, so a run
 can be followed without opening the tracker, and a run whose update does nothing (no gradient) shows it at once.
-Each validation's episodes go to the run's ``validation_episodes.csv`` (``log_validation_episodes``).
 """
 from __future__ import annotations
 
@@ -10,8 +9,6 @@ import logging
 import time
 
 import lightning as L
-
-from src.evaluation.episode_table import log_validation_episodes
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +37,6 @@ class IterationLog(L.Callback):
             else:
                 self._grad_norms.append(float(metrics["train/grad_norm"]))
             self._update_s = time.perf_counter() - self._start  # to the last optimizer step (not validation or saving)
-
-    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
-        """Every held-out episode of the validation (all ranks', as ``RolloutDataModule`` gathered them) to the run's
-        ``validation_episodes.csv``, for paired differences between runs."""
-        log_validation_episodes(trainer, batch["episode_rows"])
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero or not self._rollout:

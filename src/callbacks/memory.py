@@ -150,8 +150,9 @@ class MemoryCallback(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         """On an iteration's first micro-batch (the one carrying its rollout metrics: the rollout and the tips are
         done), log the iteration's tip tables (``log_tip_tables``: the entries written and the tips retrieved, every
-        rank's rows; a collective under DDP/FSDP) and the seconds it took as ``rollout/tip_tables_s``."""
-        if not getattr(batch, "metrics", None) or not self._record_tables:
+        rank's rows; a collective under DDP/FSDP). The seconds it took join the batch's rollout metrics, which the
+        module logs next: ``rollout/tip_tables_s``, also counted in ``rollout/tip_write_s``."""
+        if not getattr(batch, "metrics", None) or not (self._record_tables and self.tips_enabled):
             return
         tic = time.perf_counter()
         retrieved, self._retrieved = gather_lists(self._retrieved), []
@@ -159,8 +160,9 @@ class MemoryCallback(L.Callback):
                   for name, rows in (("written", self._written), ("retrieved", retrieved))}
         self._written = []
         log_tip_tables(trainer, batch.iteration, tables)
-        for logger in trainer.loggers if trainer.is_global_zero else []:
-            logger.log_metrics({"rollout/tip_tables_s": time.perf_counter() - tic}, step=batch.iteration)
+        seconds = all_reduce([time.perf_counter() - tic], op="max")[0]
+        batch.metrics["rollout/tip_tables_s"] = seconds
+        batch.metrics["rollout/tip_write_s"] = batch.metrics.get("rollout/tip_write_s", 0.0) + seconds
 
     def use_environment(self, env_cfg: dict[str, Any]) -> None:
         """Read the environment's facts the memory needs: what a bare command looks like (``tip_action_frac``)."""

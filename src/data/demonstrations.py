@@ -87,7 +87,7 @@ def build_examples(policy: Policy, records: list[dict[str, Any]], system_prompt:
             ``responses`` (the reply texts; default: the actions), ``admissible_actions`` (per state) and ``tips``
             (per step, the memory entries shown when ``cfg.use_tips``; ``tipped_demonstrations``).
         system_prompt: the environment's ``system_prompt``.
-        cfg: the RL run's rollout settings (``RolloutDataModule.rollout_config(use_tips=False)``).
+        cfg: the RL run's rollout settings (``RolloutConfig.from_data`` of its ``data`` group).
         max_steps: the step budget shown in the prompt (``data.max_steps`` of the RL run; None shows none).
 
     The state at step t is what the rollout runner sees after the first t demonstrated replies: the reset

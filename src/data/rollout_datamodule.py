@@ -157,6 +157,7 @@ class RolloutDataModule(L.LightningDataModule):
     def _iterate(self) -> Iterator[MicroBatch]:
         """One training iteration (``run_iteration``); Lightning runs the update (``training_step``) on the
         micro-batches it yields."""
+        self._check_attached()
         step = self.global_step()
         iteration = self._next_iteration(step)
         parts = Collaborators(policy=self.policy, pool=self.pool, tasks=self.train_tasks, reference=self.reference,
@@ -164,6 +165,11 @@ class RolloutDataModule(L.LightningDataModule):
         yield from run_iteration(self.settings, parts, iteration, step, self.guard)
         # runs when Lightning asks past the last micro-batch, before the epoch ends and its checkpoint is written
         self.iteration = iteration + 1
+
+    def _check_attached(self) -> None:
+        if self.policy is None:
+            raise RuntimeError("RolloutDataModule has no policy to play with: call attach(policy=..., memory=..., "
+                               "...) where the objects are built, as src/train.py does")
 
     def _next_iteration(self, global_step: int) -> int:
         """The iteration to run: counted here and saved with the checkpoint (the optimizer steps per iteration may
@@ -189,6 +195,7 @@ class RolloutDataModule(L.LightningDataModule):
         ``iteration``, the iterations trained so far (the module logs them)."""
         if not self.val_cfg or not self.val_tasks:
             return
+        self._check_attached()
         step, seed, done = self.global_step(), self.settings.seed, self.iteration or 0
         seed_torch(seed, step, VALIDATION, rank_and_world()[0])
         cfg = replace(self.settings.rollout, use_tips=False, temperature=float(self.val_cfg.get("temperature", 0.4)),

@@ -12,18 +12,16 @@ Units: ``score`` in the environment's units (ScienceWorld points −100..100, We
 from __future__ import annotations
 
 import csv
-import io
 import math
 import re
 import statistics
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from src.evaluation.stats import mean_stderr
-from src.utils.io import write_text_atomic
+# the writer sits with the tracking helpers, where the LightningModule's validation step reaches it
+from src.utils.logging import EPISODE_COLUMNS as COLUMNS, EPISODES_FILE as FILE, append_rows  # noqa: F401
 
-FILE = "validation_episodes.csv"
-COLUMNS = ("iteration", "task", "episode", "score", "success", "steps", "failed")
 RUN_FILE = re.compile(r"^(?P<algorithm>.+)-seed(?P<seed>-?\d+)\.csv$")
 
 
@@ -34,32 +32,6 @@ def episode_rows(episodes: Iterable, iteration: int) -> list[dict[str, Any]]:
 
     return [{"iteration": int(iteration), "task": task_text(e.task), "episode": int(e.id), "score": float(e.score),
              "success": int(bool(e.success)), "steps": len(e.steps), "failed": int(bool(e.failed))} for e in episodes]
-
-
-def append_rows(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
-    """Add ``rows`` to the CSV at ``path`` (created with its header when missing), rewriting it atomically."""
-    path = Path(path)
-    old = path.read_text(encoding="utf-8") if path.exists() else ""
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
-    if not old:
-        writer.writeheader()
-    writer.writerows({c: row[c] for c in COLUMNS} for row in rows)
-    write_text_atomic(path, old + buf.getvalue())
-
-
-def log_validation_episodes(trainer, rows: Sequence[dict[str, Any]]) -> None:
-    """Add a validation's rows (all ranks', ``episode_rows``) to ``<run dir>/validation_episodes.csv`` and, with the
-    MLflow logger, log the file as the run's artifact; rank 0 only, nothing during the sanity check."""
-    if not trainer.is_global_zero or trainer.sanity_checking:
-        return
-    from lightning.pytorch.loggers import MLFlowLogger
-
-    path = Path(trainer.default_root_dir) / FILE
-    append_rows(path, rows)
-    for logger in trainer.loggers:
-        if isinstance(logger, MLFlowLogger):
-            logger.experiment.log_artifact(logger.run_id, str(path))
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:

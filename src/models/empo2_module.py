@@ -28,6 +28,7 @@ from src.models.policy import build_policy, reference_is_a_copy
 from src.models.precision import check_trainable_dtype, fsdp_mixed_precision, torch_dtype
 from src.models.update_metrics import MiniBatchMetrics
 from src.utils.distributed import all_reduce, combine_over_ranks
+from src.utils.logging import log_validation_episodes
 from src.utils.timing import peak_rss_gib
 
 if TYPE_CHECKING:  # the module reads these types; it builds none of them (the iteration does)
@@ -81,7 +82,8 @@ class EMPO2Module(L.LightningModule):
         self._val_iteration: int | None = None  # iteration of the last validation
         self._validation: dict[str, Any] | None = None  # its metrics, saved with each checkpoint
         self._base: dict[str, Any] | None = None  # the LoRA base model's record (adapter-only checkpoints)
-        # compute a batch's common prompt prefix once, forward and backward (Policy.log_probs(share_prefix=True))
+        # the update computes a batch's common prompt prefix once, forward and backward (Policy.log_probs(
+        # share_prefix=True)); π_old scoring always does (src/models/old_log_probs.py)
         self.share_prompt_prefix = True
 
     def configure_model(self) -> None:
@@ -356,11 +358,13 @@ class EMPO2Module(L.LightningModule):
         """Log the held-out metrics (already summarised over all ranks' episodes by ``evaluate``) with the number of
         iterations trained as their step (``batch["iteration"]``: after iteration 4 it is step 5, as
         ``warm_start/score``, the score RL starts from, is step 0); also kept as callback metrics (checkpoints
-        record them)."""
+        record them); every held-out episode (all ranks') goes to the run's ``validation_episodes.csv``, for paired
+        differences between runs."""
         metrics = {f"val/{k}": v for k, v in batch["metrics"].items()}
         self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1, logger=False)
         if not self.trainer.sanity_checking:
             self._log_metrics(metrics, step=batch["iteration"])
+            log_validation_episodes(self.trainer, batch["episode_rows"])
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]

@@ -1,16 +1,20 @@
 """Experiment tracking helpers: loggers created safely next to concurrent runs, the resolved config as parameters
-and as an artifact, checkpoints as artifacts."""
+and as an artifact, checkpoints and the validation episodes (``validation_episodes.csv``) as artifacts."""
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import hydra
 from filelock import FileLock
 from lightning.pytorch.loggers import Logger, MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
+
+from src.utils.io import write_text_atomic
 
 _SQLITE = "sqlite:///"
 # MLFlowLogger.log_hyperparams stores str(value)[:250]
@@ -136,3 +140,32 @@ def log_checkpoint(path: str | None, loggers: list[Logger]) -> None:
         if isinstance(logger, MLFlowLogger):
             logger.experiment.log_artifact(logger.run_id, path, artifact_path="checkpoints")
             log.info("Logged %s to MLflow run %s", path, logger.run_id)
+
+
+EPISODES_FILE = "validation_episodes.csv"
+EPISODE_COLUMNS = ("iteration", "task", "episode", "score", "success", "steps", "failed")
+
+
+def append_rows(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
+    """Add ``rows`` to the CSV at ``path`` (created with its header when missing), rewriting it atomically."""
+    path = Path(path)
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=EPISODE_COLUMNS, lineterminator="\n")
+    if not old:
+        writer.writeheader()
+    writer.writerows({c: row[c] for c in EPISODE_COLUMNS} for row in rows)
+    write_text_atomic(path, old + buf.getvalue())
+
+
+def log_validation_episodes(trainer, rows: Sequence[dict[str, Any]]) -> None:
+    """Add a validation's rows (all ranks', ``episode_rows``) to ``<run dir>/validation_episodes.csv`` and, with the
+    MLflow logger, log the file as the run's artifact; rank 0 only, nothing during the sanity check. The file's
+    columns and readers: ``src/evaluation/episode_table.py``."""
+    if not trainer.is_global_zero or trainer.sanity_checking:
+        return
+    path = Path(trainer.default_root_dir) / EPISODES_FILE
+    append_rows(path, rows)
+    for logger in trainer.loggers:
+        if isinstance(logger, MLFlowLogger):
+            logger.experiment.log_artifact(logger.run_id, str(path))
