@@ -10,7 +10,7 @@
 Generation: ``Policy.generate`` (the rollout's call: per-row seeded sampling, log-probs gathered step by step) on
 ``--batches`` prompts of ``--prompt-tokens`` random ids with ``--new-tokens`` new tokens at T = 1.0, timed once for
 one new token (≈ the prefill) and once in full; the decode time is the difference. Also without the seeds
-(``SeededRowSampler`` off), to give that sampler's cost per decoding step; ``stream`` names what the seeded rows
+(``RowStreams`` off), to give that sampler's cost per decoding step; ``stream`` names what the seeded rows
 drew from. ``--streams``: instead, the decoding step of each way to draw (per-row generators, the counter-based
 stream, unseeded sampling, greedy) and whether a row draws the same tokens alone and in the batch.
 docs/performance.md#measured-on-one-h200 has the figures of 2026-12-04.
@@ -133,13 +133,13 @@ def bench_generation(policy, device: str, batches: list[int], prompt_tokens: int
 def bench_streams(policy, device: str, batches: list[int], prompt_tokens: int, new_tokens: int) -> list[dict]:
     """Decoding step (ms) of each way to draw, and whether a seeded row draws the same tokens alone as in a batch."""
     import src.models.policy as policy_module
-    from src.models.sampling import SeededRowSampler
+    from src.models.rollout_engine import RowStreams
 
-    class Generators(SeededRowSampler):  # per-row torch generators on any device
+    class Generators(RowStreams):  # per-row torch generators on any device
         def __init__(self, seeds, temperature, device="cpu", counter=None):
             super().__init__(seeds, temperature, device, counter=False)
 
-    class Counter(SeededRowSampler):
+    class Counter(RowStreams):
         def __init__(self, seeds, temperature, device="cpu", counter=None):
             super().__init__(seeds, temperature, device, counter=True)
 
@@ -151,9 +151,9 @@ def bench_streams(policy, device: str, batches: list[int], prompt_tokens: int, n
             row = {"batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
             for name, sampler, kwargs in (("generators", Generators, {"seeds": list(range(batch))}),
                                           ("counter", Counter, {"seeds": list(range(batch))}),
-                                          ("unseeded", SeededRowSampler, {}),
-                                          ("greedy", SeededRowSampler, {"do_sample": False})):
-                policy_module.SeededRowSampler = sampler
+                                          ("unseeded", RowStreams, {}),
+                                          ("greedy", RowStreams, {"do_sample": False})):
+                policy_module.RowStreams = sampler
                 times = {}
                 for n in (1, new_tokens):
                     sync(device)
@@ -162,14 +162,14 @@ def bench_streams(policy, device: str, batches: list[int], prompt_tokens: int, n
                     sync(device)
                     times[n] = time.perf_counter() - tic
                 row[f"decode_ms_per_step_{name}"] = 1e3 * (times[new_tokens] - times[1]) / (new_tokens - 1)
-                if sampler is not SeededRowSampler:
+                if sampler is not RowStreams:
                     alone = policy.generate(prompts[1:2], max_new_tokens=8, seeds=[6]).response_ids[0]
                     beside = policy.generate(prompts[:3], max_new_tokens=8, seeds=[5, 6, 7]).response_ids[1]
                     row[f"alone_equals_beside_{name}"] = alone == beside
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        policy_module.SeededRowSampler = SeededRowSampler
+        policy_module.RowStreams = RowStreams
     return rows
 
 

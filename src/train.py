@@ -37,11 +37,13 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     from src.utils.checkpoint_io import AtomicCheckpointIO
     from src.utils.config_error import refused_settings
     from src.utils.instantiate import instantiate_callbacks, instantiate_loggers
+    from src.models.rollout_precision import resolve_rollout_precision
     from src.utils.precision_choice import resolve_precision
     from src.utils.run_end import end_tracker_runs
 
     with refused_settings():
         resolve_precision(cfg)  # trainer.precision=auto: this machine's choice, before anything reads it
+        resolve_rollout_precision(cfg)  # model.policy.rollout_precision=auto: each generation phase's dtype
         check_device_memory(cfg)  # before loading any weights: refuse what cannot fit
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
@@ -105,7 +107,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if trainer.is_global_zero:
             log_config(cfg, objs["loggers"])
             # what Lightning runs with, and where (a study's runs may span machines)
-            set_tags(objs["loggers"], {"precision_used": trainer.precision, "machine": machine_description()})
+            set_tags(objs["loggers"], {"precision_used": trainer.precision, "machine": machine_description(),
+                                       "rollout_precision_used": str(cfg.model.policy.get("rollout_precision"))})
             start = warm_start_metrics(objs["warm_start"])  # the point RL starts from: its held-out score
             for logger in objs["loggers"] if start else []:
                 logger.log_metrics(start, step=0)

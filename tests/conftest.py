@@ -13,6 +13,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # DDP against one process); the run's default follows the machine's load (src/utils/threads.py), which on a shared
 # CI machine made a resumed run round differently (CI, 2026-12-04). test_threads.py tests the governor itself.
 os.environ.setdefault("EMPO2_ADAPT_THREADS", "0")
+# Rollouts in the caller's precision context, whatever bf16 this machine has: token-exact comparisons then hold on
+# every CI machine (model.policy.rollout_precision=auto would pick bf16 phases where they are faster).
+# test_rollout_precision.py tests the choice itself.
+os.environ.setdefault("EMPO2_ROLLOUT_PRECISION", "cpu|trainer")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Sampling draws from exactly softmax(logits / T), whatever the checkpoint's generation_config says, and the
-sampling log-probs are gathered step by step in bounded memory (src/models/sampling.py).
+sampling log-probs are gathered step by step in bounded memory (src/models/rollout_engine.py, src/models/sampling.py).
 
 Comparing logged log-probs with a recomputation cannot catch a distorted sampler (both come from raw logits), so
 the z-tests look at the *sampled tokens*: for a set S_t of tokens at each step, the number of sampled tokens in
@@ -17,10 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import TemperatureLogitsWarper
-
 from src.models.policy import Policy, pack_batch
-from src.models.sampling import SampledTokenLogProbs
+from src.models.rollout_engine import RowStreams
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["a cat", "the sea", "a train", "winter", "a robot", "bread", "a city", "music"]
@@ -117,29 +115,23 @@ def test_sampling_ignores_checkpoint_generation_defaults(smollm2_dir, tmp_path, 
         assert getattr(policy.model.generation_config, key) == value
 
 
-@pytest.mark.parametrize("temperature, expected", [(1.0, [SampledTokenLogProbs]),
-                                                   (0.5, [SampledTokenLogProbs, TemperatureLogitsWarper])])
-def test_generation_builds_no_logits_processor_beyond_temperature(tiny_policy: Policy, monkeypatch, temperature,
-                                                                  expected):
-    """Even with a checkpoint config full of sampling settings, generation builds only the log-prob recorder and,
-    at T != 1, the temperature warper."""
-    model = tiny_policy.model
-    for key, value in {"do_sample": True, "top_k": 20, "top_p": 0.8, "min_p": 0.1, "repetition_penalty": 1.05,
-                       "no_repeat_ngram_size": 3, "typical_p": 0.9, "min_new_tokens": 2,
-                       "suppress_tokens": [5], "bad_words_ids": [[7]]}.items():
-        monkeypatch.setattr(model.generation_config, key, value, raising=False)
-    built = []
-    real = model._get_logits_processor
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded-rows", "global-generator"])
+def test_a_checkpoint_generation_config_changes_no_token(tiny_policy: Policy, monkeypatch, seeded):
+    """With a checkpoint config full of sampling settings, the engine draws the same tokens and log-probs as with none:
+    nothing but the logits and the temperature shapes sampling."""
+    prompts = [tiny_policy.encode([{"role": "user", "content": c}]) for c in ("hi", "tell me about the sea")]
 
-    def spy(*args, **kwargs):  # the real method; the test only records what it returns
-        built.append(real(*args, **kwargs))
-        return built[-1]
+    def sample():
+        torch.manual_seed(0)
+        gen = tiny_policy.generate(prompts, max_new_tokens=6, temperature=0.7, seeds=[1, 2] if seeded else None)
+        return gen.response_ids, gen.log_probs
 
-    monkeypatch.setattr(model, "_get_logits_processor", spy)
-    tiny_policy.generate([tiny_policy.encode([{"role": "user", "content": "hi"}])], max_new_tokens=3,
-                         temperature=temperature)
-    assert [type(p) for p in built[0]] == expected
-    assert model.generation_config.top_k == 20  # restored after the call
+    plain = sample()
+    for key, value in {"do_sample": True, "top_k": 1, "top_p": 0.1, "min_p": 0.5, "repetition_penalty": 3.0,
+                       "no_repeat_ngram_size": 1, "typical_p": 0.2, "min_new_tokens": 6,
+                       "suppress_tokens": plain[0][0][:1], "bad_words_ids": [plain[0][1][:1]]}.items():
+        monkeypatch.setattr(tiny_policy.model.generation_config, key, value, raising=False)
+    assert sample() == plain
 
 
 def test_generation_memory_does_not_grow_with_response_length(tiny_model_dir):
@@ -158,24 +150,20 @@ def test_generation_memory_does_not_grow_with_response_length(tiny_model_dir):
 
 @pytest.mark.parametrize("counter", [False, True], ids=["row-generators", "counter-based"])
 def test_seeded_rows_draw_from_softmax_whatever_else_is_in_the_batch(tiny_policy: Policy, counter):
-    """``SeededRowSampler`` (``Policy.generate(seeds=...)``): a row draws from exactly softmax(logits / T) with its
+    """``RowStreams`` (``Policy.generate(seeds=...)``): a row draws from exactly softmax(logits / T) with its
     own stream, so its tokens do not depend on the other rows of its batch; the policy gives a prompt the same
     response alone or beside another one (the same episode on 1 process or on one of N ranks). Both streams: per-row
     generators (CPU) and the counter-based one (accelerators)."""
-    from src.models.sampling import SeededRowSampler
-
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
     temperature = 0.7
-    draws = torch.cat([SeededRowSampler([s], temperature, counter=counter)(None, logits.clone()).argmax(-1)
-                       for s in range(4000)])
+    row = torch.tensor([0])
+    draws = torch.cat([RowStreams([s], temperature, counter=counter).draw(logits, row, 0) for s in range(4000)])
     counts = torch.bincount(draws, minlength=5).double()
     expected = 4000 * torch.softmax(logits[0].double() / temperature, -1)
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 20.5, (counts.tolist(), expected.tolist())  # chi-square, 4 d.o.f.: p = 0.0004
-    out = SeededRowSampler([7], temperature, counter=counter)(None, logits.clone())
-    assert (out == 0).sum() == 1 and torch.isinf(out).sum() == 4  # one token left for generate to pick
     batch = torch.cat([torch.randn(1, 5), logits])
-    alone, beside = (SeededRowSampler(s, temperature, counter=counter)(None, x.clone()).argmax(-1)
+    alone, beside = (RowStreams(s, temperature, counter=counter).draw(x, torch.arange(len(s)), 0)
                      for s, x in (([7], logits), ([3, 7], batch)))
     assert int(alone[0]) == int(beside[1])
     if counter:  # the policy's own calls on this CPU use the row generators
@@ -194,7 +182,7 @@ def test_counter_exponentials_are_splitmix64_of_seed_step_and_index():
     """Known answers: seed 0 at step 0 is splitmix64's reference sequence from state 0 (0xe220a8397b1dcdaf,
     0x6e789e6aa1b965f4, 0x06c45d188009454f), mapped to -log of the top 53 bits; other seeds and steps start
     elsewhere (checked against a plain-Python splitmix64); the draws are Exp(1), rows and steps uncorrelated."""
-    from src.models.sampling import SeededRowSampler, counter_exponentials
+    from src.models.sampling import counter_exponentials
 
     mask = (1 << 64) - 1
 
@@ -221,8 +209,9 @@ def test_counter_exponentials_are_splitmix64_of_seed_step_and_index():
     for rows in (draws[:3], steps):
         corr = torch.corrcoef(rows)
         assert corr[~torch.eye(3, dtype=torch.bool)].abs().max() < 0.02  # 4.5 standard deviations at n = 50k
-    sampler = SeededRowSampler([5, 6], 1.0, counter=True)
+    streams = RowStreams([5, 6], 1.0, counter=True)
     logits = torch.zeros(2, 50)
-    picks = [sampler(None, logits.clone()).argmax(-1).tolist() for _ in range(4)]
-    assert sampler.step == 4 and len({tuple(p) for p in picks}) > 1  # a new draw at every step
-    assert not SeededRowSampler([5], 1.0, "cpu").counter  # the CPU keeps torch's per-row generators
+    picks = [streams.draw(logits, torch.arange(2), step).tolist() for step in range(4)]
+    assert len({tuple(p) for p in picks}) > 1  # a new draw at every step
+    assert streams.draw(logits, torch.arange(2), 2).tolist() == picks[2]  # a function of (seed, step) alone
+    assert not RowStreams([5], 1.0, "cpu").counter  # the CPU keeps torch's per-row generators

@@ -97,11 +97,13 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         RuntimeError: the policy weights changed during the evaluation.
     """
     from src.utils.config_error import refused_settings
+    from src.models.rollout_precision import resolve_rollout_precision
     from src.utils.precision_choice import resolve_precision
 
     ev = cfg.eval
     with refused_settings():  # before any model is built
         resolve_precision(cfg)  # trainer.precision=auto: this machine's choice
+        resolve_rollout_precision(cfg)
         check_eval_config(ev)
         memory_file = _read_memory_file(cfg)
     b = _build(cfg)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from src.models.batch_layout import pack_batch
 from src.models.chat_encoding import encode_chat
@@ -30,8 +30,9 @@ from src.models.log_probs import entropy_from_logits, log_probs_from_logits
 from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
 from src.models.prompt_cache import (PromptKV, SharedPrefixes, batch_with_prefixes, common_prefix, prompt_spans,
                                      row_prompt_kv)
-from src.models.sampling import (SampledTokenLogProbs, SeededRowSampler, checkpoint_generation_defaults_off,
-                                 dropped_generation_defaults, sampling_config)
+from src.models.rollout_engine import RowStreams, decode
+from src.models.rollout_precision import phase_contexts, rollout_precision
+from src.models.sampling import dropped_generation_defaults
 from src.utils.threads import adapt_threads
 
 log = logging.getLogger(__name__)
@@ -59,15 +60,15 @@ class Generation:
     log_probs: list[list[float]]
     texts: list[str]
     truncated: list[bool]
-    # (model cache, each prompt's column spans in it) when generate(keep_prompt_kv=True)
-    _kv: tuple[Any, list[list[tuple[int, int]]]] | None = field(default=None, repr=False)
+    # (the prompts' keys/values per layer, each prompt's column spans in them) when generate(keep_prompt_kv=True)
+    _kv: tuple[list[tuple[Tensor, Tensor]], list[list[tuple[int, int]]]] | None = field(default=None, repr=False)
 
     def prompt_kv(self, i: int) -> PromptKV:
         """A copy of prompt i's keys/values (needs ``generate(keep_prompt_kv=True)``), to continue it later."""
         if self._kv is None:
             raise ValueError("prompt keys/values were not kept; call generate(..., keep_prompt_kv=True)")
-        cache, spans = self._kv
-        return row_prompt_kv(cache, i, spans[i])
+        layers, spans = self._kv
+        return row_prompt_kv(layers, i, spans[i])
 
 
 class Policy(nn.Module):
@@ -84,10 +85,11 @@ class Policy(nn.Module):
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_response_tokens: int = 32,
-                 max_prompt_tokens: int = 4096, temperature: float = 1.0):
+                 max_prompt_tokens: int = 4096, temperature: float = 1.0, rollout_precision: str = "auto"):
         super().__init__()
         if max_response_tokens < 1:
             raise ValueError(f"max_response_tokens must be >= 1, got {max_response_tokens}")
+        self.rollout_precision = rollout_precision  # per phase of generate (src/models/rollout_precision.py)
         self.model = model
         self.tokenizer = tokenizer
         self.max_response_tokens = max_response_tokens
@@ -142,12 +144,13 @@ class Policy(nn.Module):
                  shared: SharedPrefixes | None = None) -> Generation:
         """Sample one response per prompt in one batched call.
 
-        Tokens are drawn from exactly ``softmax(logits / temperature)`` over the full vocabulary, the distribution
-        the trainer scores: the checkpoint's generation_config is ignored (a warning names what it set, see
-        ``src/models/sampling.py``). The log-probs are gathered step by step (extra memory O(B·V)).
+        The rollout engine (``src/models/rollout_engine.py``) draws from exactly ``softmax(logits / temperature)``
+        over the full vocabulary, the distribution the trainer scores: the checkpoint's generation_config is ignored
+        (a warning names what it set). The log-probs are gathered step by step (extra memory O(B·V)).
         ``do_sample=False`` is greedy (log-probs still reported at the given temperature). ``seeds`` (one per
-        prompt) draws each response from its own random stream (``SeededRowSampler``), so a response does not depend
-        on the other prompts of the batch; without them all rows draw from torch's global generator.
+        prompt) draws each response from its own random stream (``RowStreams``), so a response does not depend on the
+        other prompts of the batch, and a row whose reply ended leaves the batch; without them all rows draw from
+        torch's global generator.
 
         Prefix caching (``src/models/prompt_cache.py``): ``keep_prompt_kv=True`` keeps the prompts' keys/values
         (``Generation.prompt_kv(i)``); ``prefix_kv[i]``, kept from an earlier call with the same weights, stands
@@ -169,48 +172,42 @@ class Policy(nn.Module):
                 self.generate([[self.tokenizer.eos_token_id]], max_new_tokens, temperature, do_sample)
             return Generation([], [], [], [])
         self._warn_dropped_generation_defaults()
-        recorder = SampledTokenLogProbs(temperature)
-        processors = [recorder]
-        seeded = do_sample and seeds is not None
-        if seeded:  # draws each row's token itself (after the recorder: raw logits); generate then picks it greedily
-            processors.append(SeededRowSampler(seeds, temperature, self.device))
         pad = self.tokenizer.pad_token_id
-        config = sampling_config(max_new_tokens, temperature, do_sample and not seeded, self.eos_token_ids, pad)
-        extra = {}
-        was_training = self.model.training
+        streams = RowStreams(seeds, temperature, self.device) if do_sample and seeds is not None else None
+        cache, was_training = None, self.model.training
         self.model.eval()
         try:
             if shared is not None and prefix_kv is None and not self.synced:
                 prefix_kv = shared.for_batch(self._prompt_prefix_kv, prompt_ids)
             if prefix_kv is not None and any(p is not None for p in prefix_kv):
-                batch, extra["cache"] = batch_with_prefixes(prompt_ids, prefix_kv, pad, self.model.config)
+                batch, cache = batch_with_prefixes(prompt_ids, prefix_kv, pad, self.model.config)
             else:
-                batch = pack_batch(prompt_ids, [[] for _ in prompt_ids], pad)
-            batch = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-            with checkpoint_generation_defaults_off(self.model):
-                out = self.model.generate(**batch, generation_config=config, synced_gpus=self.synced,
-                                          logits_processor=LogitsProcessorList(processors), **extra)
+                prefix_kv, batch = None, pack_batch(prompt_ids, [[] for _ in prompt_ids], pad)
+            out = decode(self.model, batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
+                         cache, max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample,
+                         eos_token_ids=self.eos_token_ids, pad_token_id=pad, streams=streams,
+                         keep_prompt_kv=keep_prompt_kv, synced=self.synced, **self._phases())
         finally:
             self.model.train(was_training)
-        p_len = batch["input_ids"].shape[1]
-        sequences = out.sequences[:, p_len:]
-        token_log_probs = recorder.finish(sequences).cpu()
-        sequences = sequences.cpu()
-        eos = torch.tensor(self.eos_token_ids)
-        response_ids, log_probs, truncated = [], [], []
-        for i in range(sequences.shape[0]):
-            row = sequences[i].tolist()
-            hits = torch.isin(sequences[i], eos).nonzero()
-            n = int(hits[0]) + 1 if len(hits) else len(row)
-            response_ids.append(row[:n])
-            log_probs.append(token_log_probs[i, :n].tolist())
-            truncated.append(len(hits) == 0)
+        response_ids = [out.tokens[i, :n].tolist() for i, n in enumerate(out.lengths)]
+        log_probs = [out.log_probs[i, :n].tolist() for i, n in enumerate(out.lengths)]
         texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         kv = None
         if keep_prompt_kv:
-            kept = [0] * len(prompt_ids) if not extra else [0 if p is None else p.length for p in prefix_kv]
-            kv = (out.cache, prompt_spans([len(p) for p in prompt_ids], kept, p_len))
-        return Generation(response_ids, log_probs, texts, truncated, kv)
+            kept = [0 if prefix_kv is None or p is None else p.length for p in (prefix_kv or prompt_ids)]
+            kv = (out.prompt_layers, prompt_spans([len(p) for p in prompt_ids], kept, batch["input_ids"].shape[1]))
+        return Generation(response_ids, log_probs, texts, out.truncated, kv)
+
+    def _phases(self) -> dict[str, Any]:
+        """The engine's per-phase contexts and cache dtype for ``rollout_precision`` (resolved on first use)."""
+        device = self.device.type
+        self.rollout_precision = rollout_precision(self.rollout_precision, device)
+        prefill, step = phase_contexts(self.rollout_precision, device)
+        if prefill is None:
+            return {}
+        decode_bf16 = self.rollout_precision in ("bf16", "bf16-decode")
+        dtype = torch.bfloat16 if decode_bf16 else next(self.model.parameters()).dtype
+        return {"prefill_context": prefill, "step_context": step, "cache_dtype": dtype}
 
     def _prompt_prefix_kv(self, ids: list[int], past: PromptKV | None = None) -> PromptKV:
         """Keys/values of one prompt prefix ``ids`` (no grad), continuing ``past`` (those of its first ``past.length``
@@ -314,7 +311,7 @@ def reference_is_a_copy(policy: dict[str, Any]) -> bool:
 def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", master_dtype: str = "float32",
                  trainable: bool = True, max_response_tokens: int = 32, max_prompt_tokens: int = 4096,
                  temperature: float = 1.0, gradient_checkpointing: bool = False, lora: dict | None = None,
-                 attn_implementation: str | None = None) -> Policy:
+                 attn_implementation: str | None = None, rollout_precision: str = "auto") -> Policy:
     """Load tokenizer + causal LM (optionally wrapped with PEFT LoRA) into a ``Policy`` (docs/usage.md#models).
 
     Precision (see ``src/models/precision.py``): the trainable parameters (all of them, or the LoRA adapters) are
@@ -385,4 +382,4 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
     else:
         model.requires_grad_(False)
     return Policy(model, tokenizer, max_response_tokens=max_response_tokens, max_prompt_tokens=max_prompt_tokens,
-                  temperature=temperature)
+                  temperature=temperature, rollout_precision=rollout_precision)

@@ -24,11 +24,11 @@ class PromptKV:
     length: int
 
 
-def row_prompt_kv(cache, row: int, spans: list[tuple[int, int]]) -> PromptKV:
-    """Copy row ``row``'s prompt keys/values out of a batch cache (a ``transformers`` cache with
-    ``layers[l].keys/values`` [B, kv_heads, T, head_dim]): the columns of ``spans`` (``prompt_spans``), in order."""
-    layers = [(torch.cat([layer.keys[row:row + 1, :, a:b] for a, b in spans], dim=2),
-               torch.cat([layer.values[row:row + 1, :, a:b] for a, b in spans], dim=2)) for layer in cache.layers]
+def row_prompt_kv(layers: list[tuple[Tensor, Tensor]], row: int, spans: list[tuple[int, int]]) -> PromptKV:
+    """Copy row ``row``'s prompt keys/values out of a batch's ``layers`` (``[(keys, values)]`` per layer, each
+    [B, kv_heads, T, head_dim]): the columns of ``spans`` (``prompt_spans``), in order."""
+    layers = [(torch.cat([keys[row:row + 1, :, a:b] for a, b in spans], dim=2),
+               torch.cat([values[row:row + 1, :, a:b] for a, b in spans], dim=2)) for keys, values in layers]
     return PromptKV(layers, sum(b - a for a, b in spans))
 
 

@@ -1,0 +1,186 @@
+"""Generation speed of the rollout engine against the path it replaced, on this machine, as JSON.
+
+    python scripts/bench_decode.py                         # SmolLM2, 8 WebShop-shaped prompts of ~900 tokens, 32 new
+    python scripts/bench_decode.py --prompts 16 64 --prompt-tokens 1500 --new-tokens 256 --model <dir> --out x.json
+
+For each batch size: the replaced path (``transformers``' ``generate`` with the log-prob recorder and per-row seeded
+streams, tests/hf_reference.py) and the engine (``Policy.generate``), the same prompts and seeds, best of
+``--repeats``, both inside the context a training run gives its rollouts here (bf16 autocast where
+``trainer.precision=auto`` picks ``bf16-mixed``, as ``--trainer-precision`` says); the engine then computes each phase
+in ``--rollout-precision`` (``auto``: the dtype this machine runs faster, ``src/models/rollout_precision.py``). Per path: wall time of the whole generation, of the prefill alone (one new token), prefill tokens/s,
+decoding ms per step ((whole - prefill) / decoding steps of the longest reply), the tokens generated. ``bound_ms``:
+the bytes one decoding step must read at least (the weights, plus the keys/values of the mean context over all rows)
+over the bandwidth a copy kernel reaches on this device (``copy_bandwidth``), i.e. the memory-bandwidth bound.
+Replies end at EOS: a real one, or with ``--stop-every K`` every K-th token id (replies of mixed lengths, as in
+rollouts, so the engine's dropping of finished rows shows). Run it alone: other work on the cores moves every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+os.environ.setdefault("PROJECT_ROOT", str(ROOT))
+
+WORDS = ("red", "cotton", "shirt", "size", "small", "price", "lower", "than", "dollars", "click", "search", "buy",
+         "blue", "pack", "of", "two", "women", "men", "[SEP]", "Back to Search", "Next >", "B09", "rating")
+
+
+def copy_bandwidth(device, mib: int = 512, repeats: int = 5) -> float:
+    """Bytes per second a device-to-device copy of ``mib`` MiB reaches (read + write), best of ``repeats``."""
+    import torch
+
+    src = torch.empty(mib * 2 ** 20 // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        tic = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - tic)
+    return 2 * src.numel() * 4 / best
+
+
+def _sync(device) -> None:
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def make_prompts(policy, n: int, tokens: int, seed: int = 0) -> list[list[int]]:
+    """``n`` chat prompts of about ``tokens`` ids, a shared system prompt and a WebShop-like page each."""
+    rng = random.Random(seed)
+    system = "You are a shopping agent. Reply with one action: search[query] or click[label]."
+    prompts = []
+    for i in range(n):
+        page = " ".join(rng.choice(WORDS) for _ in range(tokens))
+        ids = policy.encode([{"role": "system", "content": system}, {"role": "user", "content": page}], truncate=False)
+        prompts.append(ids[-tokens:] if len(ids) > tokens else ids)
+    return prompts
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - tic)
+    return best, out
+
+
+def measure(policy, prompts, new_tokens: int, repeats: int, device, bf16_context: bool) -> dict:
+    """Both paths on ``prompts``: whole generation, prefill alone, decoding per step, tokens generated."""
+    import torch
+
+    from hf_reference import hf_generate
+
+    seeds = list(range(len(prompts)))
+    paths = {"replaced": lambda n: hf_generate(policy, prompts, n, 1.0, seeds=seeds)[0],
+             "engine": lambda n: policy.generate(prompts, max_new_tokens=n, temperature=1.0, seeds=seeds).response_ids}
+    out = {}
+    for name, run in paths.items():
+        with torch.no_grad(), torch.autocast(str(device).split(":")[0], dtype=torch.bfloat16, enabled=bf16_context):
+            whole, replies = timed(lambda: run(new_tokens), repeats)
+            prefill, _ = timed(lambda: run(1), repeats)
+        steps = max(len(r) for r in replies) - 1
+        out[name] = {"whole_s": whole, "prefill_s": prefill,
+                     "prefill_tokens_per_s": sum(len(p) for p in prompts) / prefill,
+                     "decode_ms_per_step": 1000 * (whole - prefill) / max(steps, 1),
+                     "generated_tokens": sum(len(r) for r in replies), "longest_reply": steps + 1}
+    return out
+
+
+def bound_ms(policy, prompts, new_tokens: int, bandwidth: float) -> float:
+    """The memory-bandwidth bound of one decoding step: weight bytes plus the keys/values of every row's mean
+    context (prompt + half the new tokens), over ``bandwidth``, in ms."""
+    config = policy.model.config
+    weights = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype_bytes = next(policy.model.parameters()).element_size()
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
+    context = sum(len(p) + new_tokens / 2 for p in prompts)
+    return 1000 * (weights + per_token * context) / bandwidth
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="embedded:SmolLM2-135M-Instruct", help="model.policy.name_or_path")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompts", type=int, nargs="+", default=[8])
+    parser.add_argument("--prompt-tokens", type=int, default=900)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--stop-every", type=int, default=0, help="also stop at every K-th token id (0: real EOS)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    parser.add_argument("--trainer-precision", default="auto", choices=["auto", "32-true", "bf16-mixed"],
+                        help="the rollouts' outer context, as trainer.precision=... gives it")
+    parser.add_argument("--rollout-precision", default="auto", help="model.policy.rollout_precision of the engine")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from src.models.policy import build_policy
+    from src.models.rollout_precision import rollout_precision
+    from src.utils.logging import machine_description
+    from src.utils.precision_choice import cpu_features, decide_precision, probe_cpu_matmul
+
+    os.environ.setdefault("EMPO2_ADAPT_THREADS", "0")
+    cache_dir = os.environ.get("EMPO2_DATA_DIR", str(ROOT / "data")) + "/models"
+    policy = build_policy(name_or_path=args.model, cache_dir=cache_dir, dtype=args.dtype, master_dtype=args.dtype,
+                          trainable=False, max_response_tokens=args.new_tokens, max_prompt_tokens=1 << 20)
+    policy.model.to(args.device).eval()
+    kind = str(args.device).split(":")[0]
+    trainer_precision = args.trainer_precision
+    if trainer_precision == "auto":
+        trainer_precision = decide_precision(kind, cuda_bf16=kind == "cuda" and torch.cuda.is_bf16_supported(),
+                                             probe=probe_cpu_matmul() if kind == "cpu" else None,
+                                             features=cpu_features() if kind == "cpu" else "")[0]
+    os.environ.pop("EMPO2_ROLLOUT_PRECISION", None)  # measure this machine, whatever a parent chose
+    policy.rollout_precision = rollout_precision(args.rollout_precision, kind)
+    if args.stop_every:
+        vocab = policy.model.get_output_embeddings().weight.shape[0]
+        policy.eos_token_ids = sorted(set(policy.eos_token_ids) | set(range(0, vocab, args.stop_every)))
+    bandwidth = copy_bandwidth(args.device)
+    rows = []
+    for n in args.prompts:
+        prompts = make_prompts(policy, n, args.prompt_tokens)
+        result = measure(policy, prompts, args.new_tokens, args.repeats, args.device,
+                         bf16_context=trainer_precision == "bf16-mixed")
+        rows.append({"device": machine_description() if args.device == "cpu" else torch.cuda.get_device_name(),
+                     "prompts": n, "prompt_tokens": sum(len(p) for p in prompts) / n, "new_tokens": args.new_tokens,
+                     "dtype": args.dtype, "threads": torch.get_num_threads(), "trainer_precision": trainer_precision,
+                     "rollout_precision": policy.rollout_precision,
+                     "decode_ms_per_step": result["engine"]["decode_ms_per_step"],
+                     "bound_ms": bound_ms(policy, prompts, args.new_tokens, bandwidth),
+                     "speedup_whole": result["replaced"]["whole_s"] / result["engine"]["whole_s"], **result})
+    report = {"model": args.model, "copy_bandwidth_gb_s": bandwidth / 1e9, "python": platform.python_version(),
+              "torch": torch.__version__, "rows": rows}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return report
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+if __name__ == "__main__":
+    main()
