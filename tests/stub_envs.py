@@ -31,8 +31,11 @@ class StubEnv(Environment):
     system_prompt = "You are a test agent. Reply with one short action."
 
     def __init__(self, reward: float = 0.0, max_steps: int = 2, num_tasks: int = 2, nan_variation: int | None = None,
-                 nan_step: int = 2, reward_per_char: float = 0.0, **_: Any) -> None:
+                 nan_step: int = 2, reward_per_char: float = 0.0, raise_variation: int | None = None,
+                 raise_in: str = "step", raise_type: str = "ValueError", **_: Any) -> None:
         self.reward, self.max_steps, self.num_tasks = float(reward), int(max_steps), int(num_tasks)
+        # variation raise_variation raises raise_type (a builtin exception's name) in raise_in (reset or step)
+        self.raise_variation, self.raise_in, self.raise_type = raise_variation, raise_in, raise_type
         self.nan_variation, self.nan_step = nan_variation, int(nan_step)
         self.reward_per_char = float(reward_per_char)
         self.variation, self.steps, self.total = 0, 0, 0.0
@@ -40,11 +43,19 @@ class StubEnv(Environment):
     def tasks(self, split: str) -> list[dict[str, Any]]:
         return [{"task_name": "stub", "variation": v} for v in range(self.num_tasks)]
 
+    def _maybe_raise(self, where: str) -> None:
+        if self.variation == self.raise_variation and where == self.raise_in:
+            import builtins
+
+            raise getattr(builtins, self.raise_type)(f"injected in {where} of variation {self.variation}")
+
     def reset(self, task: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         self.variation, self.steps, self.total = int(task["variation"]), 0, 0.0
+        self._maybe_raise("reset")
         return f"Variation {self.variation}, step 0.", self._info("")
 
     def step(self, response: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self._maybe_raise("step")
         self.steps += 1
         action = response.strip()
         nan = self.variation == self.nan_variation and self.steps == self.nan_step

@@ -109,10 +109,12 @@ def test_bad_requests(pool):
     with pytest.raises(ValueError, match="once per call"):
         pool.step([(0, "look around"), (0, "look around")])
     restarts = pool.num_restarts
-    # A caller mistake inside the env is raised here, and the worker is kept.
-    with pytest.raises(ValueError, match="Unknown ScienceWorld task"):
-        pool.reset([(0, {"task_name": "bogus", "variation": 0})])
+    # The environment refusing an episode's input fails that episode only (never the run); the worker is kept.
+    (obs, info), = pool.reset([(0, {"task_name": "bogus", "variation": 0})])
+    assert obs == "" and "ValueError: Unknown ScienceWorld task" in info["error"]
     assert pool.num_restarts == restarts
+    with pytest.raises(ValueError, match="EnvPool.tasks: worker 0: ValueError"):  # a caller mistake is raised
+        pool.tasks("bogus-split")
     assert pool.step([]) == []
 
 

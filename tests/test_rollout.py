@@ -580,3 +580,29 @@ def test_a_reflection_example_is_the_prompt_the_memory_reflects_under(pool, tiny
             episode.reflection_prefix = kept
             assert (prefix is not None) == continue_last
             assert example.prompt_ids == ids
+
+
+@pytest.mark.parametrize("raise_in, raise_type", [("step", "ValueError"), ("reset", "ValueError"),
+                                                  ("step", "RuntimeError")])
+def test_an_environment_exception_fails_that_episode_only(tiny_policy, caplog, raise_in, raise_type):
+    """An exception from an environment's ``step`` or ``reset`` fails that episode, counted once as a failed episode
+    and warned about once per kind; the other episodes of the batch finish and give samples."""
+    import logging
+
+    from stub_envs import STUB_CFG
+
+    cfg = {**STUB_CFG, "reward": 1.0, "max_steps": 2, "raise_variation": 1, "raise_in": raise_in,
+           "raise_type": raise_type}
+    tasks = [{"task_name": "stub", "variation": v} for v in (0, 1, 1, 0)]
+    with EnvPool(cfg, num_workers=4) as stub_pool, caplog.at_level(logging.DEBUG, logger="src.data.rollout"):
+        episodes, _ = run_episodes(stub_pool, tiny_policy, tasks, [0, 0, 1, 1], RolloutConfig(max_response_tokens=2))
+        restarts = stub_pool.num_restarts
+    assert [e.failed for e in episodes] == [False, True, True, False]
+    assert all(f"{raise_type}: injected in {raise_in} of variation 1" in e.error for e in episodes if e.failed)
+    assert restarts == (2 if raise_type == "RuntimeError" else 0)  # a ValueError leaves the worker as it is
+    m = episode_metrics(episodes)
+    assert m["failed_episodes"] == 2 and m["episodes"] == 4
+    samples, adv = _make_samples(episodes)
+    assert len(samples) == 4 and adv["adv/steps"] == 4
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "failed" in r.getMessage()]
+    assert len(warnings) <= 1  # the second failure of the same kind is not warned again

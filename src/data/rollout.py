@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Protocol
@@ -206,6 +207,7 @@ class _Rollout:
             episode = self.episodes[i]
             if "error" in info:
                 episode.failed, episode.error = True, info["error"]
+                log_failure(episode)
                 continue
             self.observations[i], self.infos[i] = obs, info
             episode.instruction = info.get("instruction", "")
@@ -235,7 +237,7 @@ class _Rollout:
         if "error" in info or not math.isfinite(reward):
             ep.failed = True
             ep.error = info.get("error", f"non-finite reward {reward!r} at step {len(ep.steps) + 1}")
-            log.warning("episode %d (task %s) failed: %s", i, ep.task, ep.error)
+            log_failure(ep)
             return False
         action = info.get("action", gen.texts[j])
         ep.steps.append(StepRecord(
@@ -274,6 +276,20 @@ class _Rollout:
         if self.keys is not None:
             for i in reached:
                 self.episodes[i].steps[-1].reached_key = self.keys[i]
+
+
+_FAILURE_KINDS: set[str] = set()
+
+
+def log_failure(episode: Episode) -> None:
+    """Warn of a failed episode once per kind of failure in this process (the error's last line, e.g. ``ValueError:
+    ...``); later ones of the same kind go to DEBUG. ``rollout/failed_episodes`` counts them all."""
+    last = next((line.strip() for line in reversed(str(episode.error).splitlines()) if line.strip()), "?")
+    kind = re.sub(r"\bworker \d+", "worker", last)  # the same failure on another worker is the same kind
+    level = logging.DEBUG if kind in _FAILURE_KINDS else logging.WARNING
+    _FAILURE_KINDS.add(kind)
+    log.log(level, "episode %d (task %s) failed: %s%s", episode.id, episode.task, episode.error,
+            "" if level == logging.DEBUG else " (warned once per kind; rollout/failed_episodes counts them)")
 
 
 def _any_active(policy: Policy, active: list[int]) -> bool:

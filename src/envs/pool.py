@@ -4,9 +4,9 @@
 Each worker builds its environment from a picklable ``_target_`` config with ``hydra.utils.instantiate`` and
 serves reset/step/tasks over a pipe. A call to several workers is sent to all of them before any answer is
 read, so the environments work in parallel. A worker that dies, breaks its pipe, raises inside its
-environment, or does not answer within ``timeout_s`` seconds is killed and restarted, and that call's result
-for it is an error result (docs/method.md#one-iteration, step 4: the caller marks the episode failed and drops it from
-its group).
+environment, or does not answer within ``timeout_s`` seconds is killed and restarted (a ValueError or TypeError of
+``reset``/``step`` keeps it), and that call's result for it is an error result: an exception of an episode never ends
+the run (docs/method.md#one-iteration, step 4: the caller marks the episode failed and drops it from its group).
 """
 from __future__ import annotations
 
@@ -33,9 +33,10 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "N
 def _worker_main(conn: Connection, env_cfg: dict[str, Any]) -> None:
     """Worker process: build one environment, then answer (command, argument) messages until "close"/EOF.
 
-    Replies: ("ready", pid) once built, or ("init_error", traceback); then per request ("ok", result),
-    ("bad_request", message) for ValueError/TypeError (a caller mistake; the worker stays healthy) or
-    ("error", traceback) for anything else.
+    Replies: ("ready", pid) once built, or ("init_error", traceback); then per request ("ok", result); for an
+    exception: ("bad_request", message) for a ValueError/TypeError of ``tasks``/``system_prompt`` (a caller mistake,
+    raised to the caller), ("episode_error", message) for one of ``reset``/``step`` (that episode fails; the worker
+    stays healthy), or ("error", traceback) for anything else (the worker is restarted).
     """
     # The worker only waits on its simulator: one thread for any BLAS/torch pool that gets imported
     # (spawn re-imports the parent's __main__, which may import torch before this runs).
@@ -79,7 +80,8 @@ def _worker_main(conn: Connection, env_cfg: dict[str, Any]) -> None:
                     raise ValueError(f"unknown pool command {cmd!r}")
                 reply = ("ok", result)
             except (ValueError, TypeError) as exc:
-                reply = ("bad_request", f"{type(exc).__name__}: {exc}")
+                kind = "episode_error" if cmd in ("reset", "step") else "bad_request"
+                reply = (kind, f"{type(exc).__name__}: {exc}")
             except Exception:
                 reply = ("error", traceback.format_exc())
             conn.send(reply)
@@ -283,6 +285,8 @@ class EnvPool:
                 # Its start-up (a JVM: a minute on a busy machine) is not part of this call's timeout_s.
                 worker.ready, start = True, time.monotonic()
                 continue
+            if kind == "episode_error":  # the environment refused this episode's input; the worker is healthy
+                return ("error", f"worker {i} raised during {cmd!r}: {payload}")
             if kind in ("error", "init_error"):
                 what = "raised" if kind == "error" else "could not build its environment"
                 self._restart(i, payload)
