@@ -102,6 +102,21 @@ def data_problems(data: dict[str, Any]) -> list[str]:
     return problems
 
 
+def rank_problems(trainer: dict[str, Any], data: dict[str, Any]) -> list[str]:
+    """Ranks with nothing to play: task k of an iteration runs on rank k mod world (``play_groups``), so with fewer
+    tasks than ranks some ranks would play no episode, every iteration, while the run looks normal."""
+    devices, nodes, tasks = trainer.get("devices"), trainer.get("num_nodes", 1), data.get("tasks_per_iteration")
+    if not (_is_int(devices) and _is_int(nodes) and _is_int(tasks)) or tasks < 1:
+        return []
+    world = devices * nodes
+    if world > 1 and tasks < world:
+        return [f"data.tasks_per_iteration={tasks} with trainer.devices={devices}"
+                + (f" x trainer.num_nodes={nodes}" if nodes != 1 else "")
+                + f": {world - tasks} of the {world} ranks would play no episode in any iteration (task k runs on "
+                f"rank k mod {world}); expected data.tasks_per_iteration >= {world}, or fewer devices"]
+    return []
+
+
 def uses_memory(cfg: DictConfig) -> bool:
     """``algorithm.use_memory``, the one memory switch (False where the algorithm group itself is refused)."""
     from src.models.algorithm_config import AlgorithmConfig
@@ -199,6 +214,7 @@ def check_training_settings(cfg: DictConfig) -> None:
     """
     problems = trainer_problems(_container(cfg.get("trainer")))
     problems += data_problems(_container(cfg.get("data")))
+    problems += rank_problems(_container(cfg.get("trainer")), _container(cfg.get("data")))
     problems += algorithm_problems(cfg)
     problems += model_problems(_container(cfg.get("model")))
     if uses_memory(cfg):
