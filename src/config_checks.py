@@ -281,10 +281,64 @@ def check_checkpoint_model(cfg: DictConfig, path: Path) -> None:
                      "or leave ckpt_path unset to start a new run.")
 
 
-def prepare_run(cfg: DictConfig) -> None:
+# Settings a resumed run may not change (everything else may: the learning rate, max_epochs, loggers, validation,
+# rollout sizes...). "env" stands for every env.* key but env.max_steps.
+FIXED_ON_RESUME = ("algorithm.name", "algorithm.use_memory", "env", "model.policy.name_or_path",
+                   "model.policy.lora.enabled", "memory.partition", "memory.key", "memory.embedder.name_or_path")
+
+
+def resolved_config(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg`` as plain objects, interpolations resolved (unresolved where only Hydra's runtime can resolve them: a
+    config a test composed)."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except Exception:
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: node}
+
+
+def _fixed(key: str) -> bool:
+    return any(key == f or key.startswith(f + ".") for f in FIXED_ON_RESUME) and key != "env.max_steps"
+
+
+def check_resume_settings(cfg: DictConfig, path: Path) -> dict[str, tuple[Any, Any]]:
+    """Compare the config of a resumed run with the one its checkpoint was trained with (``RUN_CONFIG_KEY``;
+    nothing to compare in a checkpoint written before it was saved). Returns the settings that changed and may change,
+    ``{key: (checkpoint value, new value)}``, for the log and the tracker (``resumed/<key>``).
+
+    Raises:
+        ValueError: a ``FIXED_ON_RESUME`` setting changed, naming each key with both values.
+    """
+    import torch
+
+    from src.models.checkpoint_state import RUN_CONFIG_KEY
+
+    meta = path / "meta.pt" if path.is_dir() else path
+    saved = torch.load(meta, map_location="cpu", mmap=not path.is_dir(), weights_only=True).get(RUN_CONFIG_KEY)
+    if not saved:
+        return {}
+    before, after = _flat(saved), _flat(resolved_config(cfg))
+    skip = ("ckpt_path", "paths.", "hydra.", "trainer.default_root_dir", "logger.", "callbacks.model_checkpoint.dirpath")
+    changed = {k: (before[k], after.get(k)) for k in sorted(before)
+               if not k.startswith(skip) and k in after and before[k] != after[k]}
+    fixed = [f"{k}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in changed.items() if _fixed(k)]
+    if fixed:
+        raise ValueError(f"ckpt_path={str(cfg.ckpt_path)!r} was trained with other settings than a resumed run may "
+                         f"change ({'; '.join(fixed)}): resume with the checkpoint's values, or leave ckpt_path unset "
+                         "to start a new run")
+    return {k: v for k, v in changed.items() if not _fixed(k)}
+
+
+def prepare_run(cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
     """All start-up checks of a training config, in order (``cfg`` may be changed: see ``check_trainer_options``):
-    Lightning options, every setting's value, the accelerator, the checkpoint to resume and its model; then stale
-    checkpoint temp files are removed.
+    Lightning options, every setting's value, the accelerator, the checkpoint to resume, the settings it was trained
+    with and its model; then stale checkpoint temp files are removed. Returns the settings a resume changes
+    (``check_resume_settings``; {} for a new run).
 
     Raises:
         ValueError, OSError: the first check that fails (``src/train.py`` shows them as ``ConfigError``).
@@ -296,6 +350,8 @@ def prepare_run(cfg: DictConfig) -> None:
     check_training_settings(cfg)
     check_accelerator(cfg)
     path = check_checkpoint_path(cfg)
+    changes = check_resume_settings(cfg, path) if path is not None else {}
     if path is not None and cfg.get("model") is not None:
         check_checkpoint_model(cfg, path)
     clean_checkpoint_dirs(cfg)
+    return changes

@@ -31,7 +31,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     import lightning as L
     from omegaconf import OmegaConf
 
-    from src.config_checks import uses_memory
+    from src.config_checks import resolved_config, uses_memory
     from src.models.memory_estimate import check_device_memory
     from src.warm_start import warm_start_model_config
     from src.utils.checkpoint_io import AtomicCheckpointIO
@@ -50,6 +50,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     model_cfg, warm_start = warm_start_model_config(cfg)  # model.warm_start: built once, then reused
     log.info("Instantiating model <%s> from %s", cfg.model._target_, model_cfg.policy.name_or_path)
     module = hydra.utils.instantiate(model_cfg)
+    module.run_config = resolved_config(cfg)  # saved with every checkpoint: a resume compares its settings with it
     memory = None
     if uses_memory(cfg):  # algorithm.use_memory, the one switch
         if getattr(hydra.utils.get_class(cfg.memory._target_), "diagnostic", False):
@@ -91,8 +92,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from src.utils.config_error import refused_settings
     from src.config_checks import prepare_run
 
+    from src.models.rollout_precision import resolve_rollout_precision
+    from src.utils.precision_choice import resolve_precision
+
     with refused_settings():
-        prepare_run(cfg)  # refuses/adapts options before any model or environment is built
+        resolve_precision(cfg)  # the precisions first: a resume compares what will run
+        resolve_rollout_precision(cfg)
+        changes = prepare_run(cfg)  # refuses/adapts options before any model or environment is built
         environment_class(cfg.env).startup_warnings(OmegaConf.to_container(cfg.env, resolve=True))
     from src.warm_start import warm_start_metrics
     from src.utils.logging import log_checkpoint, log_config, machine_description, set_tags
@@ -101,6 +107,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     objs = build(cfg)
     trainer = objs["trainer"]
     log.info("Run directory: %s (train.log, checkpoints/, tips/)", trainer.default_root_dir)
+    if changes:
+        log.info("Resumed with other settings than the checkpoint's: %s",
+                 "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()))
     # A user's path is relative to where the command ran, also when hydra.job.chdir=true moved the process.
     ckpt_path = hydra.utils.to_absolute_path(cfg.ckpt_path) if cfg.get("ckpt_path") else None
     try:
@@ -108,7 +117,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             log_config(cfg, objs["loggers"])
             # what Lightning runs with, and where (a study's runs may span machines)
             set_tags(objs["loggers"], {"precision_used": trainer.precision, "machine": machine_description(),
-                                       "rollout_precision_used": str(cfg.model.policy.get("rollout_precision"))})
+                                       "rollout_precision_used": str(cfg.model.policy.get("rollout_precision")),
+                                       **{f"resumed/{k}": f"{old} -> {new}" for k, (old, new) in changes.items()}})
             start = warm_start_metrics(objs["warm_start"])  # the point RL starts from: its held-out score
             for logger in objs["loggers"] if start else []:
                 logger.log_metrics(start, step=0)

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 BASE_KEY = "policy_base"
 VALIDATION_KEY = "validation"
+RUN_CONFIG_KEY = "run_config"  # the resolved training config (src/config_checks.py compares it on resume)
 PREFIX = "policy."
 
 

@@ -20,7 +20,7 @@ import lightning as L
 import torch
 
 from src.models.algorithm_config import AlgorithmConfig
-from src.models.checkpoint_state import (BASE_KEY, VALIDATION_KEY, base_record, check_adapter_checkpoint, check_finite,
+from src.models.checkpoint_state import (BASE_KEY, RUN_CONFIG_KEY, VALIDATION_KEY, base_record, check_adapter_checkpoint, check_finite,
                                          keep_trainable, lora_enabled)
 from src.models.core_algos import (UPDATE_MODES, aggregate_loss, compute_kl_loss, compute_policy_loss,
                                    low_prob_token_mask, rollout_is_weights)
@@ -82,6 +82,7 @@ class EMPO2Module(L.LightningModule):
         self._val_iteration: int | None = None  # iteration of the last validation
         self._validation: dict[str, Any] | None = None  # its metrics, saved with each checkpoint
         self._base: dict[str, Any] | None = None  # the LoRA base model's record (adapter-only checkpoints)
+        self.run_config: dict[str, Any] | None = None  # the resolved training config, saved with each checkpoint
         # the update computes a batch's common prompt prefix once, forward and backward (Policy.log_probs(
         # share_prefix=True)); π_old scoring always does (src/models/old_log_probs.py)
         self.share_prompt_prefix = True
@@ -122,6 +123,18 @@ class EMPO2Module(L.LightningModule):
         if mp is not None:
             summary += f"; FSDP2 compute {mp.param_dtype or 'unchanged'}, gradient reduction {mp.reduce_dtype}"
         log.info("Precision: %s", summary)
+
+    def on_train_start(self) -> None:
+        """The optimizer's configured hyper-parameters (``model.optimizer.lr``, ``weight_decay``, ...) over the ones a
+        resumed checkpoint restored: Lightning restores the param groups as saved, so a resume with another learning
+        rate would train at the old one (Lightning #4044). Each change is logged."""
+        wanted = dict(getattr(self.optimizer_factory, "keywords", {}) or {})
+        for opt in [o.optimizer if hasattr(o, "optimizer") else o for o in self.trainer.optimizers]:
+            for group in opt.param_groups:
+                for key, value in wanted.items():
+                    if key in group and group[key] != value and not isinstance(value, (list, dict)):
+                        log.info("Resumed optimizer: %s %s -> %s (model.optimizer.%s)", key, group[key], value, key)
+                        group[key] = value
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: MicroBatch, batch_idx: int) -> torch.Tensor:
@@ -324,6 +337,8 @@ class EMPO2Module(L.LightningModule):
                 f"{', ...' if len(bad) > 5 else ''}). The earlier checkpoints are kept; resume from the last one "
                 "(ckpt_path=<run dir>/checkpoints/last.ckpt), e.g. with a lower model.optimizer.lr.")
         checkpoint["nonfinite_grad_streak"] = self._nonfinite_streak
+        if self.run_config is not None:
+            checkpoint[RUN_CONFIG_KEY] = self.run_config
         checkpoint["iteration"] = self._iteration  # last iteration trained (Lightning's `epoch` depends on the hook)
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
         if metrics:
