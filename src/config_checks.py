@@ -212,7 +212,10 @@ def check_training_settings(cfg: DictConfig) -> None:
     Raises:
         ConfigError: one line per bad setting.
     """
-    problems = trainer_problems(_container(cfg.get("trainer")))
+    seed = cfg.get("seed")
+    problems = [] if _is_int(seed) and seed >= 0 else [
+        f"seed={seed!r}: expected an int >= 0 (it seeds every random stream of the run: modes, tasks, tokens)"]
+    problems += trainer_problems(_container(cfg.get("trainer")))
     problems += data_problems(_container(cfg.get("data")))
     problems += rank_problems(_container(cfg.get("trainer")), _container(cfg.get("data")))
     problems += algorithm_problems(cfg)

@@ -148,6 +148,7 @@ def test_a_gpu_trainer_without_a_gpu_says_how_to_run_on_the_cpu(tmp_path):
 # a row of docs/robustness.md's table (test_every_refused_setting_is_documented).
 BAD_SETTINGS = [
     (["data.group_size=1"], r"data.group_size=1: GRPO's advantage compares the episodes.*expected an int >= 2"),
+    (["seed=abc"], r"seed='abc': expected an int >= 0 \(it seeds every random stream of the run"),
     (["trainer.devices=2", "data.tasks_per_iteration=1"],
      r"data.tasks_per_iteration=1 with trainer.devices=2: 1 of the 2 ranks would play no episode in any iteration"),
     (["algorithm=grpo", "algorithm.use_memory=true"],
