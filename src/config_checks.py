@@ -339,7 +339,7 @@ def check_resume_settings(cfg: DictConfig, path: Path) -> dict[str, tuple[Any, A
 
 def prepare_run(cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
     """All start-up checks of a training config, in order (``cfg`` may be changed: see ``check_trainer_options``):
-    Lightning options, every setting's value, the accelerator, the checkpoint to resume, the settings it was trained
+    Lightning options, the accelerator, every setting's value, the checkpoint to resume, the settings it was trained
     with and its model; then stale checkpoint temp files are removed. Returns the settings a resume changes
     (``check_resume_settings``; {} for a new run).
 
@@ -350,8 +350,8 @@ def prepare_run(cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
                                           clean_checkpoint_dirs)
 
     check_trainer_options(cfg)
+    check_accelerator(cfg)  # first: on a machine without the GPU the config names, the settings' sizes do not apply
     check_training_settings(cfg)
-    check_accelerator(cfg)
     path = check_checkpoint_path(cfg)
     changes = check_resume_settings(cfg, path) if path is not None else {}
     if path is not None and cfg.get("model") is not None:
