@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import socket
 from typing import Any
 
 import hydra
@@ -102,31 +104,40 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         environment_class(cfg.env).startup_warnings(OmegaConf.to_container(cfg.env, resolve=True))
     from src.warm_start import warm_start_metrics
     from src.utils.logging import log_checkpoint, log_config, machine_description, set_tags
-    from src.utils.run_end import end_status, end_tracker_runs, last_checkpoint_message
+    from lightning.pytorch.utilities import rank_zero_only
 
-    objs = build(cfg)
-    trainer = objs["trainer"]
-    log.info("Run directory: %s (train.log, checkpoints/, tips/)", trainer.default_root_dir)
-    if changes:
-        log.info("Resumed with other settings than the checkpoint's: %s",
-                 "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()))
-    # A user's path is relative to where the command ran, also when hydra.job.chdir=true moved the process.
-    ckpt_path = hydra.utils.to_absolute_path(cfg.ckpt_path) if cfg.get("ckpt_path") else None
+    from src.utils.run_end import end_stale_runs, end_status, end_tracker_runs, error_text, last_checkpoint_message
+
+    objs: dict[str, Any] = {}
+    ckpt_path = None
     try:
+        objs = build(cfg)
+        trainer = objs["trainer"]
+        log.info("Run directory: %s (train.log, checkpoints/, tips/)", trainer.default_root_dir)
+        if changes:
+            log.info("Resumed with other settings than the checkpoint's: %s",
+                     "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()))
+        # A user's path is relative to where the command ran, also when hydra.job.chdir=true moved the process.
+        ckpt_path = hydra.utils.to_absolute_path(cfg.ckpt_path) if cfg.get("ckpt_path") else None
         if trainer.is_global_zero:
+            end_stale_runs(objs["loggers"])  # earlier runs of this host whose process is gone (SIGKILL)
             log_config(cfg, objs["loggers"])
-            # what Lightning runs with, and where (a study's runs may span machines)
+            # what Lightning runs with, and where (a study's runs may span machines), and the process (end_stale_runs)
             set_tags(objs["loggers"], {"precision_used": trainer.precision, "machine": machine_description(),
                                        "rollout_precision_used": str(cfg.model.policy.get("rollout_precision")),
+                                       "host": socket.gethostname(), "pid": str(os.getpid()),
                                        **{f"resumed/{k}": f"{old} -> {new}" for k, (old, new) in changes.items()}})
             start = warm_start_metrics(objs["warm_start"])  # the point RL starts from: its held-out score
             for logger in objs["loggers"] if start else []:
                 logger.log_metrics(start, step=0)
         trainer.fit(objs["module"], datamodule=objs["datamodule"], ckpt_path=ckpt_path)
-    except BaseException:
-        end_tracker_runs(objs["loggers"], end_status())  # never left RUNNING; a signal reads KILLED
-        if trainer.is_global_zero:
-            log.error("Training stopped (%s). %s", end_status(), last_checkpoint_message(trainer, ckpt_path))
+    except BaseException as err:
+        status = end_status()
+        failed = status == "FAILED"
+        end_tracker_runs(objs.get("loggers", []), status, err if failed else None)  # never RUNNING; a signal: KILLED
+        if rank_zero_only.rank == 0:  # the error in train.log too (Hydra prints it to the console only)
+            log.error("Training stopped (%s%s). %s", status, f": {error_text(err)}" if failed else "",
+                      last_checkpoint_message(objs.get("trainer"), ckpt_path))
         raise
     ckpt = getattr(trainer.checkpoint_callback, "last_model_path", None) if trainer.checkpoint_callback else None
     if trainer.is_global_zero:
@@ -139,8 +150,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
 def main(cfg: DictConfig) -> None:
+    from src.utils.config_error import ConfigError
+    from src.utils.run_end import remove_empty_run_dir
+
     start_run(cfg)
-    train(cfg)
+    try:
+        train(cfg)
+    except ConfigError:
+        remove_empty_run_dir()  # a refusal at start-up leaves no run directory behind
+        raise
 
 
 if __name__ == "__main__":

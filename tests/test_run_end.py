@@ -40,7 +40,9 @@ def _runs(log_dir: Path) -> list:
 
 def test_a_refused_setting_prints_its_message_alone_and_creates_no_run(tmp_path):
     proc = run_cli(["src/train.py", *RUN, f"paths.log_dir={tmp_path}", "data.group_size=1",
-                    "model.optimizer.lr=-0.001"], env={**STUB_ENV_VARS, "HYDRA_FULL_ERROR": ""}, timeout=300)
+                    "model.optimizer.lr=-0.001", f"hydra.run.dir={tmp_path / 'run'}"],
+                   env={**STUB_ENV_VARS, "HYDRA_FULL_ERROR": ""}, timeout=300)
+    assert not (tmp_path / "run").exists()  # no run directory is left behind
     assert proc.returncode != 0
     assert "data.group_size=1: GRPO's advantage compares the episodes" in proc.stderr
     assert "model.optimizer.lr=-0.001: expected a learning rate > 0" in proc.stderr
@@ -90,21 +92,44 @@ def test_sigterm_mid_run_ends_killed_and_the_logged_command_resumes(tmp_path):
     assert Path(match.group(1)) == last and int(match.group(3)) == saved and int(match.group(2)) == saved - 1
     command = shlex.split(match.group(4))
     assert command[:2] == ["python", "src/train.py"] and command[-1] == f"ckpt_path={last}"
+    assert command[-2] == f"+logger.mlflow.run_id={run.info.run_id}"  # the curves continue in the same run
     resumed = run_cli([*command[1:], f"hydra.run.dir={tmp_path / 'resumed'}"], env=STUB_ENV_VARS)
     assert resumed.returncode == 0, failure_report(resumed)
     assert _last_step(tmp_path / "resumed" / "checkpoints" / "last.ckpt") == 6
-    statuses = sorted(r.info.status for r in _runs(tmp_path / "logs"))
-    assert statuses == ["FINISHED", "KILLED"]
+    [run] = _runs(tmp_path / "logs")
+    assert run.info.status == "FINISHED"
 
 
 def test_a_failure_after_the_run_is_made_ends_it_failed(tmp_path):
     """An error inside fit (here a crash injected in iteration 0) leaves the MLflow run FAILED with an end time and
     the log says there is no checkpoint to resume from."""
     proc = run_cli(["src/train.py", *RUN, "trainer.max_epochs=2", f"paths.log_dir={tmp_path}",
-                    "+callbacks.crash._target_=probes.CrashAtIteration", "+callbacks.crash.iteration=0"],
-                   env=STUB_ENV_VARS)
+                    "+callbacks.crash._target_=probes.CrashAtIteration", "+callbacks.crash.iteration=0",
+                    f"hydra.run.dir={tmp_path / 'run'}"], env=STUB_ENV_VARS)
     assert proc.returncode != 0
     assert "injected crash in iteration 0" in proc.stderr
     assert "This run wrote no checkpoint" in proc.stdout + proc.stderr, failure_report(proc)
     [run] = _runs(tmp_path)
     assert run.info.status == "FAILED" and run.info.end_time is not None
+    # why it failed, in its log and on its tracker run
+    error = "RuntimeError: injected crash in iteration 0 at global step 1"
+    assert error in (tmp_path / "run" / "train.log").read_text() and run.data.tags["error"] == error
+
+
+def test_a_run_whose_process_is_gone_is_marked_failed_at_the_next_start(tmp_path):
+    """A run killed with SIGKILL stays RUNNING in MLflow; the next run on this host finds its process gone (tags host
+    and pid) and marks it FAILED, saying why; a RUNNING run of a live process is left alone."""
+    import socket
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("empo2", artifact_location=str(tmp_path / "mlartifacts"))
+    stale = client.create_run(experiment, tags={"host": socket.gethostname(), "pid": str(dead.pid)}).info.run_id
+    alive = client.create_run(experiment, tags={"host": socket.gethostname(), "pid": str(os.getpid())}).info.run_id
+    proc = run_cli(["src/train.py", *RUN, "trainer.max_epochs=1", f"paths.log_dir={tmp_path}"], env=STUB_ENV_VARS)
+    assert proc.returncode == 0, failure_report(proc)
+    assert client.get_run(stale).info.status == "FAILED"
+    assert f"its process {dead.pid}" in client.get_run(stale).data.tags["error"]
+    assert client.get_run(alive).info.status == "RUNNING"
+    assert f"MLflow run {stale}" in proc.stdout + proc.stderr

@@ -18,9 +18,15 @@ def end_status() -> str:
     return "KILLED" if received_signal() else "FAILED"
 
 
-def end_tracker_runs(loggers: list[Any], status: str) -> None:
-    """End each logger's run with ``status`` (rank 0): an MLflow run gets the status and an end time (also when
-    Lightning has already marked it FAILED, so a signal reads KILLED); other loggers are finalized as failed."""
+def error_text(err: BaseException) -> str:
+    """``<type>: <message>`` of an exception, one line of at most 1,000 characters."""
+    return " ".join(f"{type(err).__name__}: {err}".split())[:1000]
+
+
+def end_tracker_runs(loggers: list[Any], status: str, error: BaseException | None = None) -> None:
+    """End each logger's run with ``status`` (rank 0): an MLflow run gets the status, an end time (also when
+    Lightning has already marked it FAILED, so a signal reads KILLED) and, with ``error``, the tag ``error``
+    (``error_text``); other loggers are finalized as failed."""
     from lightning.pytorch.loggers import MLFlowLogger
     from lightning.pytorch.utilities import rank_zero_only
 
@@ -29,6 +35,8 @@ def end_tracker_runs(loggers: list[Any], status: str) -> None:
     for logger in loggers:
         try:
             if isinstance(logger, MLFlowLogger):
+                if error is not None:
+                    logger.experiment.set_tag(logger.run_id, "error", error_text(error))
                 logger.experiment.set_terminated(logger.run_id, status)
             else:
                 logger.finalize("failed")
@@ -36,18 +44,64 @@ def end_tracker_runs(loggers: list[Any], status: str) -> None:
             log.warning("Could not end the %s run: %s", type(logger).__name__, err)
 
 
-def resume_command(ckpt_path: str) -> str:
+def resume_command(ckpt_path: str, run_id: str | None = None) -> str:
     """The command that resumes this run from ``ckpt_path``: the run's own overrides (from Hydra, when it launched
-    the run) with ``ckpt_path`` replaced."""
+    the run) with ``ckpt_path`` replaced and, with ``run_id``, ``+logger.mlflow.run_id`` (the curves continue in the
+    same MLflow run)."""
     from hydra.core.hydra_config import HydraConfig
 
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else ["<your overrides>"]
-    kept = [shlex.quote(o) for o in overrides if not o.lstrip("+~").startswith("ckpt_path=")]
-    return " ".join(["python src/train.py", *kept, shlex.quote(f"ckpt_path={ckpt_path}")])
+    replaced = ("ckpt_path=", "logger.mlflow.run_id=")
+    kept = [shlex.quote(o) for o in overrides if not o.lstrip("+~").startswith(replaced)]
+    run = [shlex.quote(f"+logger.mlflow.run_id={run_id}")] if run_id else []
+    return " ".join(["python src/train.py", *kept, *run, shlex.quote(f"ckpt_path={ckpt_path}")])
+
+
+def mlflow_run_id(loggers: list[Any]) -> str | None:
+    """The run id of the first MLflow logger, or None."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    return next((logger.run_id for logger in loggers if isinstance(logger, MLFlowLogger)), None)
+
+
+def end_stale_runs(loggers: list[Any]) -> list[str]:
+    """Mark as FAILED the runs of each MLflow logger's experiment that are RUNNING although the process that made them
+    (tags ``host`` and ``pid``, set at every start) is gone from this host: a run killed with SIGKILL, or a machine
+    that went down, never ends its run itself. Says so in the log; returns their ids."""
+    import os
+    import socket
+
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    ended = []
+    host = socket.gethostname()
+    for logger in loggers:
+        if not isinstance(logger, MLFlowLogger):
+            continue
+        client = logger.experiment
+        for run in client.search_runs([logger.experiment_id], filter_string="attributes.status = 'RUNNING'"):
+            tags = run.data.tags
+            if run.info.run_id == logger.run_id or tags.get("host") != host or not tags.get("pid", "").isdigit():
+                continue
+            try:
+                os.kill(int(tags["pid"]), 0)
+                continue  # its process is alive
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue  # alive, another user's
+            reason = f"its process {tags['pid']} on {host} ended without ending the run (SIGKILL, or a machine down)"
+            client.set_tag(run.info.run_id, "error", reason)
+            client.set_terminated(run.info.run_id, "FAILED")
+            ended.append(run.info.run_id)
+            log.warning("MLflow run %s (%s) was RUNNING but its process %s on this host is gone: marked FAILED",
+                        run.info.run_id, run.info.run_name, tags["pid"])
+    return ended
 
 
 def last_checkpoint_message(trainer: Any, resumed_from: str | None) -> str:
-    """Where the last checkpoint of the run is (its iteration and global step) and how to resume from it."""
+    """Where the last checkpoint of the run is (its iteration and global step) and how to resume from it (in the same
+    MLflow run, where there is one)."""
     import torch
 
     callback = getattr(trainer, "checkpoint_callback", None) if trainer is not None else None
@@ -61,4 +115,19 @@ def last_checkpoint_message(trainer: Any, resumed_from: str | None) -> str:
     if Path(path).is_file():
         head = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         where = f" (iteration {head.get('iteration')}, global step {head.get('global_step')})"
-    return f"The last checkpoint is {path}{where}. Resume with:\n    {resume_command(str(path))}"
+    run_id = mlflow_run_id(list(getattr(trainer, "loggers", None) or []))
+    return f"The last checkpoint is {path}{where}. Resume with:\n    {resume_command(str(path), run_id)}"
+
+
+def remove_empty_run_dir() -> None:
+    """Remove the run directory Hydra made for this run when it holds nothing but Hydra's own files (``.hydra/`` and
+    the log): what a run refused at start-up leaves."""
+    import shutil
+
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if run_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir, ignore_errors=True)
