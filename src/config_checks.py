@@ -3,7 +3,7 @@
 ``prepare_run`` is every start-up check of ``src/train.py``: the Lightning options, the GPU and the checkpoint file
 (``src/utils/startup_checks.py``), every setting's value (``check_training_settings``: one ``ConfigError`` listing
 each bad key with its value and what is expected, in the order the groups are built: trainer, data, algorithm,
-model, memory) and the checkpoint's model against the configured one (``check_checkpoint_model``). Nothing here
+environment, model, memory) and the checkpoint's model against the configured one (``check_checkpoint_model``). Nothing here
 loads weights or starts an environment: a checkpoint is memory-mapped, a model known by its ``config.json``.
 """
 from __future__ import annotations
@@ -42,6 +42,8 @@ def trainer_problems(trainer: dict[str, Any]) -> list[str]:
     iteration count below 1."""
     from lightning.pytorch import Trainer
 
+    from src.utils.precision_choice import precision_problems
+
     known = set(inspect.signature(Trainer.__init__).parameters) - {"self"}
     problems = []
     for key in sorted(set(trainer) - known - {"_target_", "_partial_", "_recursive_", "_convert_"}):
@@ -52,6 +54,7 @@ def trainer_problems(trainer: dict[str, Any]) -> list[str]:
     if epochs is not None and (not _is_int(epochs) or (epochs < 1 and epochs != -1)):
         problems.append(f"trainer.max_epochs={epochs!r}: the number of training iterations (one epoch = one "
                         "iteration); expected an int >= 1 (or -1: no limit)")
+    problems += precision_problems(trainer)  # src/utils/precision_choice.py
     every = trainer.get("check_val_every_n_epoch")
     if every is not None and (not _is_int(every) or every < 1):
         problems.append(f"trainer.check_val_every_n_epoch={every!r}: expected an int >= 1 (validate every N "
@@ -115,6 +118,25 @@ def rank_problems(trainer: dict[str, Any], data: dict[str, Any]) -> list[str]:
                 + f": {world - tasks} of the {world} ranks would play no episode in any iteration (task k runs on "
                 f"rank k mod {world}); expected data.tasks_per_iteration >= {world}, or fewer devices"]
     return []
+
+
+def env_problems(env: dict[str, Any]) -> list[str]:
+    """The environment's settings, by its own class (``Environment.config_problems``: no simulator is started) and
+    against its constructor's arguments (an unknown key would fail in every environment worker)."""
+    from src.envs.base import environment_class
+
+    if not env:
+        return []
+    try:
+        cls = environment_class(env)
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError) as err:
+        return [f"env._target_={env.get('_target_')!r}: {err}"]
+    params = inspect.signature(cls.__init__).parameters
+    known = {k for k, v in params.items() if v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)} - {"self"}
+    open_ended = any(v.kind == v.VAR_KEYWORD for v in params.values())
+    problems = [] if open_ended else [f"env.{key}: not a setting of {cls.__name__} (expected one of {sorted(known)})"
+                                      for key in sorted(set(env) - known) if not key.startswith("_")]
+    return problems + cls.config_problems(env)
 
 
 def uses_memory(cfg: DictConfig) -> bool:
@@ -218,6 +240,7 @@ def check_training_settings(cfg: DictConfig) -> None:
     problems += trainer_problems(_container(cfg.get("trainer")))
     problems += data_problems(_container(cfg.get("data")))
     problems += rank_problems(_container(cfg.get("trainer")), _container(cfg.get("data")))
+    problems += env_problems(_container(cfg.get("env")))
     problems += algorithm_problems(cfg)
     problems += model_problems(_container(cfg.get("model")))
     if uses_memory(cfg):
@@ -299,12 +322,6 @@ def resolved_config(cfg: DictConfig) -> dict[str, Any]:
         return OmegaConf.to_container(cfg, resolve=False)
 
 
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict) and node:
-        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
-    return {prefix[:-1]: node}
-
-
 def _fixed(key: str) -> bool:
     return any(key == f or key.startswith(f + ".") for f in FIXED_ON_RESUME) and key != "env.max_steps"
 
@@ -317,15 +334,12 @@ def check_resume_settings(cfg: DictConfig, path: Path) -> dict[str, tuple[Any, A
     Raises:
         ValueError: a ``FIXED_ON_RESUME`` setting changed, naming each key with both values.
     """
-    import torch
+    from src.utils.checkpoint_settings import flat, saved_run_config
 
-    from src.models.checkpoint_state import RUN_CONFIG_KEY
-
-    meta = path / "meta.pt" if path.is_dir() else path
-    saved = torch.load(meta, map_location="cpu", mmap=not path.is_dir(), weights_only=True).get(RUN_CONFIG_KEY)
+    saved = saved_run_config(path)
     if not saved:
         return {}
-    before, after = _flat(saved), _flat(resolved_config(cfg))
+    before, after = flat(saved), flat(resolved_config(cfg))
     skip = ("ckpt_path", "paths.", "hydra.", "trainer.default_root_dir", "logger.", "callbacks.model_checkpoint.dirpath")
     changed = {k: (before[k], after.get(k)) for k in sorted(before)
                if not k.startswith(skip) and k in after and before[k] != after[k]}

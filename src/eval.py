@@ -1,11 +1,14 @@
 """Evaluate a policy with the protocols of docs/evaluation.md.
 
-    python src/eval.py experiment=scienceworld ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt
+    python src/eval.py ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt   # the run's own settings, from it
     python src/eval.py experiment=scienceworld ckpt_path=null eval.seeds=[0,1,2]        # the untrained base model
-    python src/eval.py experiment=webshop ckpt_path=... eval.memory=true                # tips at evaluation time
+    python src/eval.py ckpt_path=... eval.memory=true                                   # tips at evaluation time
     python src/eval.py experiment=transfer_power_to_paint ckpt_path=... eval.trials=10  # OOD adaptation
     python src/eval.py experiment=scienceworld ckpt_path=null model.policy.name_or_path=agent \
         eval.memory_file=agent/memory                                                   # an exported agent
+
+With a checkpoint, the training run's model, data, env, memory and algorithm settings come from it
+(``src/utils/checkpoint_settings.py``); what the command line sets applies on top.
 
 Protocols (``eval.protocol``):
 
@@ -41,6 +44,9 @@ from src.utils.entrypoint import start_run  # noqa: E402 - also registers the co
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="eval.yaml")
 def main(cfg: DictConfig) -> None:
+    from src.utils.checkpoint_settings import use_checkpoint_settings
+
+    use_checkpoint_settings(cfg)  # the training run's settings, from its checkpoint; the command line's on top
     start_run(cfg)
     # imported here: environment workers are spawned processes that re-import this module
     from src.evaluation.runner import run_eval

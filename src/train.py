@@ -17,6 +17,7 @@ import rootutils
 from omegaconf import DictConfig
 
 rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True)
+from src.utils.console import CONSOLE  # noqa: E402
 from src.utils.entrypoint import start_run  # noqa: E402 - also registers the config resolvers
 
 # Heavy imports (torch, Lightning) live inside the functions: environment workers are spawned processes
@@ -113,10 +114,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     try:
         objs = build(cfg)
         trainer = objs["trainer"]
-        log.info("Run directory: %s (train.log, checkpoints/, tips/)", trainer.default_root_dir)
+        log.info("Run directory: %s (train.log, checkpoints/, tips/)", trainer.default_root_dir, extra=CONSOLE)
         if changes:
             log.info("Resumed with other settings than the checkpoint's: %s",
-                     "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()))
+                     "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()), extra=CONSOLE)
         # A user's path is relative to where the command ran, also when hydra.job.chdir=true moved the process.
         ckpt_path = hydra.utils.to_absolute_path(cfg.ckpt_path) if cfg.get("ckpt_path") else None
         if trainer.is_global_zero:

@@ -41,6 +41,7 @@ from src.models.sft_module import ProgressLog, SFTModule, save_policy
 from src.utils.io import json_digest, write_json_atomic
 from src.utils.logging import flatten, set_tags
 from src.utils.precision_choice import resolve_precision
+from src.utils.console import CONSOLE
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: l
     log.info("Building the warm start (once) into %s: %d examples (%d reflections, %d actions) from %s, %.0f prompt "
              "tokens on average, %d epoch(s); the time left is logged as it trains", prep["out_dir"], len(examples),
              len(prep["reflections"]), len(examples) - len(prep["reflections"]), base or "the base model",
-             prompt_tokens / len(examples), epochs)
+             prompt_tokens / len(examples), epochs, extra=CONSOLE)
     tic = time.perf_counter()
     loss, epoch_times, precision = _fit(cfg, ws, policy, examples, epochs, lr, loggers)
     info = {"trained_with": prep["key"], "settings": ws, "env": prep["env_cfg"]["_target_"],
@@ -285,7 +286,8 @@ def _ensure(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any] | None = N
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir) + ".lock"):
         if (out_dir / "sft_info.json").exists():
-            log.info("Reusing the warm start %s (built before; sft_info.json holds what it was trained on)", out_dir)
+            log.info("Reusing the warm start %s (built before; sft_info.json holds what it was trained on)", out_dir,
+                     extra=CONSOLE)
             info = json.loads((out_dir / "sft_info.json").read_text())
         else:
             loggers = _loggers(cfg, f"warm-start-{out_dir.name}")

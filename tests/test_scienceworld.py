@@ -214,7 +214,7 @@ def test_task_resolution_and_errors(env, monkeypatch):
         env.reset({"variation": 0})
 
     monkeypatch.setenv("PATH", "/nonexistent")
-    with pytest.raises(RuntimeError, match="openjdk-17-jre-headless"):
+    with pytest.raises(ValueError, match="openjdk-17-jre-headless"):
         ScienceWorldEnv(FIND)
 
 

@@ -49,13 +49,17 @@ def test_gold_paths_longer_than_the_cap_are_warned_about(tmp_path, caplog):
     over = sorted(t for t, (_, longest) in GOLD_PATH_LENGTHS.items() if longest > default_max_steps(t))
     assert "mendelian-genetics-known-plant" in over and "inclined-plane-friction-unnamed-surfaces" in over
     assert "boil" not in over and "find-non-living-thing" not in over
-    with caplog.at_level(logging.WARNING):
-        # the CPU experiment caps find-non-living-thing (gold paths of 3-7 actions) at 6
+    with caplog.at_level(logging.INFO):
+        # the CPU experiment caps find-non-living-thing (gold paths of 3-7 actions) at 6: the longer ones are cut
         assert len(warn_gold_paths_over_cap(_cfg(tmp_path).env)) == 1
     assert "'find-non-living-thing'" in caplog.text and "3-7 actions" in caplog.text and "cap is 6" in caplog.text
-    messages = warn_gold_paths_over_cap(_cfg(tmp_path, "env.task=[mendelian-genetics-known-plant,boil]",
-                                             "env.max_steps=null").env)
+    assert [r.levelname for r in caplog.records] == ["INFO"]  # some variations fit: not a warning
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        messages = warn_gold_paths_over_cap(_cfg(tmp_path, "env.task=[mendelian-genetics-known-plant,boil]",
+                                                 "env.max_steps=null").env)
     assert len(messages) == 1 and "mendelian-genetics-known-plant" in messages[0] and "cap is 30" in messages[0]
+    assert [r.levelname for r in caplog.records] == ["WARNING"]  # no gold path fits the cap
     assert warn_gold_paths_over_cap(_cfg(tmp_path, "env.task=boil", "env.max_steps=null").env) == []
     assert warn_gold_paths_over_cap(_cfg(tmp_path, "experiment=webshop").env) == []
 
@@ -186,6 +190,18 @@ BAD_SETTINGS = [
     (["memory.tip_memory.threshold=1.5"], r"memory.tip_memory.threshold=1.5: a cosine similarity"),
     (["memory.novelty.threshold=-2"], r"memory.novelty.threshold=-2: a cosine similarity"),
     (["memory.tip_max_tokens=0"], r"memory.tip_max_tokens=0: expected an int >= 1"),
+    (["env.max_steps=0"], r"env.max_steps=0: expected an int >= 1 or null \(actions per episode"),
+    (["env.task=bogus"], r"env.task='bogus': Unknown ScienceWorld task 'bogus'.*Valid tasks: 0=boil"),
+    (["env.jvm_heap=lots"], r"env.jvm_heap='lots': expected a JVM heap size like '768m' or '2g'"),
+    (["+env.max_step=3"], r"env.max_step: not a setting of ScienceWorldEnv \(expected one of \[.*'max_steps'"),
+    (["experiment=coin", "env.game=zork"], r"env.game='zork': expected one of \['coin', 'cookingworld'\]"),
+    (["experiment=coin", "env.max_steps=0"], r"env.max_steps=0: expected an int >= 1 \(actions per episode\)"),
+    (["experiment=webshop", "env.real_data_dir=/no/such/dir"],
+     r"env.real_data_dir='/no/such/dir' \(or WEBSHOP_DATA_DIR\): WebShop data dir '/no/such/dir' does not exist"),
+    (["experiment=webshop", "env.reward_mode=points"], r"env.reward_mode='points': expected one of \['score', "),
+    (["trainer.precision=fp16"], r"trainer.precision='fp16': expected auto or one of Lightning's \[.*'bf16-mixed'"),
+    (["trainer.accelerator=cpu", "trainer.precision=16-mixed"],
+     r"trainer.precision='16-mixed' on a CPU: Lightning would run bf16-mixed instead"),
 ]
 
 

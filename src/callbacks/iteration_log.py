@@ -10,6 +10,8 @@ import time
 
 import lightning as L
 
+from src.utils.console import CONSOLE
+
 log = logging.getLogger(__name__)
 
 
@@ -60,5 +62,5 @@ class IterationLog(L.Callback):
         log.info("iteration %d (%s): score %.3g, return %.3g, success %.2f%s; %s; rollout %.1f s, update %.1f s",
                  self._iteration, self._mode, r.get("rollout/score", float("nan")),
                  r.get("rollout/return", float("nan")), r.get("rollout/success_rate", float("nan")), memory, update,
-                 rollout_s, self._update_s)
+                 rollout_s, self._update_s, extra=CONSOLE)
         self._grad_norms, self._rollout, self._update_s, self._skipped = [], {}, 0.0, 0

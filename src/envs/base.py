@@ -28,8 +28,29 @@ from __future__ import annotations
 import re
 from typing import Any
 
+_JVM_SIZE = re.compile(r"^\d+[kKmMgG]?$")
 _OPEN_TAG = re.compile(r"<action>", re.IGNORECASE)
 _CLOSE_TAG = re.compile(r"</action>", re.IGNORECASE)
+
+
+def count_problem(key: str, value: Any, minimum: int, meaning: str, allow_none: bool = False) -> list[str]:
+    """``[message]`` when ``env.<key>`` is not an int >= ``minimum`` (None allowed with ``allow_none``), else []."""
+    if (value is None and allow_none) or (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+        return []
+    return [f"env.{key}={value!r}: expected an int >= {minimum}{' or null' if allow_none else ''} ({meaning})"]
+
+
+def jvm_problems(env_cfg: dict[str, Any], name: str) -> list[str]:
+    """A simulator JVM's needs, checked without starting it: ``java`` on PATH and ``env.jvm_heap`` a JVM size."""
+    import shutil
+
+    problems = [] if shutil.which("java") else [
+        f"env._target_={env_cfg.get('_target_')!r}: {name} needs a Java runtime (Java 17) but `java` is not on "
+        "PATH; install it (e.g. apt-get install openjdk-17-jre-headless) or put a JDK's bin/ on PATH"]
+    heap = env_cfg.get("jvm_heap")
+    if heap is not None and not _JVM_SIZE.match(str(heap)):
+        problems.append(f"env.jvm_heap={heap!r}: expected a JVM heap size like '768m' or '2g' (-Xmx of each JVM)")
+    return problems
 
 
 def extract_action(response: str) -> tuple[str | None, bool]:
@@ -139,6 +160,27 @@ class Environment:
 
     def close(self) -> None:
         pass
+
+    @classmethod
+    def config_problems(cls, env_cfg: dict[str, Any]) -> list[str]:
+        """The settings of ``env_cfg`` (the ``env`` config, resolved) this environment cannot run, one line each
+        naming ``env.<key>``, its value and what is expected; [] when it can. Checked at start-up before any model,
+        embedder or tracker run is made (``src/config_checks.py``) and again by the constructor
+        (``check_config``), so it must not start a simulator (default: ``max_steps`` an int >= 1 when given)."""
+        if "max_steps" not in env_cfg:
+            return []
+        return count_problem("max_steps", env_cfg["max_steps"], 1, "actions per episode")
+
+    @classmethod
+    def check_config(cls, env_cfg: dict[str, Any]) -> None:
+        """Raise on what ``config_problems`` finds: the constructor's checks are the start-up ones.
+
+        Raises:
+            ValueError: one line per bad setting.
+        """
+        problems = cls.config_problems(env_cfg)
+        if problems:
+            raise ValueError("\n".join(problems))
 
     @classmethod
     def startup_warnings(cls, env_cfg: dict[str, Any]) -> None:

@@ -13,12 +13,11 @@ from __future__ import annotations
 import logging
 import numbers
 import re
-import shutil
 from typing import Any
 
-from src.envs.base import Environment, read_action
+from src.envs.base import Environment, jvm_problems, read_action
 from src.envs.scienceworld_demos import scienceworld_tip
-from src.envs.scienceworld_tasks import default_max_steps, resolve_task
+from src.envs.scienceworld_tasks import default_max_steps, resolve_task, settings_problems, task_list
 from src.utils.environ import temporary_environ
 
 logger = logging.getLogger(__name__)
@@ -37,7 +36,6 @@ _AMBIGUOUS_PROMPT = "Ambiguous request: Please enter the number"
 _AMBIGUOUS_OPTION = re.compile(r"^\s*(\d+):\s*(.+?)\s*$")
 # "reset task" is in the simulator's action list; it would silently restart the episode under the agent.
 _BLOCKED_ACTIONS = {"reset task"}
-_HEAP = re.compile(r"^\d+[kKmMgG]?$")
 
 
 def _blocked(action: str) -> bool:
@@ -55,13 +53,15 @@ def parse_action(response: str) -> str:
 
 
 def start_jvm(jvm_heap: str):
-    """Start one simulator JVM (package wrapper object; only its py4j ``server`` is used for stepping)."""
-    if shutil.which("java") is None:
-        raise RuntimeError(
-            "ScienceWorld needs a Java runtime (Java 17) but `java` is not on PATH. Install it, e.g. "
-            "`apt-get install openjdk-17-jre-headless`, or put a JDK's bin/ directory on PATH.")
-    if not _HEAP.match(str(jvm_heap)):
-        raise ValueError(f"jvm_heap={jvm_heap!r}: expected a JVM size like '768m' or '2g'")
+    """Start one simulator JVM (package wrapper object; only its py4j ``server`` is used for stepping).
+
+    Raises:
+        ValueError: no ``java`` on PATH (says how to install Java 17), or ``jvm_heap`` is not a JVM size.
+    """
+    problems = jvm_problems({"_target_": "src.envs.scienceworld.ScienceWorldEnv", "jvm_heap": jvm_heap},
+                            "ScienceWorld")
+    if problems:
+        raise ValueError("\n".join(problems))
     from scienceworld import ScienceWorldEnv as _PackageEnv
 
     # Without a heap cap one JVM grows to ~3.5 GB; the serial GC avoids one GC thread per core.
@@ -119,8 +119,9 @@ class ScienceWorldEnv(Environment):
     runs), so the episode never sits in that numbered-answer state; ``info['action']`` names the option run.
 
     Raises:
-        ValueError: unknown task (message lists the valid ones), bad jvm_heap, bad split/variation.
-        RuntimeError: ``java`` not on PATH (says how to install Java 17); step before reset or after the end.
+        ValueError: a setting ``config_problems`` refuses (an unknown task lists the valid ones; no ``java`` on PATH
+            says how to install Java 17), an unknown simplification, a bad split or variation.
+        RuntimeError: step before reset or after the end.
     """
 
     display_name = "ScienceWorld"
@@ -136,19 +137,10 @@ class ScienceWorldEnv(Environment):
                  num_train_variations: int = 5, num_test_variations: int = 20, max_steps: int | None = None,
                  action_correction: bool = False, correction_min_similarity: int = 85,
                  include_admissible_actions: bool = False, jvm_heap: str = "768m", seed: int | None = None) -> None:
-        # Any sequence (list, tuple, OmegaConf ListConfig from hydra.utils.instantiate) is a list of tasks.
-        raw_tasks = [task] if isinstance(task, (str, int)) else list(task)
-        if not raw_tasks:
-            raise ValueError("task: expected at least one task, got an empty list")
-        self.task_names = [resolve_task(t) for t in raw_tasks]
-        if num_train_variations < 0 or num_test_variations < 0:
-            raise ValueError(f"num_train_variations={num_train_variations}, num_test_variations="
-                             f"{num_test_variations}: expected non-negative counts")
-        if max_steps is not None and max_steps < 1:
-            raise ValueError(f"max_steps={max_steps}: expected a positive int or None (per-task default)")
-        if not 0 <= correction_min_similarity <= 100:
-            raise ValueError(f"correction_min_similarity={correction_min_similarity}: expected 0..100 "
-                             "(a thefuzz ratio)")
+        self.check_config({"task": task, "num_train_variations": num_train_variations, "max_steps": max_steps,
+                           "num_test_variations": num_test_variations, "jvm_heap": jvm_heap,
+                           "correction_min_similarity": correction_min_similarity})
+        self.task_names = [resolve_task(t) for t in task_list(task)]
         self.simplification = simplification
         self.num_train_variations = num_train_variations
         self.num_test_variations = num_test_variations
@@ -176,6 +168,12 @@ class ScienceWorldEnv(Environment):
         self._score = 0
         self._done = True
         self.system_prompt = self._make_system_prompt()
+
+    @classmethod
+    def config_problems(cls, env_cfg: dict[str, Any]) -> list[str]:
+        """``scienceworld_tasks.settings_problems`` and the JVM's needs (Java on PATH, the heap size); the
+        simplification preset needs the simulator and is checked when it starts."""
+        return settings_problems(env_cfg) + jvm_problems(env_cfg, "ScienceWorld")
 
     # ----------------------------------------------------------------- splits
     def _check_simplification(self) -> None:

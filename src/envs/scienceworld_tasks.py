@@ -1,4 +1,5 @@
-"""ScienceWorld's 30 tasks by name, alphabetical index and paper id, and their action caps (no simulator needed).
+"""ScienceWorld's 30 tasks by name, alphabetical index and paper id, their action caps and the checks of the
+settings that need no simulator (``settings_problems``).
 
 docs/environments.md#scienceworld.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from scienceworld.constants import ID2TASK
+
+from src.envs.base import count_problem
 
 # Paper ids ("4-2") -> task names, from the table the package ships (scienceworld/tasks.json, the numbering of
 # the ScienceWorld paper, Wang et al. 2022, Table 1).
@@ -60,3 +63,33 @@ def _unknown_task_message(task: Any) -> str:
 def default_max_steps(task_name: str) -> int:
     """Per-task action cap (``MAX_STEPS_OVERRIDES``, else ``DEFAULT_MAX_STEPS``) for a resolved task name."""
     return MAX_STEPS_OVERRIDES.get(task_name, DEFAULT_MAX_STEPS)
+
+
+def task_list(task: Any) -> list[Any]:
+    """``env.task`` as a list: one task, or any sequence (list, tuple, OmegaConf's ListConfig)."""
+    return [task] if isinstance(task, (str, int)) else list(task)
+
+
+def settings_problems(env_cfg: dict[str, Any]) -> list[str]:
+    """What ``ScienceWorldEnv`` cannot run in ``env_cfg`` without asking the simulator: the task list, the
+    variation counts, the action cap and the correction threshold, one line per bad ``env.<key>``."""
+    problems = []
+    tasks = task_list(env_cfg.get("task", "find-non-living-thing"))
+    if not tasks:
+        problems.append("env.task=[]: expected a task or a list of tasks (a name, a paper id like '4-2' or an "
+                        "index)")
+    for task in tasks:
+        try:
+            resolve_task(task)
+        except ValueError as err:
+            problems.append(f"env.task={task!r}: {err}")
+    for key, meaning in (("num_train_variations", "training variations per task"),
+                         ("num_test_variations", "held-out variations per task")):
+        problems += count_problem(key, env_cfg.get(key, 0), 0, meaning)
+    problems += count_problem("max_steps", env_cfg.get("max_steps"), 1, "actions per episode; null: the per-task cap",
+                              allow_none=True)
+    similarity = env_cfg.get("correction_min_similarity", 85)
+    if isinstance(similarity, bool) or not isinstance(similarity, (int, float)) or not 0 <= similarity <= 100:
+        problems.append(f"env.correction_min_similarity={similarity!r}: expected a number in 0..100 (the thefuzz "
+                        "ratio a corrected action needs)")
+    return problems

@@ -17,10 +17,10 @@ import logging
 import numbers
 import random
 import re
-import shutil
+from collections.abc import Mapping
 from typing import Any
 
-from src.envs.base import Environment, read_action, replay
+from src.envs.base import Environment, count_problem, jvm_problems, read_action, replay
 from src.envs.textworld_express_tips import EXIT, ROOM, textworld_express_tip
 from src.utils.environ import temporary_environ
 
@@ -59,8 +59,9 @@ class TextWorldExpressEnv(Environment):
     ``valid_action=False``. Replies are read as in ScienceWorld: the first ``<action>`` tag, else the first line.
 
     Raises:
-        ValueError: unknown game or game parameter, bad seed count/max_steps/jvm_heap, a task seed outside its fold.
-        RuntimeError: ``java`` not on PATH; step before reset or after the episode ended.
+        ValueError: a setting ``config_problems`` refuses (also no ``java`` on PATH), a game parameter or seed count
+            the simulator refuses, a task seed outside its fold.
+        RuntimeError: step before reset or after the episode ended.
     """
 
     display_name = "TextWorldExpress"
@@ -73,18 +74,9 @@ class TextWorldExpressEnv(Environment):
     def __init__(self, game: str = "coin", game_params: dict[str, Any] | None = None, num_train_seeds: int = 100,
                  num_test_seeds: int = 50, max_steps: int = 20, include_admissible_actions: bool = True,
                  jvm_heap: str = "256m", seed: int | None = None) -> None:
-        if game not in GAMES:
-            raise ValueError(f"game={game!r}: expected one of {list(GAMES)}")
-        if num_train_seeds < 0 or num_test_seeds < 0:
-            raise ValueError(f"num_train_seeds={num_train_seeds}, num_test_seeds={num_test_seeds}: expected "
-                             "non-negative counts")
-        if max_steps < 1:
-            raise ValueError(f"max_steps={max_steps}: expected a positive int")
-        if shutil.which("java") is None:
-            raise RuntimeError("TextWorldExpress needs a Java runtime (Java 17) but `java` is not on PATH. Install "
-                               "it, e.g. `apt-get install openjdk-17-jre-headless`.")
-        if not re.fullmatch(r"\d+[kKmMgG]?", str(jvm_heap)):
-            raise ValueError(f"jvm_heap={jvm_heap!r}: expected a JVM size like '256m' or '1g'")
+        self.check_config({"_target_": f"{__name__}.{type(self).__name__}", "game": game, "max_steps": max_steps,
+                           "game_params": game_params, "num_train_seeds": num_train_seeds,
+                           "num_test_seeds": num_test_seeds, "jvm_heap": jvm_heap})
         from textworld_express import TextWorldExpressEnv as _Simulator
 
         self.game, self.game_params = game, dict(game_params or {})
@@ -113,6 +105,20 @@ class TextWorldExpressEnv(Environment):
         self._valid: list[str] = []
         self._instruction = ""
         self.system_prompt = self._make_system_prompt()
+
+    @classmethod
+    def config_problems(cls, env_cfg: dict[str, Any]) -> list[str]:
+        """The game, its parameters' type, the seed counts, the action cap and the JVM's needs; the parameters'
+        values and the folds' sizes are the simulator's to check (when it starts)."""
+        game, params = env_cfg.get("game", "coin"), env_cfg.get("game_params")
+        problems = [] if game in GAMES else [f"env.game={game!r}: expected one of {list(GAMES)}"]
+        if params is not None and not isinstance(params, Mapping):
+            problems.append(f"env.game_params={params!r}: expected a mapping of the simulator's game parameters "
+                            "(e.g. numLocations: 4) or null")
+        for key, meaning in (("num_train_seeds", "train seeds"), ("num_test_seeds", "dev/test seeds")):
+            problems += count_problem(key, env_cfg.get(key, 0), 0, meaning)
+        problems += count_problem("max_steps", env_cfg.get("max_steps", 20), 1, "actions per episode")
+        return problems + jvm_problems(env_cfg, "TextWorldExpress")
 
     # ----------------------------------------------------------------- splits
     def tasks(self, split: str) -> list[dict[str, Any]]:

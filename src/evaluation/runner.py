@@ -177,19 +177,28 @@ def _run_protocol(cfg: DictConfig, b: dict[str, Any], memory, write_tips: bool) 
 
 
 def _read_memory_file(cfg: DictConfig) -> dict[str, Any] | None:
-    """The tip state of ``eval.memory_file`` (None without one), read and checked before anything is built.
+    """The tip state of ``eval.memory_file`` (None without one), read and checked before anything is built. The
+    memory's partition setting is the file's in a command-line run that does not name one (as a checkpoint's
+    settings are the checkpoint's), set in ``cfg``.
 
     Raises:
         ValueError: a file of it that cannot be read (named), or a memory stored with another partition setting
-            than the memory group's.
+            than the one the command line names.
     """
     ev = cfg.eval
     if not ev.get("memory_file"):
         return None
+    from hydra.core.hydra_config import HydraConfig
+
     from src.memory.memory_file import read_memory_files
+    from src.utils.checkpoint_settings import command_line_keys
 
     state, info = read_memory_files(hydra.utils.to_absolute_path(str(ev.memory_file)))
     partition = (cfg.get("memory") or {}).get("partition")
+    if partition is not None and info["partition"] != partition and HydraConfig.initialized() \
+            and "memory.partition" not in command_line_keys()[0]:
+        log.info("memory.partition=%s: the partition eval.memory_file was written with", info["partition"])
+        cfg.memory.partition = partition = info["partition"]
     if partition is not None and info["partition"] != partition:
         raise ValueError(f"eval.memory_file={ev.memory_file!r} was written with memory.partition="
                          f"{info['partition']!r}, but memory.partition={partition!r}: its tips would never "

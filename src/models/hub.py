@@ -20,6 +20,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretr
 
 from src.models.precision import torch_dtype
 from src.utils.io import atomic_dir
+from src.utils.console import CONSOLE
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,8 @@ def convert_embedded_smollm2(out_dir: str | Path) -> Path:
     if (out_dir / "config.json").exists():
         return out_dir
     directory, gguf = _smollm2_gguf()
-    log.info("Converting the embedded SmolLM2 GGUF (%s) into %s (once; ~20 s on 2 cores)", gguf, out_dir)
+    log.info("Converting the embedded SmolLM2 GGUF (%s) into %s (once; ~20 s on 2 cores)", gguf, out_dir,
+             extra=CONSOLE)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
     gguf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
     config = gguf_model.config
@@ -77,9 +79,10 @@ def resolve_name_or_path(name_or_path: str, cache_dir: str | Path) -> str:
     """Map ``embedded:SmolLM2-135M-Instruct`` to its converted local directory; pass anything else through."""
     if name_or_path == EMBEDDED_SMOLLM2:
         return str(convert_embedded_smollm2(Path(cache_dir) / "SmolLM2-135M-Instruct"))
-    if name_or_path == EMBEDDED_TINY:
-        smollm2 = convert_embedded_smollm2(Path(cache_dir) / "SmolLM2-135M-Instruct")
-        return str(build_tiny_model(smollm2, Path(cache_dir) / "tiny-random-llama"))
+    if name_or_path == EMBEDDED_TINY:  # SmolLM2's config and tokenizer: no weights converted for a random model
+        converted = Path(cache_dir) / "SmolLM2-135M-Instruct"
+        source, gguf = (converted, None) if (converted / "config.json").exists() else _smollm2_gguf()
+        return str(build_tiny_model(source, Path(cache_dir) / "tiny-random-llama", gguf_file=gguf))
     if name_or_path.startswith("embedded:"):
         raise ValueError(f"Unknown embedded model {name_or_path!r}; expected {EMBEDDED_SMOLLM2!r} or "
                          f"{EMBEDDED_TINY!r}.")
@@ -178,13 +181,14 @@ def load_causal_lm(name_or_path: str, dtype: str = "bfloat16", attn_implementati
 
 
 def build_tiny_model(tokenizer_dir: str | Path, out_dir: str | Path, seed: int = 0, hidden_size: int = 64,
-                     num_layers: int = 2) -> Path:
+                     num_layers: int = 2, gguf_file: str | None = None) -> Path:
     """Write a tiny randomly initialised Llama (SmolLM2's architecture, vocabulary and chat template; a few MB of
-    weights, built in-process) to ``out_dir``."""
+    weights, built in-process) to ``out_dir``, from the config and tokenizer in ``tokenizer_dir`` (a model directory,
+    or the directory of the GGUF file ``gguf_file``: its metadata only, no weights read)."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
         return out_dir
-    config = AutoConfig.from_pretrained(tokenizer_dir)
+    config = AutoConfig.from_pretrained(tokenizer_dir, gguf_file=gguf_file)
     config.hidden_size = hidden_size
     config.intermediate_size = hidden_size * 2
     config.num_hidden_layers = num_layers
@@ -193,7 +197,7 @@ def build_tiny_model(tokenizer_dir: str | Path, out_dir: str | Path, seed: int =
     config.head_dim = hidden_size // 4
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, gguf_file=gguf_file)
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -20,6 +20,7 @@ from src.data.samples import SFTExample
 from src.models.policy import Policy
 from src.utils.io import atomic_dir
 from src.utils.timing import eta_text
+from src.utils.console import CONSOLE
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,8 @@ class ProgressLog(L.Callback):
         rate = trainer.callback_metrics.get("train/tokens_per_s")
         rate = f", {float(rate):.0f} tokens/s" if rate is not None else ""
         log.info("warm start: batch %d/%d (epoch %d/%d), loss %.3f%s, %s", done, total, trainer.current_epoch + 1,
-                 trainer.max_epochs, float(outputs["loss"]), rate, eta_text(now - self._start, done, total))
+                 trainer.max_epochs, float(outputs["loss"]), rate, eta_text(now - self._start, done, total),
+                 extra=CONSOLE)
 
 
 def save_policy(policy: Policy, out_dir: str | os.PathLike, info: dict[str, Any] | None = None) -> Path:

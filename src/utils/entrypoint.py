@@ -11,6 +11,8 @@ import logging
 import os
 import signal
 import sys
+import warnings
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -28,14 +30,22 @@ def start_run(cfg: DictConfig) -> None:
     - tokenizers run single-threaded unless the user says otherwise (they would fight the env workers for cores);
     - how torch's threads wait (``src/utils/threads.py``, set when this module is imported) is logged, and the
       load of the other processes is first read (the thread count follows it from the first generation on);
-    - faiss's CPU-feature probing (ModuleNotFoundError lines at INFO, which read like failures) is silenced;
+    - faiss's CPU-feature probing (ModuleNotFoundError lines at INFO, which read like failures), MLflow's database
+      set-up lines and Lightning's deprecation warning about its own pytree use are silenced (not about the command);
     - Lightning's log lines go through Hydra's handlers only (they were printed twice);
+    - the resolved config is written to ``.hydra/resolved.yaml`` in the run directory, not to the console;
     - SIGTERM (a job scheduler, ``kill``) unwinds like Ctrl-C, so environment workers, JVMs and file locks are
       released and no half-built cache entry is kept; both signals are recorded (``received_signal``), so the run
       ends KILLED in the tracker, not FAILED.
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading/saving bars on every start
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    # Lines about the libraries, not the user's command: MLflow's database set-up and a new experiment, and a
+    # deprecation inside Lightning's own code (torch 2.9's pytree API).
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+    logging.getLogger("lightning.pytorch.loggers.mlflow").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     import lightning  # noqa: F401 - its import gives its loggers console handlers of their own, removed below
     import torch
 
@@ -49,7 +59,22 @@ def start_run(cfg: DictConfig) -> None:
         logger.propagate = True
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    log.info("Config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+    _save_resolved_config(cfg)
+
+
+def _save_resolved_config(cfg: DictConfig) -> None:
+    """The resolved config to ``.hydra/resolved.yaml`` in the run directory (Hydra's own ``config.yaml`` there keeps
+    the interpolations), one line in the log saying where; outside a Hydra run, to the log at DEBUG."""
+    from hydra.core.hydra_config import HydraConfig
+
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    if not HydraConfig.initialized():
+        log.debug("Config:\n%s", text)
+        return
+    path = Path(HydraConfig.get().runtime.output_dir) / (HydraConfig.get().output_subdir or ".hydra") / "resolved.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    log.info("Config: %s (resolved; %s)", path, " ".join(HydraConfig.get().overrides.task) or "no overrides")
 
 
 _received: list[int] = []

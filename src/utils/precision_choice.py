@@ -4,7 +4,7 @@ bf16 matmuls are fast on GPUs with bf16 support and on CPUs with AMX or AVX512-B
 (AVX2 only: many laptops, older servers, AMD EPYC before Zen 4) emulates bf16 and runs it 10–70× *slower* than
 fp32 (measured: 0.5 vs 33 GFLOP/s for a 1024² matmul on an AVX2 EPYC). So the CPU experiments do not hard-code a
 precision: at start-up a short timed probe multiplies two matrices in both dtypes, and the faster one wins.
-An explicit ``trainer.precision=...`` is never changed. Trainable parameters stay fp32 master weights either
+An explicit ``trainer.precision=...`` is never changed; ``precision_problems`` refuses one that cannot run as asked. Trainable parameters stay fp32 master weights either
 way (``src/models/precision.py``); only the compute dtype of matmuls changes.
 
 The choice is made once per process tree: the first process stores it in ``EMPO2_PRECISION_CHOICE`` and the
@@ -163,3 +163,26 @@ def resolve_precision(cfg: DictConfig) -> str | None:
     _announced.add(choice)
     log.info("Precision: %s (%s; trainer.precision=auto, override with e.g. trainer.precision=32-true)", choice, reason)
     return choice
+
+
+def precision_problems(trainer: dict[str, Any]) -> list[str]:
+    """``trainer.precision`` against Lightning's values and ``auto`` (this project's choice by measurement); fp16
+    mixed precision on a CPU is refused (Lightning would run bf16 instead), as is Transformer Engine not installed."""
+    import importlib.util
+    import typing
+
+    import torch
+    from lightning.fabric.connector import _PRECISION_INPUT
+
+    precision, accelerator = trainer.get("precision"), trainer.get("accelerator")
+    allowed = [v for lit in typing.get_args(_PRECISION_INPUT) for v in typing.get_args(lit)]
+    if precision not in allowed + ["auto", None] or isinstance(precision, bool):
+        return [f"trainer.precision={precision!r}: expected auto or one of Lightning's "
+                f"{[v for v in allowed if isinstance(v, str)]}"]
+    on_cpu = accelerator == "cpu" or (accelerator in ("auto", None) and not torch.cuda.is_available())
+    if str(precision) in ("16", "16-mixed") and on_cpu:
+        return [f"trainer.precision={precision!r} on a CPU: Lightning would run bf16-mixed instead (fp16 autocast "
+                "runs on GPUs); expected bf16-mixed, 32-true or auto"]
+    if str(precision).startswith("transformer-engine") and importlib.util.find_spec("transformer_engine") is None:
+        return [f"trainer.precision={precision!r}: transformer_engine is not installed"]
+    return []

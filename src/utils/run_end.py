@@ -8,6 +8,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from src.utils.console import CONSOLE
 from src.utils.entrypoint import received_signal
 
 log = logging.getLogger(__name__)
@@ -131,4 +132,5 @@ def remove_empty_run_dir() -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if run_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir()):
         shutil.rmtree(run_dir, ignore_errors=True)
-        log.info("Removed the run directory %s: the run was refused before it wrote anything.", run_dir)
+        log.info("Removed the run directory %s: the run was refused before it wrote anything.", run_dir,
+                 extra=CONSOLE)

@@ -14,13 +14,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from src.envs.base import Environment, extract_action
+from src.envs.base import Environment, count_problem, extract_action
 from src.envs.webshop import pages
 from src.envs.webshop.pages import SEARCH_PLACEHOLDER
 from src.envs.webshop.catalog import ensure_generated_catalog
-from src.envs.webshop.data import WebShopData, load_webshop_data, split_goal_indices
+from src.envs.webshop.data import (WebShopData, WebShopDataError, find_data_files, load_webshop_data,
+                                   split_goal_indices)
 from src.envs.webshop.demos import webshop_tip
-from src.envs.webshop.reward import check_noun_tagger, get_reward
+from src.envs.webshop.reward import NOUN_TAGGERS, check_noun_tagger, get_reward
 from src.envs.webshop.search import SearchEngine
 
 ACTION_RE = re.compile(r'(.+)\[(.+)\]')  # the original's parse_action
@@ -233,16 +234,17 @@ class WebShopEnv(Environment):
                  reward_mode: str = "score", num_test_goals: int = 500, num_dev_goals: int = 0,
                  stemmer: str = "porter", noun_tagger: str = "fallback", observation_instruction: bool = True,
                  seed: int | None = None):
-        if reward_mode not in ("score", "success"):
-            raise ValueError(f"reward_mode must be 'score' or 'success', got {reward_mode!r}")
-        if max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-        if num_test_goals < 0 or num_dev_goals < 0:
-            raise ValueError(f"num_test_goals/num_dev_goals must be >= 0, got {num_test_goals}/{num_dev_goals}")
+        self.check_config({"real_data_dir": real_data_dir, "human_goals": human_goals, "catalog_size": catalog_size,
+                           "num_products": num_products, "max_steps": max_steps, "reward_mode": reward_mode,
+                           "num_test_goals": num_test_goals, "num_dev_goals": num_dev_goals, "stemmer": stemmer,
+                           "noun_tagger": noun_tagger})
         real = real_data_dir or os.environ.get("WEBSHOP_DATA_DIR") or None
         data_dir = Path(data_dir).resolve()
         source = Path(real).resolve() if real else ensure_generated_catalog(data_dir, catalog_size, catalog_seed)
-        self.data, self.engine = _load(str(source), str(data_dir), num_products, human_goals, price_seed, stemmer)
+        try:
+            self.data, self.engine = _load(str(source), str(data_dir), num_products, human_goals, price_seed, stemmer)
+        except WebShopDataError as err:  # a file's content (its presence is config_problems'): name the setting
+            raise WebShopDataError(f"env.real_data_dir={real!r}: {err}" if real else str(err)) from None
         self.uses_real_data = bool(real)
         self.max_steps = max_steps
         self.format_penalty = float(format_penalty)
@@ -252,6 +254,30 @@ class WebShopEnv(Environment):
         self.observation_instruction = bool(observation_instruction)
         self.system_prompt = SYSTEM_PROMPT.format(max_steps=max_steps)
         self._active = False
+
+    @classmethod
+    def config_problems(cls, env_cfg: dict[str, Any]) -> list[str]:
+        """The reward mode, counts, analyzers and, with real data (``env.real_data_dir`` or ``WEBSHOP_DATA_DIR``),
+        that its directory holds the files (``find_data_files``); the files' content is read when the data loads."""
+        problems = super().config_problems({"max_steps": env_cfg.get("max_steps", 15)})
+        for key, allowed in (("reward_mode", ("score", "success")), ("stemmer", ("porter", "none")),
+                             ("noun_tagger", NOUN_TAGGERS)):
+            if env_cfg.get(key, allowed[0]) not in allowed:
+                problems.append(f"env.{key}={env_cfg[key]!r}: expected one of {list(allowed)}")
+        for key, minimum, meaning in (("num_test_goals", 0, "goals held out for test"),
+                                      ("num_dev_goals", 0, "goals held out for validation"),
+                                      ("catalog_size", 10, "products of the generated catalog")):
+            problems += count_problem(key, env_cfg.get(key, minimum), minimum, meaning)
+        problems += count_problem("num_products", env_cfg.get("num_products"), 1, "the first N products of the "
+                                  "file; null: all", allow_none=True)
+        real = env_cfg.get("real_data_dir") or os.environ.get("WEBSHOP_DATA_DIR")
+        if real:
+            try:
+                find_data_files(real, bool(env_cfg.get("human_goals", True)))
+            except WebShopDataError as err:
+                problems.append(f"env.real_data_dir={real!r} (or WEBSHOP_DATA_DIR): {err}; set it to the directory "
+                                "of the original files, or null for the generated catalog")
+        return problems
 
     # ------------------------------------------------------------------ contract
     def tasks(self, split: str) -> list[dict[str, Any]]:

@@ -1,0 +1,98 @@
+"""The settings a checkpoint was trained with, for the entry points that rebuild its policy: ``src/eval.py`` and
+``src/export.py`` take the training run's model, data, environment, memory and algorithm settings from the
+checkpoint (docs/evaluation.md), so ``python src/eval.py ckpt_path=<run>/checkpoints/last.ckpt`` evaluates any run
+without repeating its experiment and overrides.
+
+What the command line sets still applies: a ``key=value`` override of one of those groups, and a group chosen by name
+(``env=webshop``). Settings that name this machine's directories (an interpolation of ``paths.*`` or of an
+environment variable, e.g. WebShop's ``env.data_dir``) keep this config's value, and a setting that follows another
+one (``data.max_steps: ${env.max_steps}``) keeps following it where that gives the checkpoint's value.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from src.utils.console import CONSOLE
+
+log = logging.getLogger(__name__)
+
+RUN_GROUPS = ("model", "data", "env", "memory", "algorithm")
+_MACHINE = re.compile(r"\$\{(paths\.|oc\.env:|hydra:)")
+
+
+def saved_run_config(path: Path) -> dict[str, Any] | None:
+    """The resolved training config saved in a checkpoint (``RUN_CONFIG_KEY``), or None in one written before it was
+    saved. ``path``: a ``.ckpt`` file (memory-mapped, its tensors not read) or a ``trainer=fsdp`` checkpoint
+    directory (its ``meta.pt``)."""
+    import torch
+
+    from src.models.checkpoint_state import RUN_CONFIG_KEY
+
+    meta = path / "meta.pt" if path.is_dir() else path
+    return torch.load(meta, map_location="cpu", mmap=not path.is_dir(), weights_only=True).get(RUN_CONFIG_KEY) or None
+
+
+def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as ``{"a.b.c": leaf}`` (an empty dict and a list are leaves)."""
+    if isinstance(node, dict) and node:
+        return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: node}
+
+
+def command_line_keys() -> tuple[set[str], set[str]]:
+    """The keys (``env.max_steps``) and the groups (``env``) this process's command line set, from Hydra's record of
+    its overrides (empty outside a Hydra run)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return set(), set()
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+    return {k for k in keys if "." in k}, {k for k in keys if k in RUN_GROUPS}
+
+
+def apply_run_config(cfg: DictConfig, saved: dict[str, Any], keys: set[str], groups: set[str]) -> list[str]:
+    """Set the ``RUN_GROUPS`` settings of ``cfg`` to the checkpoint's (``saved``, a resolved training config), except
+    ``keys`` and ``groups`` (what the command line set) and this machine's directories (see the module doc). Keys
+    ``cfg`` does not have (a setting since removed) are left out. Returns the keys whose value changed."""
+    raw = flat(OmegaConf.to_container(cfg, resolve=False))
+    changed = []
+    for key, value in flat({g: saved[g] for g in RUN_GROUPS if g in saved and g not in groups}).items():
+        if key not in raw or key in keys or any(key.startswith(k + ".") for k in keys):
+            continue
+        current = raw[key]
+        if isinstance(current, str) and "${" in current:  # an interpolation: kept while it gives the saved value
+            if _MACHINE.search(current) or OmegaConf.select(cfg, key) == value:
+                continue
+        elif current == value:
+            continue
+        with open_dict(cfg):
+            OmegaConf.update(cfg, key, value, merge=False)
+        changed.append(key)
+    return changed
+
+
+def use_checkpoint_settings(cfg: DictConfig) -> None:
+    """``apply_run_config`` for ``cfg.ckpt_path`` with this process's command line, logged; nothing without a
+    checkpoint or with one that saved no run config (the config's own settings apply, as before)."""
+    import hydra
+
+    if not cfg.get("ckpt_path"):
+        return
+    path = Path(hydra.utils.to_absolute_path(str(cfg.ckpt_path)))
+    try:
+        saved = saved_run_config(path) if path.exists() else None
+    except Exception as err:  # noqa: BLE001 - not a checkpoint: reading its weights says so, naming the file
+        log.debug("ckpt_path=%s: no run config read (%s)", cfg.ckpt_path, err)
+        return
+    if saved is None:
+        log.info("ckpt_path=%s holds no run config: the settings are this command's", cfg.ckpt_path)
+        return
+    changed = apply_run_config(cfg, saved, *command_line_keys())
+    shown = ", ".join(f"{k}={OmegaConf.select(cfg, k)!r}" for k in changed[:12]) + (" ..." if len(changed) > 12 else "")
+    log.info("Settings of the checkpoint's training run (%s): %d differ from this command's config%s", "/".join(
+        RUN_GROUPS), len(changed), f": {shown}" if changed else "", extra=CONSOLE)
