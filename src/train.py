@@ -61,7 +61,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
             raise ValueError(f"memory._target_={cfg.memory._target_!r} is a diagnostic arm of src/eval.py (oracle or "
                              "placeholder tips); training uses the policy's own memory "
                              "(src.callbacks.memory.MemoryCallback)")
-        memory = hydra.utils.instantiate(cfg.memory)
+        # the retrieval rule follows algorithm.semantics (the authors' ties and threshold: docs/reproducing.md)
+        memory = hydra.utils.instantiate(cfg.memory, tip_memory={"semantics": cfg.algorithm.get("semantics", "paper")})
         memory.use_environment(OmegaConf.to_container(cfg.env, resolve=True))
     datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
     # Lightning saves the memory in every checkpoint and logs its tip tables (first: the tables are rollout time)

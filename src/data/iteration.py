@@ -134,7 +134,7 @@ def play(s: IterationSettings, c: Collaborators, tasks: list[dict], mode: str, i
     log.info("iteration %d (%s): rank %d of %d runs tasks %s", iteration, mode, rank, world,
              json.dumps(tasks[rank::world]))
     cfg = replace(s.rollout, use_tips=mode != "on_policy", strip_tips_for_update=mode == "off_policy",
-                  sample_seed=stream_seed(s.seed, iteration, SAMPLING),
+                  strip_current_tips=s.algorithm.semantics == "paper", sample_seed=stream_seed(s.seed, iteration, SAMPLING),
                   # the reflections written next continue each episode's last prompt without recomputing it
                   keep_reflection_prefix=c.memory is not None and c.memory.reuse_rollout_cache)
     return play_groups(c.pool, c.policy, tasks, s.group_size, cfg, c.memory, s.max_steps)
@@ -143,18 +143,18 @@ def play(s: IterationSettings, c: Collaborators, tasks: list[dict], mode: str, i
 def group_advantages(episodes: list[Episode], algorithm: AlgorithmConfig,
                      rank: int) -> tuple[torch.Tensor, dict[str, float]]:
     """This rank's episodes' GRPO advantages ``[E]`` (float64, dimensionless) from their discounted returns, bonus
-    included, normalised within each group over all ranks' episodes (group ids are unique over ranks; a collective
+    included (not under ``algorithm.semantics=authors``: their bonus reaches the logged rewards only), normalised within each group over all ranks' episodes (group ids are unique over ranks; a collective
     under DDP/FSDP), and the advantage metrics (``compute_grpo_advantages``; failed episodes are counted once, as
     ``rollout/failed_episodes``)."""
-    gamma = algorithm.gamma
-    per_rank = gather_objects([(e.discounted_return(gamma), e.discounted_return(gamma, bonus=False), e.group)
-                               for e in episodes])
+    gamma, bonus = algorithm.gamma, algorithm.semantics == "paper"  # the authors' advantage reads no bonus
+    per_rank = gather_objects([(e.discounted_return(gamma, bonus=bonus), e.discounted_return(gamma, bonus=False),
+                                e.group) for e in episodes])
     everyone = [row for rows in per_rank for row in rows]
     returns = torch.tensor([r for r, _, _ in everyone], dtype=torch.float64)
     extrinsic = torch.tensor([x for _, x, _ in everyone], dtype=torch.float64)
     group_index = torch.tensor([g for _, _, g in everyone], dtype=torch.long)
     advantages, metrics = compute_grpo_advantages(returns, group_index, algorithm.norm_adv_by_std,
-                                                  extrinsic_returns=extrinsic)
+                                                  extrinsic_returns=extrinsic, semantics=algorithm.semantics)
     metrics.pop("num_failed_episodes")
     start = sum(len(rows) for rows in per_rank[:rank])
     return advantages[start:start + len(episodes)], metrics

@@ -98,5 +98,5 @@ def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict
                     loss_scale=1.0 if micro else 0.0, batch_num_tokens=max(g_tokens, 1.0),
                     global_batch_size=max(g_seqs, 1.0), ppo_epoch=epoch, mini_batch=mb,
                     last_micro=k == len(chunks) - 1, metrics=metrics if first else {},
-                    num_samples=len(samples), has_data=g_seqs > 0)
+                    num_samples=len(samples), has_data=g_seqs > 0, num_micro=len(chunks))
                 first = False

@@ -30,6 +30,7 @@ class RolloutConfig:
     history_obs_chars: int | None = None
     use_tips: bool = False
     strip_tips_for_update: bool = False
+    strip_current_tips: bool = True  # False: the authors' stripping, past steps' tips only (strip_tips)
     tips_scope: str = "current"
     do_sample: bool = True
     history_action: str = "raw"

@@ -83,6 +83,8 @@ class MicroBatch:
         num_samples: this rank's samples in the iteration.
         has_data: the mini-batch holds a sample on some rank; when False (e.g. every step's advantage was 0 under
             ``skip_zero_advantage``) the optimizer leaves the policy as it is.
+        num_micro: the micro-batches of its mini-batch (verl's gradient-accumulation steps, which the authors'
+            semantics divide each micro-batch's loss by).
     """
 
     samples: list[StepSample]
@@ -98,6 +100,7 @@ class MicroBatch:
     metrics: dict[str, Any] = field(default_factory=dict)
     num_samples: int = 0
     has_data: bool = True
+    num_micro: int = 1
 
 
 @dataclass

@@ -58,18 +58,26 @@ def step_prompt(policy: Policy, cfg: RolloutConfig, system_prompt: str, instruct
     step_tips, fitted = fit_prompt(policy, common, tips if cfg.use_tips else None, cuts)
     common.update(fitted)  # both prompts show the same fitted history, actions and observation
     ids = policy.encode(build_step_messages(tips=step_tips, **common))
-    update_ids = strip_tips(policy, common) if cfg.use_tips and cfg.strip_tips_for_update else ids
+    update_ids = ids
+    if cfg.use_tips and cfg.strip_tips_for_update:
+        update_ids = strip_tips(policy, common, None if cfg.strip_current_tips else step_tips)
     shown = min(common["history_length"], len(history)) if common["history_length"] > 0 else 0
     return StepPrompt(ids, update_ids, step_tips or [], shown)
 
 
-def strip_tips(policy: Policy, common: dict) -> list[int]:
+def strip_tips(policy: Policy, common: dict, kept: list[str] | None = None) -> list[int]:
     """Tip stripping for the off-policy update (docs/method.md#tip-stripping-for-the-off-policy-update): the update
     prompt of a step whose rollout prompt showed tips is the same step rendered with ``tips=None``, from the same
     structured pieces (``common``: the ``build_step_messages`` arguments as fitted for the rollout prompt), never by
     editing token ids. Everything but the tips block is identical; the policy learns to act as it did with the tips,
-    without them."""
-    return policy.encode(build_step_messages(tips=None, **common))
+    without them.
+
+    ``kept``: the current step's tips, left in the prompt (``algorithm.semantics=authors``): the authors' code strips
+    tip blocks by a token pattern that the current step's block, followed by the instruction, never matches, so only
+    past steps' blocks (``tips_scope: all_steps``) leave their prompt (docs/reproducing.md, difference 1)."""
+    if kept is None:
+        return policy.encode(build_step_messages(tips=None, **common))
+    return policy.encode(build_step_messages(tips=kept, **{**common, "tips_scope": "current"}))
 
 
 def fit_prompt(policy: Policy, common: dict, tips: list[str] | None,

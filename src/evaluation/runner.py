@@ -82,7 +82,7 @@ def _build(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _build_memory(cfg: DictConfig):
-    memory = hydra.utils.instantiate(cfg.memory)
+    memory = hydra.utils.instantiate(cfg.memory, tip_memory={"semantics": cfg.algorithm.get("semantics", "paper")})
     memory.use_environment(OmegaConf.to_container(cfg.env, resolve=True))
     return memory
 

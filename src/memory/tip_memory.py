@@ -41,6 +41,9 @@ class TipMemory:
             identical unit keys can come out as 1.0000002).
         top_k: max tips returned per query.
         rank_by: "score" (highest stored episode score first, ties by similarity) or "similarity".
+        semantics: "paper" (the above) or "authors", the EMPO² authors' retrieval (docs/reproducing.md, difference
+            5): candidates with cosine >= threshold, ranked by their score rounded to 0.1, ties by age (oldest
+            first); ``rank_by`` is not read.
 
     Raises:
         ValueError: any argument out of range, naming it.
@@ -54,6 +57,7 @@ class TipMemory:
         threshold: float = 0.5,
         top_k: int = 10,
         rank_by: str = "score",
+        semantics: str = "paper",
     ) -> None:
         if int(dim) < 1:
             raise ValueError(f"dim must be >= 1, got {dim!r}")
@@ -67,6 +71,9 @@ class TipMemory:
             raise ValueError(f"top_k must be >= 1, got {top_k!r}")
         if rank_by not in RANK_BY:
             raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}")
+        if semantics not in ("paper", "authors"):
+            raise ValueError(f"semantics must be 'paper' or 'authors', got {semantics!r}")
+        self.semantics = semantics
         self.dim = int(dim)
         self.embedder_name = embedder_name
         self.capacity = int(capacity)
@@ -212,6 +219,8 @@ class TipMemory:
         """For each of Q queries, (the row ids of its top ``top_k`` candidates in ``rank_by`` order (row index =
         age: smaller is older), their cosines)."""
         keys = stored_keys(part.index)
+        if self.semantics == "authors":
+            return self._authors_top_rows(part, keys, queries)
         if self.rank_by == "score":
             q, rows, cos = self._candidates_in_score_order(part, keys, queries)
         else:
@@ -224,6 +233,19 @@ class TipMemory:
         q, rows, cos = q[keep], rows[keep], cos[keep]
         cuts = np.searchsorted(q, np.arange(1, len(queries)))
         return list(zip(np.split(rows, cuts), np.split(cos, cuts)))
+
+    def _authors_top_rows(self, part: Partition, keys: np.ndarray, queries: np.ndarray
+                          ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``_top_rows`` as the authors' code ranks: cosine >= threshold, score rounded to 0.1 descending, then the
+        older entry first (a stable sort of entries in insertion order)."""
+        sims = np.clip(queries @ keys.T, -1.0, 1.0)
+        rounded = np.round(part.scores, 1)
+        out = []
+        for row in sims:
+            rows = np.nonzero(row >= np.float32(self.threshold))[0]
+            rows = rows[np.argsort(-rounded[rows], kind="stable")][: self.top_k]
+            out.append((rows, row[rows]))
+        return out
 
     def _candidates_by_similarity(self, keys: np.ndarray, queries: np.ndarray):
         """(query, row, cosine) of the candidates that can be in a query's top k by similarity: one matrix product

@@ -16,6 +16,7 @@ def compute_grpo_advantages(
     norm_adv_by_std: bool = True,
     eps: float = 1e-6,
     extrinsic_returns: Tensor | None = None,
+    semantics: str = "paper",
 ) -> tuple[Tensor, dict[str, float]]:
     """Trajectory-level GRPO advantages, normalised within each group (docs/method.md#one-iteration, step 4).
 
@@ -34,6 +35,9 @@ def compute_grpo_advantages(
         eps: added to the std.
         extrinsic_returns: optional ``[E]`` float, the part of each return that is the environment's reward (the
             return without the novelty bonus); only read for the ``bonus_only_group_frac`` metric.
+        semantics: ``paper`` (the rules above) or ``authors``, verl's GRPO advantage as the EMPO² authors' code
+            runs it in two edge cases: a one-episode group gets its raw return (verl's mean 0 and std 1 for a
+            singleton), and a non-finite return makes its whole group NaN (docs/reproducing.md, difference 7).
 
     Returns:
         ``(advantages [E] in the dtype of returns, metrics)``; metrics: ``adv_mean`` / ``adv_std`` (over
@@ -79,6 +83,11 @@ def compute_grpo_advantages(
         bonus_only = ~degenerate & _all_equal(extrinsic_returns.double(), valid, gid, num_groups)
     adv = dev / (std[gid] + eps) if norm_adv_by_std else dev
     adv = torch.where(valid & ~degenerate[gid], adv, 0.0)
+    if semantics == "authors":
+        size = zeros.index_add(0, gid, torch.ones_like(r))
+        poisoned = zeros.index_add(0, gid, (~valid).double()) > 0
+        adv = torch.where((size == 1)[gid], r / (1.0 + eps), adv)
+        adv = torch.where(poisoned[gid], torch.nan, adv)
 
     n_valid = int(valid.sum())
     adv_valid, r_valid = adv[valid], r[valid]

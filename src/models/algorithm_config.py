@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from src.models.core_algos import KL_KINDS, LOSS_AGG_MODES, MASK_LEVELS, ROLLOUT_IS_LEVELS, UPDATE_MODES
 
 OFF_POLICY_OLD_LOG_PROB = ("with_tips", "without_tips")  # the prompt π_old of an off-policy step is taken under
+SEMANTICS = ("paper", "authors")  # docs/reproducing.md, "The authors' code, difference by difference"
 
 
 @dataclass
@@ -26,6 +27,11 @@ class AlgorithmConfig:
 
     name: str = "grpo"
     """Label of the algorithm (``empo2`` or ``grpo``), logged with the run."""
+    semantics: str = "paper"
+    """``paper`` (the paper's method) or ``authors`` (the EMPO² authors' released code where it differs: tips left in
+    the current step's off-policy update prompt, whole-response masking on π_old in every mode, masked tokens out of
+    the token mean, a token mean per micro-batch, retrieval ties by age on scores rounded to 0.1, the novelty bonus
+    out of the advantage, one-episode groups advantaged by their raw return; docs/reproducing.md)."""
     use_memory: bool = False
     """Build the memory callback (tips and novelty bonus)."""
     memory_rollout_prob: float = 0.0
@@ -105,7 +111,8 @@ class AlgorithmConfig:
             if f.type in ("float", "int"):
                 setattr(self, f.name, (float if f.type == "float" else int)(getattr(self, f.name)))
         choices = {"loss_agg_mode": LOSS_AGG_MODES, "mask_level": MASK_LEVELS, "kl_type": KL_KINDS,
-                   "off_policy_old_log_prob": OFF_POLICY_OLD_LOG_PROB, "rollout_is": ROLLOUT_IS_LEVELS}
+                   "off_policy_old_log_prob": OFF_POLICY_OLD_LOG_PROB, "rollout_is": ROLLOUT_IS_LEVELS,
+                   "semantics": SEMANTICS}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 raise ValueError(f"algorithm.{key}={getattr(self, key)!r}: expected one of {valid}")

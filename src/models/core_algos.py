@@ -77,6 +77,26 @@ def low_prob_token_mask(
     return resp & (row_min >= log_threshold)
 
 
+def authors_low_prob_mask(old_log_probs: Tensor, response_mask: Tensor, log_threshold: float = -5.0) -> Tensor:
+    """Keep-mask of the EMPO² authors' low-probability masking (docs/reproducing.md, difference 2): a whole response
+    is dropped when its minimum *old* log-prob (π_old under the rollout prompt) is below ``log_threshold``. Equal to
+    ``low_prob_token_mask(old_log_probs, response_mask, log_threshold, "sequence")`` except for a NaN log-prob,
+    which keeps its row here (NaN < threshold is false), as in their code.
+
+    Args:
+        old_log_probs: ``[B, T]`` π_old token log-probs (nats).
+        response_mask: ``[B, T]`` 0/1 or bool.
+        log_threshold: log δ.
+
+    Returns:
+        ``[B, T]`` bool, True where the token keeps its policy-gradient term; always False on padding.
+    """
+    check_shape("response_mask", response_mask, old_log_probs.shape)
+    resp = response_mask.bool()
+    row_min = torch.where(resp, old_log_probs.detach(), torch.inf).amin(dim=-1, keepdim=True)
+    return resp & ~(row_min < log_threshold)
+
+
 def loss_denominators(response_mask: Tensor) -> tuple[int, int]:
     """Token and sequence counts of a batch, as :func:`aggregate_loss` counts them.
 

@@ -22,8 +22,8 @@ import torch
 from src.models.algorithm_config import AlgorithmConfig
 from src.models.checkpoint_state import (BASE_KEY, RUN_CONFIG_KEY, VALIDATION_KEY, base_record, check_adapter_checkpoint, check_finite,
                                          keep_trainable, lora_enabled)
-from src.models.core_algos import (UPDATE_MODES, aggregate_loss, compute_kl_loss, compute_policy_loss,
-                                   low_prob_token_mask, rollout_is_weights)
+from src.models.core_algos import (UPDATE_MODES, aggregate_loss, authors_low_prob_mask, compute_kl_loss,
+                                   compute_policy_loss, low_prob_token_mask, rollout_is_weights)
 from src.models.policy import build_policy, reference_is_a_copy
 from src.models.precision import check_trainable_dtype, fsdp_mixed_precision, torch_dtype
 from src.models.update_metrics import MiniBatchMetrics
@@ -177,11 +177,7 @@ class EMPO2Module(L.LightningModule):
         width = log_prob.shape[1]
         old_log_prob = _pad_rows([s.old_log_probs for s in samples], width).to(log_prob.device)
         advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=log_prob.device)
-        keep = None
-        if batch.mode in algo.mask_modes:
-            keep = low_prob_token_mask(log_prob.detach(), mask, algo.lowprob_log_threshold, algo.mask_level)
-        agg = dict(loss_agg_mode=algo.loss_agg_mode, batch_num_tokens=batch.batch_num_tokens,
-                   global_batch_size=batch.global_batch_size)
+        keep, agg = self._mask_and_denominators(batch, log_prob, old_log_prob, mask)
         is_weights, is_metrics = self._rollout_is_weights(samples, old_log_prob, mask)
         loss, metrics = compute_policy_loss(
             old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=mask,
@@ -198,6 +194,24 @@ class EMPO2Module(L.LightningModule):
             loss = loss - algo.entropy_coef * entropy
         metrics["entropy"] = float(entropy.detach())
         return loss, metrics, float(mask.sum())
+
+    def _mask_and_denominators(self, batch: MicroBatch, log_prob: torch.Tensor, old_log_prob: torch.Tensor,
+                               mask: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        """(the low-probability keep-mask ``[B, T]`` or None, the loss aggregation's arguments). ``paper``: π_θ below
+        the threshold in ``mask_modes``, the mini-batch's global counts. ``authors`` (docs/reproducing.md, differences
+        2-4): whole responses by π_old in every mode; a token mean per micro-batch over its kept tokens / (micro-batches
+        × world size), verl 0.5.0's gradient accumulation (DDP then averages the ranks)."""
+        algo = self.algorithm
+        if algo.semantics == "paper":
+            keep = (low_prob_token_mask(log_prob.detach(), mask, algo.lowprob_log_threshold, algo.mask_level)
+                    if batch.mode in algo.mask_modes else None)
+            return keep, dict(loss_agg_mode=algo.loss_agg_mode, batch_num_tokens=batch.batch_num_tokens,
+                              global_batch_size=batch.global_batch_size)
+        keep = authors_low_prob_mask(old_log_prob, mask, algo.lowprob_log_threshold) if algo.mask_modes else None
+        kept = mask.bool() if keep is None else keep  # masked tokens leave the denominator
+        scale = batch.num_micro * (self.trainer.world_size if self._trainer is not None else 1)
+        return keep, dict(loss_agg_mode=algo.loss_agg_mode, batch_num_tokens=kept.sum().clamp(min=1) * scale,
+                          global_batch_size=kept.any(dim=-1).sum().clamp(min=1) * scale)
 
     def _rollout_is_weights(self, samples: list[StepSample], old_log_prob: torch.Tensor,
                             mask: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, tuple[float, float]]]:
