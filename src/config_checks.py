@@ -334,7 +334,7 @@ def check_resume_settings(cfg: DictConfig, path: Path) -> dict[str, tuple[Any, A
     Raises:
         ValueError: a ``FIXED_ON_RESUME`` setting changed, naming each key with both values.
     """
-    from src.utils.checkpoint_settings import flat, saved_run_config
+    from src.checkpoint_settings import flat, saved_run_config
 
     saved = saved_run_config(path)
     if not saved:

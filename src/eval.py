@@ -8,7 +8,7 @@
         eval.memory_file=agent/memory                                                   # an exported agent
 
 With a checkpoint, the training run's model, data, env, memory and algorithm settings come from it
-(``src/utils/checkpoint_settings.py``); what the command line sets applies on top.
+(``src/checkpoint_settings.py``); what the command line sets applies on top.
 
 Protocols (``eval.protocol``):
 
@@ -44,7 +44,7 @@ from src.utils.entrypoint import start_run  # noqa: E402 - also registers the co
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="eval.yaml")
 def main(cfg: DictConfig) -> None:
-    from src.utils.checkpoint_settings import use_checkpoint_settings
+    from src.checkpoint_settings import use_checkpoint_settings
 
     use_checkpoint_settings(cfg)  # the training run's settings, from its checkpoint; the command line's on top
     start_run(cfg)

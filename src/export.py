@@ -3,7 +3,7 @@
     python src/export.py ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt export.out_dir=agents/scienceworld
     python src/export.py ckpt_path=... export.out_dir=... export.adapter_only=true   # LoRA runs
 
-The run's model and memory settings come from the checkpoint (``src/utils/checkpoint_settings.py``); what the
+The run's model and memory settings come from the checkpoint (``src/checkpoint_settings.py``); what the
 command line sets applies on top.
 
 The directory loads with ``AutoModelForCausalLM.from_pretrained`` (or, with ``export.adapter_only=true``, as a PEFT
@@ -22,7 +22,7 @@ from src.utils.entrypoint import start_run  # noqa: E402 - also registers the co
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="export.yaml")
 def main(cfg: DictConfig) -> None:
-    from src.utils.checkpoint_settings import use_checkpoint_settings
+    from src.checkpoint_settings import use_checkpoint_settings
 
     use_checkpoint_settings(cfg)  # the training run's settings, from its checkpoint; the command line's on top
     start_run(cfg)

@@ -191,7 +191,7 @@ def _read_memory_file(cfg: DictConfig) -> dict[str, Any] | None:
     from hydra.core.hydra_config import HydraConfig
 
     from src.memory.memory_file import read_memory_files
-    from src.utils.checkpoint_settings import command_line_keys
+    from src.checkpoint_settings import command_line_keys
 
     state, info = read_memory_files(hydra.utils.to_absolute_path(str(ev.memory_file)))
     partition = (cfg.get("memory") or {}).get("partition")

@@ -42,8 +42,8 @@ class TipMemory:
         top_k: max tips returned per query.
         rank_by: "score" (highest stored episode score first, ties by similarity) or "similarity".
         semantics: "paper" (the above) or "authors", the EMPO² authors' retrieval (docs/reproducing.md, difference
-            5): candidates with cosine >= threshold, ranked by their score rounded to 0.1, ties by age (oldest
-            first); ``rank_by`` is not read.
+            5): candidates with cosine > threshold computed as their server does (float64, divided by both
+            norms), ranked by their score rounded to 0.1, ties by age (oldest first); ``rank_by`` is not read.
 
     Raises:
         ValueError: any argument out of range, naming it.
@@ -236,13 +236,15 @@ class TipMemory:
 
     def _authors_top_rows(self, part: Partition, keys: np.ndarray, queries: np.ndarray
                           ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``_top_rows`` as the authors' code ranks: cosine >= threshold, score rounded to 0.1 descending, then the
-        older entry first (a stable sort of entries in insertion order)."""
-        sims = np.clip(queries @ keys.T, -1.0, 1.0)
+        """``_top_rows`` as the authors' memory server ranks: cosine in float64 divided by both norms (a stored
+        float32 key's norm is not exactly 1, so a cosine of 0.5 in float32 can pass) > threshold, then score rounded
+        to 0.1 descending, the older entry first among equal ones (a stable sort of entries in insertion order)."""
+        k64, q64 = keys.astype(np.float64), queries.astype(np.float64)
+        sims = (q64 @ k64.T) / np.outer(np.linalg.norm(q64, axis=1), np.linalg.norm(k64, axis=1))
         rounded = np.round(part.scores, 1)
         out = []
         for row in sims:
-            rows = np.nonzero(row >= np.float32(self.threshold))[0]
+            rows = np.nonzero(row > self.threshold)[0]
             rows = rows[np.argsort(-rounded[rows], kind="stable")][: self.top_k]
             out.append((rows, row[rows]))
         return out
