@@ -97,7 +97,7 @@ def ddp_runs(tmp_path_factory):
 
 def test_ddp_ranks_run_disjoint_shards_and_share_one_memory(ddp_runs):
     full = ddp_runs["full"]
-    console = (full / "console.txt").read_text()
+    log = (full / "train.log").read_text()  # both ranks' lines (the console shows warnings and marked lines)
     ckpt = _load(full / "checkpoints" / "last.ckpt")
     assert ckpt["global_step"] == STEPS * ITERATIONS
     drawn = set()
@@ -106,7 +106,7 @@ def test_ddp_ranks_run_disjoint_shards_and_share_one_memory(ddp_runs):
         drawn |= {f"stub/{int(v)}" for v in picks}
         # each rank ran its own shard (task k of the draw on rank k mod 2): together the whole draw
         shards = {}
-        for rank, tasks in re.findall(rf"iteration {it} \(\w+\): rank (\d) of 2 runs tasks (\[.*\])", console):
+        for rank, tasks in re.findall(rf"iteration {it} \(\w+\): rank (\d) of 2 runs tasks (\[.*\])", log):
             shards[int(rank)] = [t["variation"] for t in json.loads(tasks)]
         assert shards == {0: [int(picks[0])], 1: [int(picks[1])]}, shards
     assert set(ckpt["callbacks"]["MemoryCallback"]["tips"]["partitions"]) == drawn  # both ranks' tips
