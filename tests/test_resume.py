@@ -22,6 +22,8 @@ def _cfg(tmp: Path, *overrides: str):
             "data.val=null", "trainer.check_val_every_n_epoch=null", "data.max_response_tokens=4",
             "memory.tip_max_tokens=4", "algorithm.entropy_coef=0.01", "~callbacks.rich_progress_bar",
             "trainer.enable_progress_bar=false"]
+    if any(o.startswith("experiment=") for o in overrides):  # another experiment in place of ScienceWorld's
+        base = base[1:]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         return compose(config_name="train", overrides=base + list(overrides))
 
@@ -49,8 +51,8 @@ def test_a_resumed_run_trains_at_the_learning_rate_asked_for(first_run):
 @pytest.mark.parametrize("overrides, expected", [
     (["algorithm=grpo"], ["algorithm.name: 'empo2' in the checkpoint, 'grpo' now",
                           "algorithm.use_memory: True in the checkpoint, False now"]),
-    (["env=textworld_express"], ["env._target_: 'src.envs.scienceworld.ScienceWorldEnv' in the checkpoint, "
-                                 "'src.envs.textworld_express.TextWorldExpressEnv' now"]),
+    (["experiment=coin"], ["env._target_: 'src.envs.scienceworld.ScienceWorldEnv' in the checkpoint, "
+                           "'src.envs.textworld_express.TextWorldExpressEnv' now"]),
     (["memory.partition=global"], ["memory.partition: 'variation' in the checkpoint, 'global' now"]),
 ], ids=["algorithm", "environment", "memory-layout"])
 def test_a_resume_under_another_algorithm_or_environment_is_refused(first_run, monkeypatch, overrides, expected):
