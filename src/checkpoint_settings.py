@@ -6,7 +6,8 @@ without repeating its experiment and overrides.
 What the command line sets still applies: a ``key=value`` override of one of those groups, and a group chosen by name
 (``env=webshop``). Settings that name this machine's directories (an interpolation of ``paths.*`` or of an
 environment variable, e.g. WebShop's ``env.data_dir``) keep this config's value, and a setting that follows another
-one (``data.max_steps: ${env.max_steps}``) keeps following it where that gives the checkpoint's value.
+one (``data.max_steps: ${env.max_steps}``) keeps following it where that gives the checkpoint's value or where the
+command line set the setting it follows.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 RUN_GROUPS = ("model", "data", "env", "memory", "algorithm")
 _MACHINE = re.compile(r"\$\{(paths\.|oc\.env:|hydra:)")
+_REFERENCE = re.compile(r"\$\{([\w.]+)\}")  # the key a plain interpolation reads
 
 
 def saved_run_config(path: Path) -> dict[str, Any] | None:
@@ -60,15 +62,18 @@ def apply_run_config(cfg: DictConfig, saved: dict[str, Any], keys: set[str], gro
     ``keys`` and ``groups`` (what the command line set) and this machine's directories (see the module doc). Keys
     ``cfg`` does not have (a setting since removed) are left out. Returns the keys whose value changed."""
     raw = flat(OmegaConf.to_container(cfg, resolve=False))
+    saved_flat = flat({g: saved[g] for g in RUN_GROUPS if g in saved and g not in groups})
+    taken = {k: v for k, v in saved_flat.items()
+             if k in raw and k not in keys and not any(k.startswith(c + ".") for c in keys)}
+    follows = {k for k in taken if isinstance(raw[k], str) and "${" in raw[k]}
     changed = []
-    for key, value in flat({g: saved[g] for g in RUN_GROUPS if g in saved and g not in groups}).items():
-        if key not in raw or key in keys or any(key.startswith(k + ".") for k in keys):
-            continue
-        current = raw[key]
-        if isinstance(current, str) and "${" in current:  # an interpolation: kept while it gives the saved value
-            if _MACHINE.search(current) or OmegaConf.select(cfg, key) == value:
-                continue
-        elif current == value:
+    # plain values first, so that an interpolation is judged by what it gives once they are set
+    for key in [k for k in taken if k not in follows] + [k for k in taken if k in follows]:
+        value = taken[key]
+        if key in follows and (_MACHINE.search(raw[key]) or OmegaConf.select(cfg, key) == value
+                               or set(_REFERENCE.findall(raw[key])) & keys):
+            continue  # this machine's directory; it follows a setting to the run's value, or one the command set
+        if key not in follows and raw[key] == value:
             continue
         with open_dict(cfg):
             OmegaConf.update(cfg, key, value, merge=False)
