@@ -55,8 +55,8 @@ from src.evaluation.comparison.adaptation import load_adaptation  # noqa: E402
 from src.evaluation.comparison.figures import plot_adaptation, plot_learning_curves  # noqa: E402
 from src.evaluation.comparison.records import (import_records, original_run_id, record_names,  # noqa: E402
                                                write_records)
-from src.evaluation.comparison.runs import (collect, comparison_title, run_environment, run_info,  # noqa: E402
-                                           select_runs)
+from src.evaluation.comparison.runs import (ALGORITHM_LABELS, collect, comparison_title, run_environment,  # noqa: E402
+                                           run_info, select_runs)
 from src.evaluation.comparison.table import iterations_table, paired_table, results_table  # noqa: E402
 from src.evaluation.episode_table import FILE as EPISODE_FILE  # noqa: E402
 from src.evaluation.episode_table import read_rows, read_runs  # noqa: E402
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tag", action="append", default=[], help="keep runs whose Hydra tags include this "
                     "(repeatable: all must match)")
     ap.add_argument("--run-ids", nargs="+", default=[], help="compare exactly these runs (ignores --tag)")
-    ap.add_argument("--algorithms", nargs="+", default=["grpo", "grpo_novelty", "empo2"],
+    ap.add_argument("--algorithms", nargs="+", default=list(ALGORITHM_LABELS),
                     help="algorithm/name values to keep")
     ap.add_argument("--include-unfinished", action="store_true", help="also running, failed and killed runs")
     ap.add_argument("--adaptation", nargs="+", default=[], help="adaptation summaries (eval_summary.json of "

@@ -43,6 +43,7 @@ def trainer_problems(trainer: dict[str, Any]) -> list[str]:
     from lightning.pytorch import Trainer
 
     from src.utils.precision_choice import precision_problems
+    from src.utils.startup_checks import hardware_problems
 
     known = set(inspect.signature(Trainer.__init__).parameters) - {"self"}
     problems = []
@@ -55,6 +56,7 @@ def trainer_problems(trainer: dict[str, Any]) -> list[str]:
         problems.append(f"trainer.max_epochs={epochs!r}: the number of training iterations (one epoch = one "
                         "iteration); expected an int >= 1 (or -1: no limit)")
     problems += precision_problems(trainer)  # src/utils/precision_choice.py
+    problems += hardware_problems(trainer)  # src/utils/startup_checks.py
     every = trainer.get("check_val_every_n_epoch")
     if every is not None and (not _is_int(every) or every < 1):
         problems.append(f"trainer.check_val_every_n_epoch={every!r}: expected an int >= 1 (validate every N "
@@ -81,6 +83,9 @@ def data_problems(data: dict[str, Any]) -> list[str]:
         problems.append(f"data.group_size={group!r}: GRPO's advantage compares the episodes of one task, so a group "
                         "of fewer than 2 has no learning signal (every advantage is 0); expected an int >= 2 (8 in the "
                         "paper)")
+    steps = data.get("max_steps")
+    if steps is not None and (not _is_int(steps) or steps < 1):
+        problems.append(f"data.max_steps={steps!r}: the step budget the prompt shows; expected an int >= 1 or null")
     length = data.get("history_length")
     if length is not None and (not _is_int(length) or length < 0):
         problems.append(f"data.history_length={length!r}: expected an int >= 0 (past steps shown in the prompt)")
@@ -136,7 +141,20 @@ def env_problems(env: dict[str, Any]) -> list[str]:
     open_ended = any(v.kind == v.VAR_KEYWORD for v in params.values())
     problems = [] if open_ended else [f"env.{key}: not a setting of {cls.__name__} (expected one of {sorted(known)})"
                                       for key in sorted(set(env) - known) if not key.startswith("_")]
-    return problems + cls.config_problems(env)
+    problems += [f"env.{key}={env[key]!r}: expected true or false" for key, p in params.items()
+                 if isinstance(p.default, bool) and key in env and not isinstance(env[key], bool)]
+    return problems + cls.config_problems(env, training=True)
+
+
+def check_env_settings(env: Any) -> None:
+    """``env_problems`` as one error, for the entry points that check nothing else of a training config (evaluation).
+
+    Raises:
+        ValueError: one line per bad ``env.*`` setting.
+    """
+    problems = env_problems(_container(env))
+    if problems:
+        raise ValueError("\n".join(problems))
 
 
 def uses_memory(cfg: DictConfig) -> bool:
@@ -245,8 +263,9 @@ def check_training_settings(cfg: DictConfig) -> None:
     problems += model_problems(_container(cfg.get("model")))
     if uses_memory(cfg):
         problems += memory_problems(_container(cfg.get("memory")))
-    if any(p.startswith("data.temperature=") for p in problems):  # algorithm.temperature is ${data.temperature}
-        problems = [p for p in problems if not p.startswith("algorithm.temperature=")]
+    for source, follower in (("data.temperature=", "algorithm.temperature="), ("env.max_steps=", "data.max_steps=")):
+        if any(p.startswith(source) for p in problems):  # the follower is ${source}: one line for one mistake
+            problems = [p for p in problems if not p.startswith(follower)]
     if problems:
         raise ConfigError("\n".join(problems) if len(problems) > 1 else problems[0])
 

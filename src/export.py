@@ -27,7 +27,14 @@ def main(cfg: DictConfig) -> None:
     use_checkpoint_settings(cfg)  # the training run's settings, from its checkpoint; the command line's on top
     start_run(cfg)
     from src.model_export import run_export
-    run_export(cfg)
+    from src.utils.config_error import ConfigError
+    from src.utils.run_end import remove_empty_run_dir
+
+    try:
+        run_export(cfg)
+    except ConfigError:
+        remove_empty_run_dir()  # a refusal at start-up leaves no run directory behind
+        raise
 
 
 if __name__ == "__main__":

@@ -55,16 +55,19 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
     from src.evaluation.runner import read_checkpoint
     from src.models.checkpoint_state import load_policy_weights, rebuild_policy_config
     from src.models.policy import build_policy
+    from src.utils.config_error import refused_settings
     from src.utils.io import atomic_dir
     from src.warm_start import warm_start_model_config
 
     ex = cfg.export
-    if not cfg.get("ckpt_path") or not ex.get("out_dir"):
-        raise ValueError(f"ckpt_path={cfg.get('ckpt_path')!r}, export.out_dir={ex.get('out_dir')!r}: both are "
-                         "needed, e.g. ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt export.out_dir=agent")
-    out_dir = Path(hydra.utils.to_absolute_path(str(ex.out_dir)))
-    if out_dir.exists() and not ex.overwrite:
-        raise ValueError(f"export.out_dir={str(ex.out_dir)!r} exists; choose another or set export.overwrite=true")
+    with refused_settings():  # one line, before anything is built
+        if not cfg.get("ckpt_path") or not ex.get("out_dir"):
+            raise ValueError(f"ckpt_path={cfg.get('ckpt_path')!r}, export.out_dir={ex.get('out_dir')!r}: both are "
+                             "needed, e.g. ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt export.out_dir=agent")
+        out_dir = Path(hydra.utils.to_absolute_path(str(ex.out_dir)))
+        if out_dir.exists() and not ex.overwrite:
+            raise ValueError(f"export.out_dir={str(ex.out_dir)!r} exists; choose another or set "
+                             "export.overwrite=true")
     ckpt = read_checkpoint(cfg.ckpt_path)
     model_cfg, _ = warm_start_model_config(cfg, build=False)  # the checkpoint's weights replace the warm start's
     policy_cfg = rebuild_policy_config(ckpt, OmegaConf.to_container(model_cfg.policy))

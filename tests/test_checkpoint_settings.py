@@ -57,3 +57,20 @@ def test_a_followed_setting_the_run_had_set_apart_takes_the_runs_value():
     cfg = OmegaConf.create(COMPOSED)
     apply_run_config(cfg, saved, set(), set())
     assert cfg.env.max_steps == 3 and cfg.data.max_steps == 5
+
+
+def test_the_real_eval_config_follows_the_command_lines_action_cap(tmp_path):
+    """``python src/eval.py ckpt_path=<smoke run> env.max_steps=2``: the composed eval config (no experiment) and a
+    training run that capped episodes at 3; the prompt's budget (``data.max_steps``) is the command's 2."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    root = Path(__file__).resolve().parents[1]
+    with initialize_config_dir(config_dir=str(root / "configs"), version_base="1.3"):
+        saved = OmegaConf.to_container(compose(config_name="train", overrides=[
+            "experiment=smoke", f"paths.output_dir={tmp_path}", f"paths.log_dir={tmp_path}"]), resolve=True)
+        cfg = compose(config_name="eval", overrides=["env.max_steps=2", f"paths.output_dir={tmp_path}"])
+    apply_run_config(cfg, saved, {"env.max_steps"}, set())
+    assert (cfg.env.max_steps, cfg.data.max_steps) == (2, 2)
+    assert cfg.model.policy.name_or_path == "embedded:tiny-random-llama" and cfg.env.action_correction is True

@@ -88,6 +88,8 @@ def test_weights_hash_sees_a_one_element_change(tiny_policy):
     ("eval.protocol=bogus", r"eval.protocol='bogus': expected one of \('standard', 'adaptation'\)"),
     ("eval.seeds=[]", r"eval.seeds=.*non-empty list of ints"),
     ("eval.trials=0", r"eval.trials=0: expected an int >= 1"),
+    ("+env.max_step=3", r"env.max_step: not a setting of ScienceWorldEnv"),  # the environment's own checks
+    ("env.max_steps=0", r"env.max_steps=0: expected an int >= 1 or null"),
 ])
 def test_bad_eval_settings_are_refused_before_building(tmp_path, override, match):
     cfg = _compose("eval", tmp_path, "experiment=scienceworld", "logger=none", override)

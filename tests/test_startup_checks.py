@@ -202,6 +202,14 @@ BAD_SETTINGS = [
     (["trainer.precision=fp16"], r"trainer.precision='fp16': expected auto or one of Lightning's \[.*'bf16-mixed'"),
     (["trainer.accelerator=cpu", "trainer.precision=16-mixed"],
      r"trainer.precision='16-mixed' on a CPU: Lightning would run bf16-mixed instead"),
+    (["env.task=null"], r"env.task=None: expected a task \(a name, a paper id like '4-2' or an index\) or a list"),
+    (["env.num_train_variations=0"], r"env.num_train_variations=0: expected an int >= 1 \(training variations"),
+    (["experiment=coin", "env.num_train_seeds=0"], r"env.num_train_seeds=0: expected an int >= 1 \(train seeds\)"),
+    (["env.action_correction=no"], r"env.action_correction='no': expected true or false"),
+    (["data.max_steps=0"], r"data.max_steps=0: the step budget the prompt shows; expected an int >= 1 or null"),
+    (["trainer.strategy=dpp"], r"trainer.strategy='dpp': not a Lightning strategy; did you mean 'ddp'\?"),
+    (["trainer.devices=0"], r"trainer.devices=0: expected an int >= 1 \(-1: all\), 'auto' or a list"),
+    (["trainer.accelerator=tpu", "trainer.precision=32-true"], r"trainer.accelerator='tpu': expected one of \['auto', 'cpu', 'gpu', 'cuda'\]"),
 ]
 
 

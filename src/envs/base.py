@@ -162,11 +162,12 @@ class Environment:
         pass
 
     @classmethod
-    def config_problems(cls, env_cfg: dict[str, Any]) -> list[str]:
+    def config_problems(cls, env_cfg: dict[str, Any], training: bool = False) -> list[str]:
         """The settings of ``env_cfg`` (the ``env`` config, resolved) this environment cannot run, one line each
         naming ``env.<key>``, its value and what is expected; [] when it can. Checked at start-up before any model,
-        embedder or tracker run is made (``src/config_checks.py``) and again by the constructor
-        (``check_config``), so it must not start a simulator (default: ``max_steps`` an int >= 1 when given)."""
+        embedder or tracker run is made (``src/config_checks.py``, ``training=True``: a training run also needs
+        training tasks) and again by the constructor (``check_config``), so it must not start a simulator (default:
+        ``max_steps`` an int >= 1 when given)."""
         if "max_steps" not in env_cfg:
             return []
         return count_problem("max_steps", env_cfg["max_steps"], 1, "actions per episode")

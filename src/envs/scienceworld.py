@@ -140,7 +140,7 @@ class ScienceWorldEnv(Environment):
         self.check_config({"task": task, "num_train_variations": num_train_variations, "max_steps": max_steps,
                            "num_test_variations": num_test_variations, "jvm_heap": jvm_heap,
                            "correction_min_similarity": correction_min_similarity})
-        self.task_names = [resolve_task(t) for t in task_list(task)]
+        self.task_names = [resolve_task(t) for t in task_list(task)]  # checked above
         self.simplification = simplification
         self.num_train_variations = num_train_variations
         self.num_test_variations = num_test_variations
@@ -170,10 +170,10 @@ class ScienceWorldEnv(Environment):
         self.system_prompt = self._make_system_prompt()
 
     @classmethod
-    def config_problems(cls, env_cfg: dict[str, Any]) -> list[str]:
+    def config_problems(cls, env_cfg: dict[str, Any], training: bool = False) -> list[str]:
         """``scienceworld_tasks.settings_problems`` and the JVM's needs (Java on PATH, the heap size); the
         simplification preset needs the simulator and is checked when it starts."""
-        return settings_problems(env_cfg) + jvm_problems(env_cfg, "ScienceWorld")
+        return settings_problems(env_cfg, training) + jvm_problems(env_cfg, "ScienceWorld")
 
     # ----------------------------------------------------------------- splits
     def _check_simplification(self) -> None:

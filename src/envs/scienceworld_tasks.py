@@ -5,6 +5,7 @@ docs/environments.md#scienceworld.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from scienceworld.constants import ID2TASK
@@ -66,15 +67,28 @@ def default_max_steps(task_name: str) -> int:
 
 
 def task_list(task: Any) -> list[Any]:
-    """``env.task`` as a list: one task, or any sequence (list, tuple, OmegaConf's ListConfig)."""
-    return [task] if isinstance(task, (str, int)) else list(task)
+    """``env.task`` as a list: one task, or any sequence (list, tuple, OmegaConf's ListConfig).
+
+    Raises:
+        ValueError: neither (e.g. null or a float).
+    """
+    if isinstance(task, (str, int)):
+        return [task]
+    if isinstance(task, Sequence):
+        return list(task)
+    raise ValueError(f"env.task={task!r}: expected a task (a name, a paper id like '4-2' or an index) or a list of "
+                     "them")
 
 
-def settings_problems(env_cfg: dict[str, Any]) -> list[str]:
+def settings_problems(env_cfg: dict[str, Any], training: bool = False) -> list[str]:
     """What ``ScienceWorldEnv`` cannot run in ``env_cfg`` without asking the simulator: the task list, the
-    variation counts, the action cap and the correction threshold, one line per bad ``env.<key>``."""
+    variation counts (training needs a training variation), the action cap and the correction threshold, one line
+    per bad ``env.<key>``."""
     problems = []
-    tasks = task_list(env_cfg.get("task", "find-non-living-thing"))
+    try:
+        tasks = task_list(env_cfg.get("task", "find-non-living-thing"))
+    except ValueError as err:
+        problems, tasks = [str(err)], ["find-non-living-thing"]
     if not tasks:
         problems.append("env.task=[]: expected a task or a list of tasks (a name, a paper id like '4-2' or an "
                         "index)")
@@ -83,9 +97,10 @@ def settings_problems(env_cfg: dict[str, Any]) -> list[str]:
             resolve_task(task)
         except ValueError as err:
             problems.append(f"env.task={task!r}: {err}")
-    for key, meaning in (("num_train_variations", "training variations per task"),
-                         ("num_test_variations", "held-out variations per task")):
-        problems += count_problem(key, env_cfg.get(key, 0), 0, meaning)
+    problems += count_problem("num_train_variations", env_cfg.get("num_train_variations", 5), int(training),
+                              "training variations per task")
+    problems += count_problem("num_test_variations", env_cfg.get("num_test_variations", 20), 0,
+                              "held-out variations per task")
     problems += count_problem("max_steps", env_cfg.get("max_steps"), 1, "actions per episode; null: the per-task cap",
                               allow_none=True)
     similarity = env_cfg.get("correction_min_similarity", 85)

@@ -107,7 +107,7 @@ class TextWorldExpressEnv(Environment):
         self.system_prompt = self._make_system_prompt()
 
     @classmethod
-    def config_problems(cls, env_cfg: dict[str, Any]) -> list[str]:
+    def config_problems(cls, env_cfg: dict[str, Any], training: bool = False) -> list[str]:
         """The game, its parameters' type, the seed counts, the action cap and the JVM's needs; the parameters'
         values and the folds' sizes are the simulator's to check (when it starts)."""
         game, params = env_cfg.get("game", "coin"), env_cfg.get("game_params")
@@ -115,8 +115,8 @@ class TextWorldExpressEnv(Environment):
         if params is not None and not isinstance(params, Mapping):
             problems.append(f"env.game_params={params!r}: expected a mapping of the simulator's game parameters "
                             "(e.g. numLocations: 4) or null")
-        for key, meaning in (("num_train_seeds", "train seeds"), ("num_test_seeds", "dev/test seeds")):
-            problems += count_problem(key, env_cfg.get(key, 0), 0, meaning)
+        problems += count_problem("num_train_seeds", env_cfg.get("num_train_seeds", 100), int(training), "train seeds")
+        problems += count_problem("num_test_seeds", env_cfg.get("num_test_seeds", 50), 0, "dev/test seeds")
         problems += count_problem("max_steps", env_cfg.get("max_steps", 20), 1, "actions per episode")
         return problems + jvm_problems(env_cfg, "TextWorldExpress")
 

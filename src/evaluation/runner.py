@@ -96,6 +96,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         ValueError: a checkpoint that does not fit the model, an empty split.
         RuntimeError: the policy weights changed during the evaluation.
     """
+    from src.config_checks import check_env_settings
     from src.utils.config_error import refused_settings
     from src.models.rollout_precision import resolve_rollout_precision
     from src.utils.precision_choice import resolve_precision
@@ -105,6 +106,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         resolve_precision(cfg)  # trainer.precision=auto: this machine's choice
         resolve_rollout_precision(cfg)
         check_eval_config(ev)
+        check_env_settings(cfg.env)
         memory_file = _read_memory_file(cfg)
     b = _build(cfg)
     memory, memory_source, write_tips = _eval_memory(cfg, b, memory_file)

@@ -9,8 +9,10 @@ environment live with it (e.g. ScienceWorld's action caps against its gold paths
 """
 from __future__ import annotations
 
+import difflib
 import logging
 import os
+import re
 import zipfile
 from pathlib import Path
 
@@ -77,6 +79,33 @@ def check_trainer_options(cfg: DictConfig) -> None:
                     cfg.callbacks[name] = None
         log.info("fast_dev_run=%s: %d full training iteration(s) with validation, no loggers, no checkpoints",
                  fast, iterations)
+
+
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")  # what this project runs on (the precision and memory checks know them)
+
+
+def hardware_problems(trainer: dict) -> list[str]:
+    """``trainer.accelerator``, ``trainer.strategy`` and ``trainer.devices`` values Lightning would refuse only once
+    the model is built (or, for ``tpu``, that this project does not run on)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    problems = []
+    accelerator, strategy, devices = trainer.get("accelerator"), trainer.get("strategy"), trainer.get("devices")
+    if accelerator is not None and accelerator not in ACCELERATORS:
+        problems.append(f"trainer.accelerator={accelerator!r}: expected one of {list(ACCELERATORS)}")
+    strategies = ["auto", *StrategyRegistry.available_strategies()]
+    if isinstance(strategy, str) and strategy not in strategies:
+        close = difflib.get_close_matches(strategy, strategies, n=1)
+        problems.append(f"trainer.strategy={strategy!r}: not a Lightning strategy"
+                        + (f"; did you mean {close[0]!r}?" if close else "") + " (or a strategy config with _target_)")
+    ok = (devices in (None, "auto", -1) or (isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1)
+          or (isinstance(devices, list) and all(isinstance(d, int) and d >= 0 for d in devices) and devices)
+          or (isinstance(devices, str) and re.fullmatch(r"\s*-?\d+\s*(,\s*\d+\s*)*,?", devices) is not None
+              and devices.strip() not in ("0", "-0")))
+    if not ok:
+        problems.append(f"trainer.devices={devices!r}: expected an int >= 1 (-1: all), 'auto' or a list of device "
+                        "indices")
+    return problems
 
 
 def check_accelerator(cfg: DictConfig) -> None:

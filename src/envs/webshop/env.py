@@ -256,7 +256,7 @@ class WebShopEnv(Environment):
         self._active = False
 
     @classmethod
-    def config_problems(cls, env_cfg: dict[str, Any]) -> list[str]:
+    def config_problems(cls, env_cfg: dict[str, Any], training: bool = False) -> list[str]:
         """The reward mode, counts, analyzers and, with real data (``env.real_data_dir`` or ``WEBSHOP_DATA_DIR``),
         that its directory holds the files (``find_data_files``); the files' content is read when the data loads."""
         problems = super().config_problems({"max_steps": env_cfg.get("max_steps", 15)})

@@ -16,7 +16,7 @@ from src.evaluation.comparison.runs import ALGORITHM_LABELS, ROLLOUT_KEYS, VAL_K
 from src.evaluation.stats import best_relative_gain  # noqa: E402
 from src.utils.io import atomic_file  # noqa: E402
 
-ALGORITHM_COLORS = {"grpo": "tab:blue", "empo2": "tab:orange"}
+ALGORITHM_COLORS = {"grpo": "tab:blue", "empo2": "tab:orange", "empo2_authors": "tab:red"}
 FIGSIZE, DPI = (16.0, 5.0), 110  # learning-curve figures: 1760 x 550 pixels
 ADAPT_FIGSIZE = (8.0, 5.0)       # adaptation figure: 880 x 550 pixels
 

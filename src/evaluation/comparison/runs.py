@@ -13,13 +13,14 @@ from mlflow.entities import Run
 
 from src.evaluation.comparison.curves import Curve, curve_from_points
 
-ALGORITHM_LABELS = {"grpo": "GRPO", "grpo_novelty": "GRPO + novelty", "empo2": "EMPO²"}
+ALGORITHM_LABELS = {"grpo": "GRPO", "grpo_novelty": "GRPO + novelty", "empo2": "EMPO²",
+                    "empo2_authors": "EMPO² (authors' code)"}
 ROLLOUT_KEYS = ("rollout/return", "rollout/score", "rollout/success_rate")
 VAL_KEYS = {"rollout/score": "val/score", "rollout/success_rate": "val/success_rate"}
 
 
 def algorithm_rank(algo: str) -> tuple[int, str]:
-    """GRPO first, then GRPO + novelty, then EMPO², then anything else alphabetically."""
+    """GRPO first, then GRPO + novelty, EMPO², EMPO² with the authors' semantics, then anything else alphabetically."""
     known = list(ALGORITHM_LABELS)
     return (known.index(algo) if algo in known else len(known), algo)
 
@@ -55,7 +56,7 @@ def _run_by_id(client: mlflow.MlflowClient, run_id: str) -> Run:
 
 
 def select_runs(client: mlflow.MlflowClient, experiment: str | None, tags: Sequence[str] = (),
-                run_ids: Sequence[str] = (), algorithms: Sequence[str] = ("grpo", "grpo_novelty", "empo2"),
+                run_ids: Sequence[str] = (), algorithms: Sequence[str] = tuple(ALGORITHM_LABELS),
                 include_unfinished: bool = False) -> list[Run]:
     """Training runs to compare: ``run_ids`` as given (an original id finds the run imported from its record), or
     the runs of ``experiment`` that carry every tag in ``tags`` and whose ``algorithm/name`` is in ``algorithms``
