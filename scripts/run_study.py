@@ -205,13 +205,15 @@ def estimate_minutes(args: argparse.Namespace, tracking_uri: str, exp_name: str,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the study (or print it with ``--dry-run``); return the number of failed training runs."""
+    from src.models.rollout_precision import resolve_rollout_precision
+    from src.utils.precision_choice import resolve_precision
+
     ap = _parser()
     args = ap.parse_args(argv)
     if args.iterations < 1:
         ap.error(f"--iterations={args.iterations}: expected at least 1")
     if len(set(args.seeds)) != len(args.seeds):
         ap.error(f"--seeds {args.seeds}: expected distinct seeds")
-
     cfg = compose(args.experiment, [f"algorithm={args.algorithms[0]}", *args.overrides])
     if "mlflow" not in (cfg.get("logger") or {}):
         ap.error("the comparison reads MLflow: do not override the logger (logger=mlflow is the default)")
@@ -243,6 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         return 0
 
+    # the precisions' timed probes decide once here; every run inherits the choice through the environment, so the
+    # load of the moment cannot give one study's runs different precisions (it did: fp32, then bf16 prefill)
+    print(f"precision of every run: trainer {resolve_precision(cfg)}, rollout {resolve_rollout_precision(cfg)}")
     if cfg.model.get("warm_start"):
         print("\nwarm start: python src/sft.py " + " ".join([f"experiment={args.experiment}", *args.overrides]),
               flush=True)

@@ -458,6 +458,25 @@ def test_study_dry_run_prints_plan(tmp_path, capsys):
     assert "--algorithms" not in out.split("then: python scripts/compare_runs.py")[1]
 
 
+def test_a_study_decides_the_precisions_once_for_all_its_runs(tmp_path, monkeypatch, capsys):
+    """``auto`` precisions are timed probes; the study probes once and its runs inherit the choice (two runs of one
+    study had once chosen different rollout precisions under different loads)."""
+    import os
+
+    monkeypatch.delenv("EMPO2_PRECISION_CHOICE", raising=False)
+    monkeypatch.delenv("EMPO2_ROLLOUT_PRECISION", raising=False)
+    seen = []
+    monkeypatch.setattr(run_study, "run_all", lambda commands, parallel, threads: seen.append(
+        (os.environ.get("EMPO2_PRECISION_CHOICE"), os.environ.get("EMPO2_ROLLOUT_PRECISION"))) or [])
+    monkeypatch.setattr(run_study.subprocess, "run", lambda *a, **k: None)  # the comparison afterwards
+    assert run_study.main(["--seeds", "1", "--iterations", "1", "--study-id", "p", "model=tiny",
+                           "model.warm_start=null", f"logger.mlflow.tracking_uri=sqlite:///{tmp_path}/m.db"]) == 0
+    (trainer, rollout), = seen
+    assert trainer and trainer.startswith("cpu|") and rollout and rollout.startswith("cpu|")
+    assert f"precision of every run: trainer {trainer.split('|')[1]}, rollout {rollout.split('|')[1]}" in \
+        capsys.readouterr().out
+
+
 def test_study_refuses_side_by_side_runs_that_do_not_fit_in_memory(tmp_path, capsys):
     """Known answers: 90% of 24 GiB holds one 10.9-GiB run (two WebShop runs were killed for memory), four 5-GiB
     runs. run_study reads the peak from any earlier run of the experiment, a failed one included."""
