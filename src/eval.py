@@ -50,14 +50,10 @@ def main(cfg: DictConfig) -> None:
     start_run(cfg)
     # imported here: environment workers are spawned processes that re-import this module
     from src.evaluation.runner import run_eval
-    from src.utils.config_error import ConfigError
-    from src.utils.run_end import remove_empty_run_dir
+    from src.utils.run_end import no_run_dir_on_refusal
 
-    try:
+    with no_run_dir_on_refusal():
         run_eval(cfg)
-    except ConfigError:
-        remove_empty_run_dir()  # a refusal at start-up leaves no run directory behind
-        raise
 
 
 if __name__ == "__main__":

@@ -27,14 +27,10 @@ def main(cfg: DictConfig) -> None:
     use_checkpoint_settings(cfg)  # the training run's settings, from its checkpoint; the command line's on top
     start_run(cfg)
     from src.model_export import run_export
-    from src.utils.config_error import ConfigError
-    from src.utils.run_end import remove_empty_run_dir
+    from src.utils.run_end import no_run_dir_on_refusal
 
-    try:
+    with no_run_dir_on_refusal():
         run_export(cfg)
-    except ConfigError:
-        remove_empty_run_dir()  # a refusal at start-up leaves no run directory behind
-        raise
 
 
 if __name__ == "__main__":

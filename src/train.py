@@ -152,15 +152,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
 def main(cfg: DictConfig) -> None:
-    from src.utils.config_error import ConfigError
-    from src.utils.run_end import remove_empty_run_dir
+    from src.utils.run_end import no_run_dir_on_refusal
 
     start_run(cfg)
-    try:
+    with no_run_dir_on_refusal():
         train(cfg)
-    except ConfigError:
-        remove_empty_run_dir()  # a refusal at start-up leaves no run directory behind
-        raise
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from src.envs.scienceworld_tasks import default_max_steps, resolve_task
+from src.envs.scienceworld_tasks import default_max_steps, resolve_task, task_list
 
 log = logging.getLogger(__name__)
 
@@ -51,20 +51,24 @@ GOLD_PATH_LENGTHS: dict[str, tuple[int, int]] = {
 }
 
 
-def gold_cap_warnings(tasks: str | int | list, max_steps: int | None) -> list[str]:
-    """One message per task whose longest gold path (``GOLD_PATH_LENGTHS``) exceeds the action cap: ``max_steps``,
-    or the task's default cap when None. Tasks are given as ``ScienceWorldEnv``'s ``task`` argument."""
-    names = [resolve_task(t) for t in ([tasks] if isinstance(tasks, (str, int)) else list(tasks))]
-    messages = []
-    for name in dict.fromkeys(names):
+def _over_cap(tasks: str | int | list, max_steps: int | None) -> list[tuple[str, bool]]:
+    """(message, the cap is below even the task's shortest gold path) per task whose longest gold path exceeds it."""
+    out = []
+    for name in dict.fromkeys(resolve_task(t) for t in task_list(tasks)):
         shortest, longest = GOLD_PATH_LENGTHS[name]
         cap = max_steps if max_steps is not None else default_max_steps(name)
         if longest > cap:
             span = f"{shortest}" if shortest == longest else f"{shortest}-{longest}"
-            messages.append(f"ScienceWorld task {name!r}: the simulator's gold path takes {span} actions (first 5 "
-                            f"train variations) but the action cap is {cap}; episodes that need more are cut off. "
-                            f"Raise env.max_steps if that is not intended.")
-    return messages
+            out.append((f"ScienceWorld task {name!r}: the simulator's gold path takes {span} actions (first 5 "
+                        f"train variations) but the action cap is {cap}; episodes that need more are cut off. "
+                        f"Raise env.max_steps if that is not intended.", cap < shortest))
+    return out
+
+
+def gold_cap_warnings(tasks: str | int | list, max_steps: int | None) -> list[str]:
+    """One message per task whose longest gold path (``GOLD_PATH_LENGTHS``) exceeds the action cap: ``max_steps``,
+    or the task's default cap when None. Tasks are given as ``ScienceWorldEnv``'s ``task`` argument."""
+    return [message for message, _ in _over_cap(tasks, max_steps)]
 
 
 def warn_gold_paths_over_cap(env_cfg: Mapping[str, Any] | None) -> list[str]:
@@ -75,9 +79,7 @@ def warn_gold_paths_over_cap(env_cfg: Mapping[str, Any] | None) -> list[str]:
     env = env_cfg or {}
     if not str(env.get("_target_", "")).endswith("scienceworld.ScienceWorldEnv"):
         return []
-    messages = gold_cap_warnings(env["task"], env.get("max_steps"))
-    for message in messages:
-        name = message.split("'")[1]
-        cap = env.get("max_steps") if env.get("max_steps") is not None else default_max_steps(name)
-        log.log(logging.WARNING if cap < GOLD_PATH_LENGTHS[name][0] else logging.INFO, message)
-    return messages
+    over = _over_cap(env["task"], env.get("max_steps"))
+    for message, unsolvable in over:
+        log.log(logging.WARNING if unsolvable else logging.INFO, message)
+    return [message for message, _ in over]

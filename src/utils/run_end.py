@@ -3,10 +3,11 @@ KILLED (a SIGINT or SIGTERM) or FAILED (an error) with an end time, never left R
 checkpoint and the command that resumes from it."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from src.utils.console import CONSOLE
 from src.utils.entrypoint import received_signal
@@ -118,6 +119,18 @@ def last_checkpoint_message(trainer: Any, resumed_from: str | None) -> str:
         where = f" (iteration {head.get('iteration')}, global step {head.get('global_step')})"
     run_id = mlflow_run_id(list(getattr(trainer, "loggers", None) or []))
     return f"The last checkpoint is {path}{where}. Resume with:\n    {resume_command(str(path), run_id)}"
+
+
+@contextlib.contextmanager
+def no_run_dir_on_refusal() -> Iterator[None]:
+    """Around an entry point's work: a ``ConfigError`` (a refusal at start-up) leaves no run directory behind."""
+    from src.utils.config_error import ConfigError
+
+    try:
+        yield
+    except ConfigError:
+        remove_empty_run_dir()
+        raise
 
 
 def remove_empty_run_dir() -> None:
