@@ -4,10 +4,13 @@
     python scripts/bench_decode.py --prompts 16 64 --prompt-tokens 1500 --new-tokens 256 --model <dir> --out x.json
 
 For each batch size: the replaced path (``transformers``' ``generate`` with the log-prob recorder and per-row seeded
-streams, tests/hf_reference.py) and the engine (``Policy.generate``), the same prompts and seeds, best of
+streams, tests/hf_reference.py), the engine (``Policy.generate``) and the engine over preallocated keys/values
+(``static``: ``model.policy.cuda_graphs=true``, each step a CUDA graph on a GPU, the same loop eagerly on a CPU), the
+same prompts and seeds, best of
 ``--repeats``, both inside the context a training run gives its rollouts here (bf16 autocast where
 ``trainer.precision=auto`` picks ``bf16-mixed``, as ``--trainer-precision`` says); the engine then computes each phase
-in ``--rollout-precision`` (``auto``: the dtype this machine runs faster, ``src/models/rollout_precision.py``). Per path: wall time of the whole generation, of the prefill alone (one new token), prefill tokens/s,
+in ``--rollout-precision`` (``auto``: the dtype this machine runs faster, ``src/models/rollout_precision.py``).
+Per path: wall time of the whole generation, of the prefill alone (one new token), prefill tokens/s,
 decoding ms per step ((whole - prefill) / decoding steps of the longest reply), the tokens generated. ``bound_ms``:
 the bytes one decoding step must read at least (the weights, plus the keys/values of the mean context over all rows)
 over the bandwidth a copy kernel reaches on this device (``copy_bandwidth``), i.e. the memory-bandwidth bound.
@@ -17,6 +20,7 @@ rollouts, so the engine's dropping of finished rows shows). Run it alone: other 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -84,8 +88,11 @@ def measure(policy, prompts, new_tokens: int, repeats: int, device, bf16_context
     from hf_reference import hf_generate
 
     seeds = list(range(len(prompts)))
+    static = copy.copy(policy)
+    static.static_decode = "graphs"  # model.policy.cuda_graphs=true: captured steps on CUDA, the same loop eagerly here
     paths = {"replaced": lambda n: hf_generate(policy, prompts, n, 1.0, seeds=seeds)[0],
-             "engine": lambda n: policy.generate(prompts, max_new_tokens=n, temperature=1.0, seeds=seeds).response_ids}
+             "engine": lambda n: policy.generate(prompts, max_new_tokens=n, temperature=1.0, seeds=seeds).response_ids,
+             "static": lambda n: static.generate(prompts, max_new_tokens=n, temperature=1.0, seeds=seeds).response_ids}
     out = {}
     for name, run in paths.items():
         with torch.no_grad(), torch.autocast(str(device).split(":")[0], dtype=torch.bfloat16, enabled=bf16_context):
@@ -162,7 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
                      "rollout_precision": policy.rollout_precision,
                      "decode_ms_per_step": result["engine"]["decode_ms_per_step"],
                      "bound_ms": bound_ms(policy, prompts, args.new_tokens, bandwidth),
-                     "speedup_whole": result["replaced"]["whole_s"] / result["engine"]["whole_s"], **result})
+                     "speedup_whole": result["replaced"]["whole_s"] / result["engine"]["whole_s"],
+                     "static_decode_ms_per_step": result["static"]["decode_ms_per_step"],
+                     "speedup_whole_static": result["replaced"]["whole_s"] / result["static"]["whole_s"], **result})
     report = {"model": args.model, "copy_bandwidth_gb_s": bandwidth / 1e9, "python": platform.python_version(),
               "torch": torch.__version__, "rows": rows}
     text = json.dumps(report, indent=2)

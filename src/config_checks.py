@@ -252,6 +252,8 @@ def check_training_settings(cfg: DictConfig) -> None:
     Raises:
         ConfigError: one line per bad setting.
     """
+    from src.utils.startup_checks import graph_problems
+
     seed = cfg.get("seed")
     problems = [] if _is_int(seed) and seed >= 0 else [
         f"seed={seed!r}: expected an int >= 0 (it seeds every random stream of the run: modes, tasks, tokens)"]
@@ -261,6 +263,7 @@ def check_training_settings(cfg: DictConfig) -> None:
     problems += env_problems(_container(cfg.get("env")))
     problems += algorithm_problems(cfg)
     problems += model_problems(_container(cfg.get("model")))
+    problems += graph_problems(_container(cfg.get("trainer")), _container(cfg.get("model")))
     if uses_memory(cfg):
         problems += memory_problems(_container(cfg.get("memory")))
     for source, follower in (("data.temperature=", "algorithm.temperature="), ("env.max_steps=", "data.max_steps=")):

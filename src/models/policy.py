@@ -85,11 +85,15 @@ class Policy(nn.Module):
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_response_tokens: int = 32,
-                 max_prompt_tokens: int = 4096, temperature: float = 1.0, rollout_precision: str = "auto"):
+                 max_prompt_tokens: int = 4096, temperature: float = 1.0, rollout_precision: str = "auto",
+                 static_decode: str | None = None):
         super().__init__()
         if max_response_tokens < 1:
             raise ValueError(f"max_response_tokens must be >= 1, got {max_response_tokens}")
         self.rollout_precision = rollout_precision  # per phase of generate (src/models/rollout_precision.py)
+        # "graphs" (model.policy.cuda_graphs): decode over preallocated keys/values, each step a CUDA graph on a GPU,
+        # eagerly elsewhere ("eager"); None: the dynamic cache (src/models/static_decode.py)
+        self.static_decode = static_decode
         self.model = model
         self.tokenizer = tokenizer
         self.max_response_tokens = max_response_tokens
@@ -186,7 +190,8 @@ class Policy(nn.Module):
             out = decode(self.model, batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
                          cache, max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample,
                          eos_token_ids=self.eos_token_ids, pad_token_id=pad, streams=streams,
-                         keep_prompt_kv=keep_prompt_kv, synced=self.synced, **self._phases())
+                         keep_prompt_kv=keep_prompt_kv, synced=self.synced,
+                         static=None if self.synced else self.static_decode, **self._phases())
         finally:
             self.model.train(was_training)
         response_ids = [out.tokens[i, :n].tolist() for i, n in enumerate(out.lengths)]
@@ -311,7 +316,8 @@ def reference_is_a_copy(policy: dict[str, Any]) -> bool:
 def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", master_dtype: str = "float32",
                  trainable: bool = True, max_response_tokens: int = 32, max_prompt_tokens: int = 4096,
                  temperature: float = 1.0, gradient_checkpointing: bool = False, lora: dict | None = None,
-                 attn_implementation: str | None = None, rollout_precision: str = "auto") -> Policy:
+                 attn_implementation: str | None = None, rollout_precision: str = "auto",
+                 cuda_graphs: bool = False) -> Policy:
     """Load tokenizer + causal LM (optionally wrapped with PEFT LoRA) into a ``Policy`` (docs/usage.md#models).
 
     Precision (see ``src/models/precision.py``): the trainable parameters (all of them, or the LoRA adapters) are
@@ -382,4 +388,5 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
     else:
         model.requires_grad_(False)
     return Policy(model, tokenizer, max_response_tokens=max_response_tokens, max_prompt_tokens=max_prompt_tokens,
-                  temperature=temperature, rollout_precision=rollout_precision)
+                  temperature=temperature, rollout_precision=rollout_precision,
+                  static_decode="graphs" if cuda_graphs else None)

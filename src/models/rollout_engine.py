@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from src.models.sampling import counter_exponentials, int64
+from src.models.static_decode import decode_static
 from src.utils.distributed import all_reduce
 
 
@@ -75,64 +76,100 @@ def _forward(model, input_ids: Tensor, mask: Tensor, cache, logits_to_keep: int 
                  logits_to_keep=logits_to_keep)
 
 
+class Replies:
+    """The replies being written, ``[B, max_new_tokens]`` on the device: tokens (pad after the end), the log-prob of
+    each drawn token, lengths, and which rows have ended (at their first EOS, kept)."""
+
+    def __init__(self, batch: int, max_new_tokens: int, eos_token_ids: list[int], pad_token_id: int, device):
+        self.tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        self.log_probs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.eos, self.pad = torch.tensor(eos_token_ids, device=device), pad_token_id
+
+    def add(self, step: int, rows: Tensor, chosen: Tensor, log_prob: Tensor) -> Tensor:
+        """Append ``chosen`` / ``log_prob`` (``[n]``) to the rows ``rows`` that are still running; return ``chosen``
+        with pad for the rows that had already ended (what they are fed next)."""
+        live = ~self.finished[rows]
+        at = rows[live]
+        self.tokens[at, step] = chosen[live]
+        self.log_probs[at, step] = log_prob[live]
+        self.lengths[at] += 1
+        self.finished[at] |= torch.isin(chosen[live], self.eos)
+        return torch.where(live, chosen, torch.full_like(chosen, self.pad))
+
+    def running(self, synced: bool) -> bool:
+        """Whether another decoding step is needed: a row of this rank is running, or under FSDP one of any rank's."""
+        running = float(not bool(self.finished.all()))
+        return all_reduce([running], op="max")[0] > 0 if synced else running > 0
+
+
+def pick(logits: Tensor, temperature: float, do_sample: bool, streams: RowStreams | None, rows: Tensor,
+         step: int | Tensor) -> tuple[Tensor, Tensor]:
+    """The ``[n]`` tokens drawn from ``logits`` ``[n, V]`` (float32) and their log-probs under
+    ``log_softmax(logits / temperature)``: each row's seeded stream, torch's global generator, or greedy."""
+    log_softmax = torch.log_softmax(logits / temperature, dim=-1)
+    if streams is not None:
+        chosen = streams.draw(logits, rows, step)
+    elif do_sample:
+        chosen = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
+    else:
+        chosen = logits.argmax(dim=-1)
+    return chosen, log_softmax.gather(-1, chosen[:, None]).squeeze(-1)
+
+
 @torch.no_grad()
 def decode(model, input_ids: Tensor, attention_mask: Tensor, cache=None, *, max_new_tokens: int,
            temperature: float, do_sample: bool, eos_token_ids: list[int], pad_token_id: int,
            streams: RowStreams | None = None, keep_prompt_kv: bool = False, synced: bool = False,
            prefill_context: Callable[[], ContextManager] | None = None,
-           step_context: Callable[[], ContextManager] | None = None, cache_dtype: torch.dtype | None = None) -> Decoded:
+           step_context: Callable[[], ContextManager] | None = None, cache_dtype: torch.dtype | None = None,
+           static: str | None = None) -> Decoded:
     """Prefill ``input_ids`` ``[B, W]`` (left-padded prompts, or ``[prefix block | rest]`` with ``cache`` holding the
     prefix block's keys/values: ``batch_with_prefixes``), then decode up to ``max_new_tokens`` tokens per row.
 
     ``streams``: each row's seeded stream (``do_sample`` only); ``synced`` (FSDP): every rank keeps stepping, rows
     kept, until no rank has a running row. ``prefill_context`` / ``step_context``: context factories for the prefill
     and for each decoding step (their precision: ``src/models/rollout_precision.py``); ``cache_dtype``: the dtype the
-    keys/values take after the prefill, for the decoding steps.
+    keys/values take after the prefill, for the decoding steps. ``static``: decode over preallocated keys/values
+    (``src/models/static_decode.py``), ``"eager"`` or ``"graphs"`` (each step a CUDA graph); None: the dynamic cache.
     """
-    batch, device = input_ids.shape[0], input_ids.device
-    fed = input_ids[:, cache.get_seq_length():] if cache is not None else input_ids
     with (prefill_context or contextlib.nullcontext)():
-        out = _forward(model, fed, attention_mask, cache)
+        out = _forward(model, input_ids[:, cache.get_seq_length():] if cache is not None else input_ids,
+                       attention_mask, cache)
     cache, logits = out.cache, out.logits[:, -1].float()
     if cache_dtype is not None:
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys.to(cache_dtype), layer.values.to(cache_dtype)
     prompt_layers = [(layer.keys, layer.values) for layer in cache.layers] if keep_prompt_kv else None
-    tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    log_probs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
-    lengths = torch.zeros(batch, dtype=torch.long, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    eos = torch.tensor(eos_token_ids, device=device)
-    rows, mask = torch.arange(batch, device=device), attention_mask
+    replies = Replies(input_ids.shape[0], max_new_tokens, eos_token_ids, pad_token_id, input_ids.device)
+    loop = dict(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample, streams=streams,
+                synced=synced, step_context=step_context or contextlib.nullcontext)
+    if static:
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        decode_static(model, layers, logits, attention_mask, replies, pick, graphs=static == "graphs", **loop)
+    else:
+        _decode_dynamic(model, cache, logits, attention_mask, replies, **loop)
+    return Decoded(replies.tokens.cpu(), replies.log_probs.cpu(), replies.lengths.tolist(),
+                   (~replies.finished).tolist(), prompt_layers)
+
+
+def _decode_dynamic(model, cache, logits: Tensor, mask: Tensor, replies: Replies, *, max_new_tokens: int,
+                    temperature: float, do_sample: bool, streams: RowStreams | None, synced: bool,
+                    step_context: Callable[[], ContextManager]) -> None:
+    """The decoding loop over the model's forward and its growing cache. With seeded streams (and not ``synced``)
+    ended rows leave the batch; without, every row stays, because torch's generator draws one batch-shaped sample per
+    step and a smaller batch would change the other rows' draws."""
+    rows = torch.arange(mask.shape[0], device=mask.device)
     drop = streams is not None and not synced
     for step in range(max_new_tokens):
-        log_softmax = torch.log_softmax(logits / temperature, dim=-1)
-        if streams is not None:
-            chosen = streams.draw(logits, rows, step)
-        elif do_sample:
-            chosen = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
-        else:
-            chosen = logits.argmax(dim=-1)
-        live = ~finished[rows]
-        chosen = torch.where(live, chosen, torch.full_like(chosen, pad_token_id))
-        at = rows[live]
-        tokens[at, step] = chosen[live]
-        log_probs[at, step] = log_softmax[live].gather(-1, chosen[live, None]).squeeze(-1)
-        lengths[at] += 1
-        finished[at] |= torch.isin(chosen[live], eos)
-        if step + 1 == max_new_tokens or not _running(finished, synced):
+        chosen = replies.add(step, rows, *pick(logits, temperature, do_sample, streams, rows, step))
+        if step + 1 == max_new_tokens or not replies.running(synced):
             break
-        if drop and bool(finished[rows].any()):
-            keep = (~finished[rows]).nonzero().squeeze(1)
+        if drop and bool(replies.finished[rows].any()):
+            keep = (~replies.finished[rows]).nonzero().squeeze(1)
             cache.batch_select_indices(keep)
             rows, mask, chosen = rows[keep], mask[keep], chosen[keep]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        with (step_context or contextlib.nullcontext)():
+        with step_context():
             logits = _forward(model, chosen[:, None], mask, cache).logits[:, -1].float()
-    return Decoded(tokens.cpu(), log_probs.cpu(), lengths.tolist(), (~finished).tolist(), prompt_layers)
-
-
-def _running(finished: Tensor, synced: bool) -> bool:
-    """Whether another decoding step is needed: a row of this rank is running, or under FSDP one of any rank's."""
-    running = float(not bool(finished.all()))
-    return all_reduce([running], op="max")[0] > 0 if synced else running > 0

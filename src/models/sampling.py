@@ -54,15 +54,17 @@ def splitmix64(x: Tensor) -> Tensor:
     return x ^ _shift_right(x, 31)
 
 
-def counter_exponentials(seeds: Tensor, step: int, size: int) -> Tensor:
+def counter_exponentials(seeds: Tensor, step: int | Tensor, size: int) -> Tensor:
     """``[B, size]`` float64 draws of Exp(1), entry (i, k) a function of (``seeds[i]``, ``step``, k) alone: the k-th
     output of splitmix64 started from the state ``seeds[i] * _SEED + step * _STEP``, its top 53 bits as a uniform u in
     (0, 1), then -log u. With seed 0 at step 0 this is splitmix64's reference sequence from state 0.
 
     A counter-based generator: a row's draws depend on nothing else in the batch and no generator state is kept, so
     a whole batch is a few element-wise kernels (on a GPU, per-row ``torch.Generator`` calls made every decoding step
-    of a 7B model 2.3-4x slower: docs/performance.md). ``seeds``: ``[B]`` int64 on the target device.
+    of a 7B model 2.3-4x slower: docs/performance.md). ``seeds``: ``[B]`` int64 on the target device; ``step`` an int
+    or a 0-d / ``[1]`` int64 tensor (what a captured CUDA graph reads; the same draws: int64 products wrap alike).
     """
     index = torch.arange(1, size + 1, dtype=torch.int64, device=seeds.device)
-    x = splitmix64(seeds[:, None] * _SEED + (index * _GAMMA + int64(step * _STEP)))
+    offset = step * _STEP if isinstance(step, Tensor) else int64(step * _STEP)
+    x = splitmix64(seeds[:, None] * _SEED + (index * _GAMMA + offset))
     return -torch.log((_shift_right(x, 11).double() + 0.5) * 2.0 ** -53)

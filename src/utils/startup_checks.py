@@ -15,6 +15,7 @@ import os
 import re
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
@@ -106,6 +107,31 @@ def hardware_problems(trainer: dict) -> list[str]:
         problems.append(f"trainer.devices={devices!r}: expected an int >= 1 (-1: all), 'auto' or a list of device "
                         "indices")
     return problems
+
+
+def graph_problems(trainer: dict[str, Any], model: dict[str, Any]) -> list[str]:
+    """``model.policy.cuda_graphs``: a bool, true only where a decoding step can be captured (a CUDA accelerator; not
+    FSDP, whose sharded weights are gathered inside each forward: src/models/static_decode.py)."""
+    value = (model.get("policy") or {}).get("cuda_graphs", False)
+    if not isinstance(value, bool):
+        return [f"model.policy.cuda_graphs={value!r}: expected true or false"]
+    if not value:
+        return []
+    problems = []
+    accelerator = str(trainer.get("accelerator", "auto")).lower()
+    if accelerator not in ("gpu", "cuda") and not (accelerator == "auto" and _cuda()):
+        problems.append(f"model.policy.cuda_graphs=true with trainer.accelerator={accelerator}: CUDA graphs need a "
+                        "CUDA device; expected false here (or trainer.accelerator=gpu on a GPU machine)")
+    if "fsdp" in str(trainer.get("strategy", "")).lower():
+        problems.append(f"model.policy.cuda_graphs=true with trainer.strategy={trainer.get('strategy')}: FSDP gathers "
+                        "sharded weights inside each forward, which a captured step cannot; expected false")
+    return problems
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def check_accelerator(cfg: DictConfig) -> None:

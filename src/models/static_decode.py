@@ -1,0 +1,170 @@
+"""Decoding steps over preallocated keys/values (gpt-fast's shape), each step captured in a CUDA graph on a GPU.
+
+The dynamic loop of ``rollout_engine.decode`` grows every layer's keys/values by one column per step (a copy of the
+whole cache) and launches each of a step's ~15 kernels per layer from Python: on a GPU the launches, not the bytes,
+bound a 7B decoding step (docs/performance.md). Here the prompt's keys/values are copied once into buffers with room
+for every new token; a step writes one column in place (``StaticKV``) and runs the model's own decoder layers, norm
+and head on fixed shapes, so on CUDA the whole step (forward, log-softmax at the temperature, the draw) replays as
+one CUDA graph (``_Graph``). A graph holds a fixed batch: rows are packed into power-of-two buckets and repacked
+into the next smaller bucket once half of them have ended, so finished rows stop costing; a row's draw depends
+only on its seed and step (the counter stream), never on its slot. Graphs are captured per ``generate`` call, so
+they always read the weights of that moment (an optimizer step in between is seen). On a CPU the same loop runs
+eagerly with exact-size batches. Used with ``model.policy.cuda_graphs=true`` (off by default: not yet measured on
+a GPU); the tokens and log-probs equal the dynamic loop's (fp32, tests/test_static_decode.py).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from src.models.sampling import counter_exponentials
+
+
+class StaticKV:
+    """Each layer's keys and values, ``[B, kv_heads, L, head_dim]``, written in place at column ``slot`` (a ``[1]``
+    long tensor, so a captured graph reads its current value): the one method the model's attention calls."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], slot: Tensor):
+        self.keys, self.values, self.slot = keys, values, slot
+
+    @classmethod
+    def from_prefill(cls, layers, length: int, slot: Tensor) -> "StaticKV":
+        """Buffers of ``length`` columns holding the prefill's keys/values (``[(keys, values)]`` per layer, each
+        ``[B, kv_heads, W, head_dim]``) in their first W columns."""
+        def widen(t: Tensor) -> Tensor:
+            out = t.new_zeros(*t.shape[:2], length, t.shape[3])
+            out[:, :, :t.shape[2]] = t
+            return out
+        return cls([widen(k) for k, _ in layers], [widen(v) for _, v in layers], slot)
+
+    def select(self, index: Tensor) -> "StaticKV":
+        """A new cache holding rows ``index`` (``[b]`` long; a row may repeat to fill a bucket)."""
+        return StaticKV([k.index_select(0, index) for k in self.keys], [v.index_select(0, index) for v in self.values],
+                        self.slot)
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        """Write the step's ``[B, kv_heads, 1, head_dim]`` keys/values at ``slot``; return the layer's buffers."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(2, self.slot, key_states.to(keys.dtype))
+        values.index_copy_(2, self.slot, value_states.to(values.dtype))
+        return keys, values
+
+
+def causal_lm(model):
+    """The causal LM under a PEFT wrapper (its LoRA layers stay in place), checked to have the decoder shape the step
+    runs (``model.embed_tokens``, ``layers``, ``rotary_emb``, ``norm``, ``lm_head``: Llama, Qwen2, Mistral, ...).
+
+    Raises:
+        ValueError: another architecture, naming it.
+    """
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(core, "model", None)
+    if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "rotary_emb", "norm")) \
+            or not hasattr(core, "lm_head"):
+        raise ValueError(f"model.policy.cuda_graphs=true: {type(core).__name__} is not a decoder with model.layers, "
+                         "model.rotary_emb, model.norm and lm_head (Llama, Qwen2, Mistral); expected false")
+    return core
+
+
+def forward_step(core, token: Tensor, position: Tensor, valid: Tensor, kv: StaticKV) -> Tensor:
+    """Float32 logits ``[B, V]`` of one new token per row: ``token`` / ``position`` ``[B]`` long, ``valid``
+    ``[B, L]`` bool (the columns each row attends to; the step's own column is set here), keys/values in ``kv``."""
+    valid.index_fill_(1, kv.slot, True)
+    hidden = core.model.embed_tokens(token[:, None])
+    position_ids = position[:, None]
+    rotary = core.model.rotary_emb(hidden, position_ids)
+    mask = valid[:, None, None, :]
+    for layer in core.model.layers:
+        out = layer(hidden, attention_mask=mask, position_ids=position_ids, cache=kv, position_embeddings=rotary)
+        hidden = out[0] if isinstance(out, tuple) else out
+    return core.lm_head(core.model.norm(hidden))[:, -1].float()
+
+
+def draw_counter(logits: Tensor, seeds: Tensor, step: Tensor, temperature: float) -> Tensor:
+    """``RowStreams``' exponential race with counter streams, the step a tensor (graph-safe): ``[B]`` tokens."""
+    race = counter_exponentials(seeds, step, logits.shape[-1]).log_()
+    return (logits / temperature - race.float()).argmax(dim=-1)
+
+
+class _Graph:
+    """``fn(*inputs) -> outputs`` captured once in a CUDA graph (after a warm-up on a side stream, as torch's docs
+    require); calling it copies the inputs into the captured ones and replays."""
+
+    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], inputs: list[Tensor]):
+        self.inputs = [t.clone() for t in inputs]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(*[t.clone() for t in inputs])  # warm-up: lazy initialisations happen outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = fn(*self.inputs)
+
+    def __call__(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        for mine, given in zip(self.inputs, inputs):
+            mine.copy_(given)
+        self.graph.replay()
+        return self.outputs
+
+
+@torch.no_grad()
+def decode_static(model, layers: list[tuple[Tensor, Tensor]], logits: Tensor, mask: Tensor, replies, pick, *,
+                  max_new_tokens: int, temperature: float, do_sample: bool, streams, synced: bool, graphs: bool,
+                  step_context) -> None:
+    """``rollout_engine.decode``'s loop over ``StaticKV``: ``layers`` the prefill's keys/values (``[B, kv_heads, W,
+    head_dim]`` each), ``logits`` ``[B, V]`` its last position's, ``mask`` ``[B, W]``; writes into ``replies``
+    (``rollout_engine.Replies``) with ``pick`` (``rollout_engine.pick``). ``graphs``: capture each bucket's step in
+    a CUDA graph (seeded streams on CUDA or greedy only: torch's global generator draws one batch-shaped sample per
+    step, so those rows run eagerly, every row to the end, as in the dynamic loop).
+
+    Raises:
+        ValueError: the model is not a decoder of the supported shape (``causal_lm``).
+    """
+    core = causal_lm(model)
+    batch, width = mask.shape
+    device = mask.device
+    graphs = graphs and device.type == "cuda" and (streams is None and not do_sample
+                                                   or streams is not None and streams.counter)
+    drop = streams is not None and not synced
+    slot = torch.full((1,), width, dtype=torch.long, device=device)
+    kv = StaticKV.from_prefill(layers, width + max_new_tokens, slot)
+    valid = torch.cat([mask.bool(), mask.new_zeros(batch, max_new_tokens, dtype=torch.bool)], dim=1)
+    position = mask.long().sum(-1)  # the next token's position: the row's real tokens so far
+    rows = torch.arange(batch, device=device)  # the row each batch slot holds (a filler repeats one)
+    own = torch.ones(batch, dtype=torch.bool, device=device)  # the slot that records its row (fillers do not)
+    step_t = torch.zeros(1, dtype=torch.long, device=device)
+    graph = None
+    chosen, log_prob = pick(logits, temperature, do_sample, streams, rows, 0)
+    for step in range(max_new_tokens):
+        fed = replies.add(step, rows[own], chosen[own], log_prob[own])
+        chosen = chosen.masked_scatter(own, fed)
+        if step + 1 == max_new_tokens or not replies.running(synced):
+            break
+        live = own & ~replies.finished[rows]
+        if drop and _bucket(int(live.sum()), graphs) < rows.numel():
+            keep = live.nonzero().squeeze(1)
+            index = torch.cat([keep, keep[:1].expand(_bucket(keep.numel(), graphs) - keep.numel())])
+            kv, valid, position, rows, chosen = (kv.select(index), valid[index], position[index], rows[index],
+                                                 chosen[index])
+            own = torch.arange(index.numel(), device=device) < keep.numel()
+            graph = None
+        slot.fill_(width + step)
+        step_t.fill_(step + 1)
+
+        def one_step(token: Tensor, pos: Tensor, at: Tensor, kv=kv, valid=valid, rows=rows):
+            with step_context():
+                step_logits = forward_step(core, token, pos, valid, kv)
+            return pick(step_logits, temperature, do_sample, streams, rows, at if graphs else int(at))
+
+        if graphs and graph is None:
+            graph = _Graph(one_step, [chosen, position, step_t])
+        chosen, log_prob = (graph or one_step)(chosen, position, step_t)
+        position = position + 1
+
+
+def _bucket(live: int, graphs: bool) -> int:
+    """The batch size that holds ``live`` rows: exact eagerly; with graphs the next power of two (one capture each)."""
+    return live if not graphs or live <= 1 else 1 << (live - 1).bit_length()

@@ -1,0 +1,130 @@
+"""Decoding over preallocated keys/values (src/models/static_decode.py, ``model.policy.cuda_graphs``) against the
+dynamic loop, on the tiny policy in fp32 on the CPU (where the same loop runs eagerly): the same tokens and log-probs
+for the same seeds while finished rows leave the batch, a row's result independent of its companions, a kept prompt
+continued unchanged, the live weights read; the counter stream the same for a tensor step as for an int; the bucket
+sizes a captured graph gets. The graph capture itself runs only on a CUDA device (the last test)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from src.models.policy import Policy
+from src.models.sampling import counter_exponentials
+from src.models.static_decode import _bucket, causal_lm
+
+TOPICS = ("hi", "tell me about the sea", "name three colours and a fruit, then stop", "why", "a poem on trains")
+
+
+@pytest.fixture(scope="module")
+def stopping(tiny_policy: Policy) -> Policy:
+    """The tiny policy with a fifth of its vocabulary declared EOS, so replies end at different steps."""
+    policy = copy.copy(tiny_policy)
+    vocab = tiny_policy.model.get_output_embeddings().weight.shape[0]
+    policy.eos_token_ids = sorted(set(tiny_policy.eos_token_ids) | set(range(0, vocab, 5)))
+    return policy
+
+
+def _prompts(policy: Policy) -> list[list[int]]:
+    return [policy.encode([{"role": "user", "content": t}]) for t in TOPICS]
+
+
+def _both(policy: Policy, *args, **kwargs):
+    """(dynamic, static) generations of the same call, each with torch's global generator seeded alike."""
+    out = []
+    for static in (None, "eager"):
+        variant = copy.copy(policy)
+        variant.static_decode = static
+        torch.manual_seed(3)
+        out.append(variant.generate(*args, **kwargs))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["seeded", "global-generator", "greedy"])
+def test_static_keys_values_decode_what_the_dynamic_cache_decodes(stopping: Policy, mode):
+    kwargs = {"seeded": dict(seeds=[11, 12, 13, 14, 15]), "global-generator": {}, "greedy": dict(do_sample=False)}[mode]
+    dynamic, static = _both(stopping, _prompts(stopping), max_new_tokens=12, temperature=0.8, **kwargs)
+    assert static.response_ids == dynamic.response_ids
+    for got, expected in zip(static.log_probs, dynamic.log_probs):
+        assert got == pytest.approx(expected, abs=1e-5)
+    assert static.truncated == dynamic.truncated
+    if mode == "seeded":  # rows ended mid-batch and left it
+        assert len({len(r) for r in dynamic.response_ids}) > 1 and min(map(len, dynamic.response_ids)) < 12
+
+
+def test_a_row_decodes_the_same_alone_or_in_any_batch(stopping: Policy):
+    policy = copy.copy(stopping)
+    policy.static_decode = "eager"
+    prompts, seeds = _prompts(policy), [21, 22, 23, 24, 25]
+    batch = policy.generate(prompts, max_new_tokens=10, seeds=seeds)
+    for i in (0, 3):
+        alone = policy.generate([prompts[i]], max_new_tokens=10, seeds=[seeds[i]])
+        assert alone.response_ids[0] == batch.response_ids[i]
+        assert alone.log_probs[0] == pytest.approx(batch.log_probs[i], abs=1e-5)
+    shuffled = policy.generate(prompts[::-1], max_new_tokens=10, seeds=seeds[::-1])
+    assert shuffled.response_ids[::-1] == batch.response_ids
+
+
+def test_a_kept_prompt_continues_the_same_under_static_decoding(tiny_policy: Policy):
+    """A reflection continues a rollout's kept prompt keys/values: the same reply as from the full prompt."""
+    policy = copy.copy(tiny_policy)
+    policy.static_decode = "eager"
+    prompts = _prompts(policy)[:3]
+    first = policy.generate(prompts, max_new_tokens=4, seeds=[1, 2, 3], keep_prompt_kv=True)
+    longer = [p + r + policy.encode_next_turn("now reflect") for p, r in zip(prompts, first.response_ids)]
+    kept = [first.prompt_kv(i) for i in range(3)]
+    continued = policy.generate(longer, max_new_tokens=6, seeds=[4, 5, 6], prefix_kv=kept)
+    fresh = policy.generate(longer, max_new_tokens=6, seeds=[4, 5, 6])
+    assert continued.response_ids == fresh.response_ids
+    for got, expected in zip(continued.log_probs, fresh.log_probs):
+        assert got == pytest.approx(expected, abs=1e-4)
+
+
+def test_static_decoding_reads_the_live_weights(tiny_policy: Policy):
+    policy = copy.copy(tiny_policy)
+    policy.static_decode = "eager"
+    prompts = _prompts(policy)[:2]
+    before = policy.generate(prompts, max_new_tokens=6, seeds=[1, 2])
+    weight = policy.model.get_output_embeddings().weight
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight.mul_(1.5)
+    try:
+        after = policy.generate(prompts, max_new_tokens=6, seeds=[1, 2])
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    assert after.log_probs[0][0] != pytest.approx(before.log_probs[0][0], abs=1e-3)
+    assert policy.generate(prompts, max_new_tokens=6, seeds=[1, 2]).log_probs == before.log_probs
+
+
+def test_the_counter_stream_draws_the_same_for_a_tensor_step():
+    seeds = torch.tensor([0, 7, -3, 2 ** 40], dtype=torch.int64)
+    for step in (0, 1, 255, 10 ** 6):
+        by_int = counter_exponentials(seeds, step, 50)
+        assert torch.equal(counter_exponentials(seeds, torch.tensor([step]), 50), by_int)
+
+
+def test_graph_buckets_are_powers_of_two_and_exact_eagerly():
+    assert [_bucket(n, True) for n in (1, 2, 3, 5, 8, 9, 64)] == [1, 2, 4, 8, 8, 16, 64]
+    assert [_bucket(n, False) for n in (1, 3, 5, 9)] == [1, 3, 5, 9]
+
+
+def test_another_architecture_is_refused_by_name():
+    with pytest.raises(ValueError, match="Linear is not a decoder.*expected false"):
+        causal_lm(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_graph_captured_steps_draw_what_eager_steps_draw(stopping: Policy):  # pragma: no cover - needs a GPU
+    policy = copy.copy(stopping)
+    policy.model = copy.deepcopy(stopping.model).cuda()
+    prompts, seeds = _prompts(policy), [31, 32, 33, 34, 35]
+    policy.static_decode = "eager"
+    eager = policy.generate(prompts, max_new_tokens=12, seeds=seeds)
+    policy.static_decode = "graphs"
+    graphed = policy.generate(prompts, max_new_tokens=12, seeds=seeds)
+    assert graphed.response_ids == eager.response_ids
+    for got, expected in zip(graphed.log_probs, eager.log_probs):
+        assert got == pytest.approx(expected, abs=1e-4)
