@@ -106,6 +106,16 @@ def measure(policy, prompts, new_tokens: int, repeats: int, device, bf16_context
     return out
 
 
+def summary(result: dict) -> dict:
+    """The headline figures of ``measure``'s result: each engine path's decoding ms per step and whole-call
+    speed-up over the replaced path, then the result itself."""
+    replaced = result["replaced"]["whole_s"]
+    return {"decode_ms_per_step": result["engine"]["decode_ms_per_step"],
+            "speedup_whole": replaced / result["engine"]["whole_s"],
+            "static_decode_ms_per_step": result["static"]["decode_ms_per_step"],
+            "speedup_whole_static": replaced / result["static"]["whole_s"], **result}
+
+
 def bound_ms(policy, prompts, new_tokens: int, bandwidth: float) -> float:
     """The memory-bandwidth bound of one decoding step: weight bytes plus the keys/values of every row's mean
     context (prompt + half the new tokens), over ``bandwidth``, in ms."""
@@ -167,11 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "prompts": n, "prompt_tokens": sum(len(p) for p in prompts) / n, "new_tokens": args.new_tokens,
                      "dtype": args.dtype, "threads": torch.get_num_threads(), "trainer_precision": trainer_precision,
                      "rollout_precision": policy.rollout_precision,
-                     "decode_ms_per_step": result["engine"]["decode_ms_per_step"],
-                     "bound_ms": bound_ms(policy, prompts, args.new_tokens, bandwidth),
-                     "speedup_whole": result["replaced"]["whole_s"] / result["engine"]["whole_s"],
-                     "static_decode_ms_per_step": result["static"]["decode_ms_per_step"],
-                     "speedup_whole_static": result["replaced"]["whole_s"] / result["static"]["whole_s"], **result})
+                     "bound_ms": bound_ms(policy, prompts, args.new_tokens, bandwidth), **summary(result)})
     report = {"model": args.model, "copy_bandwidth_gb_s": bandwidth / 1e9, "python": platform.python_version(),
               "torch": torch.__version__, "rows": rows}
     text = json.dumps(report, indent=2)
