@@ -90,18 +90,24 @@ def draw_counter(logits: Tensor, seeds: Tensor, step: Tensor, temperature: float
 
 class _Graph:
     """``fn(*inputs) -> outputs`` captured once in a CUDA graph (after a warm-up on a side stream, as torch's docs
-    require); calling it copies the inputs into the captured ones and replays."""
+    require); calling it copies the inputs into the captured ones and replays. Autocast's weight-cast cache is off
+    while capturing (torch's advice for graphs), so a replay casts the weights it reads instead of reusing copies."""
 
     def __init__(self, fn: Callable[..., tuple[Tensor, ...]], inputs: list[Tensor]):
         self.inputs = [t.clone() for t in inputs]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn(*[t.clone() for t in inputs])  # warm-up: lazy initialisations happen outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = fn(*self.inputs)
+        cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn(*[t.clone() for t in inputs])  # warm-up: lazy initialisations happen outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outputs = fn(*self.inputs)
+        finally:
+            torch.set_autocast_cache_enabled(cache)
 
     def __call__(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         for mine, given in zip(self.inputs, inputs):
