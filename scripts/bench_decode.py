@@ -1,7 +1,8 @@
 """Generation speed of the rollout engine against the path it replaced, on this machine, as JSON.
 
     python scripts/bench_decode.py                         # SmolLM2, 8 WebShop-shaped prompts of ~900 tokens, 32 new
-    python scripts/bench_decode.py --prompts 16 64 --prompt-tokens 1500 --new-tokens 256 --model <dir> --out x.json
+    python scripts/bench_decode.py --prompts 16 64 --prompt-tokens 1500 --new-tokens 256 --shape qwen2.5-7b \
+        --dtype bfloat16 --repeats 1 --out x.json       # on a GPU: the paper's shape, random weights
 
 For each batch size: the replaced path (``transformers``' ``generate`` with the log-prob recorder and per-row seeded
 streams, tests/hf_reference.py), the engine (``Policy.generate``) and the engine over preallocated keys/values
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]
 os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 
 WORDS = ("red", "cotton", "shirt", "size", "small", "price", "lower", "than", "dollars", "click", "search", "buy",
@@ -106,6 +107,20 @@ def measure(policy, prompts, new_tokens: int, repeats: int, device, bf16_context
     return out
 
 
+def random_policy(shape: str, cache_dir: str, device: str, dtype: str):
+    """A policy of ``shape`` with random ``dtype`` weights built on ``device`` (no download: the paper models' public
+    config.json values) and the tiny model's SmolLM2 tokenizer (its ids fit every shape's vocabulary)."""
+    import tempfile
+
+    import torch
+
+    from bench_paper_shapes import config_dir, make_policy
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return make_policy(config_dir(shape, Path(tmp)), f"{cache_dir}/tiny-random-llama", device,
+                           getattr(torch, dtype), lora=False, checkpointing=False)
+
+
 def summary(result: dict) -> dict:
     """The headline figures of ``measure``'s result: each engine path's decoding ms per step and whole-call
     speed-up over the replaced path, then the result itself."""
@@ -131,6 +146,8 @@ def bound_ms(policy, prompts, new_tokens: int, bandwidth: float) -> float:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded:SmolLM2-135M-Instruct", help="model.policy.name_or_path")
+    parser.add_argument("--shape", choices=["qwen2.5-7b", "qwen2.5-3b", "tiny"], default=None,
+                        help="instead of --model: random weights of that shape (scripts/bench_paper_shapes.py)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompts", type=int, nargs="+", default=[8])
     parser.add_argument("--prompt-tokens", type=int, default=900)
@@ -153,8 +170,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     os.environ.setdefault("EMPO2_ADAPT_THREADS", "0")
     cache_dir = os.environ.get("EMPO2_DATA_DIR", str(ROOT / "data")) + "/models"
-    policy = build_policy(name_or_path=args.model, cache_dir=cache_dir, dtype=args.dtype, master_dtype=args.dtype,
-                          trainable=False, max_response_tokens=args.new_tokens, max_prompt_tokens=1 << 20)
+    if args.shape:
+        policy = random_policy(args.shape, cache_dir, args.device, args.dtype)
+    else:
+        policy = build_policy(name_or_path=args.model, cache_dir=cache_dir, dtype=args.dtype, master_dtype=args.dtype,
+                              trainable=False, max_response_tokens=args.new_tokens, max_prompt_tokens=1 << 20)
     policy.model.to(args.device).eval()
     kind = str(args.device).split(":")[0]
     trainer_precision = args.trainer_precision

@@ -111,6 +111,23 @@ def test_graph_buckets_are_powers_of_two_and_exact_eagerly():
     assert [_bucket(n, False) for n in (1, 3, 5, 9)] == [1, 3, 5, 9]
 
 
+def test_a_qwen2_model_decodes_the_same_statically(tiny_model_dir):
+    """Qwen2 (the paper's family: biases in q/k/v, grouped keys/values) through the static step, random weights."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from src.models.hub import load_tokenizer
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=49152, rope_theta=1e6, max_position_embeddings=4096)
+    policy = Policy(AutoModelForCausalLM.from_config(config), load_tokenizer(tiny_model_dir), max_response_tokens=8)
+    policy.rollout_precision = "fp32"
+    dynamic, static = _both(policy, _prompts(policy), max_new_tokens=8, seeds=[1, 2, 3, 4, 5])
+    assert static.response_ids == dynamic.response_ids
+    for got, expected in zip(static.log_probs, dynamic.log_probs):
+        assert got == pytest.approx(expected, abs=1e-5)
+
+
 def test_another_architecture_is_refused_by_name():
     with pytest.raises(ValueError, match="Linear is not a decoder.*expected false"):
         causal_lm(torch.nn.Linear(2, 2))
