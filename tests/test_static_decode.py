@@ -128,9 +128,16 @@ def test_a_qwen2_model_decodes_the_same_statically(tiny_model_dir):
         assert got == pytest.approx(expected, abs=1e-5)
 
 
-def test_another_architecture_is_refused_by_name():
+def test_another_architecture_or_a_sliding_window_is_refused_by_name():
+    from transformers import AutoModelForCausalLM, MistralConfig
+
     with pytest.raises(ValueError, match="Linear is not a decoder.*expected false"):
         causal_lm(torch.nn.Linear(2, 2))
+    mistral = AutoModelForCausalLM.from_config(MistralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=100, sliding_window=16))
+    with pytest.raises(ValueError, match="MistralForCausalLM attends through a sliding window of 16 tokens"):
+        causal_lm(mistral)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -32,6 +32,7 @@ from src.models.prompt_cache import (PromptKV, SharedPrefixes, batch_with_prefix
                                      row_prompt_kv)
 from src.models.rollout_engine import RowStreams, decode
 from src.models.rollout_precision import phase_contexts, rollout_precision
+from src.models.static_decode import causal_lm
 from src.models.sampling import dropped_generation_defaults
 from src.utils.threads import adapt_threads
 
@@ -333,7 +334,8 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
     the merged model is trained (or frozen with ``trainable=False``).
 
     Raises:
-        ValueError: ``dtype`` or ``master_dtype`` is not a floating-point torch dtype name.
+        ValueError: ``dtype`` or ``master_dtype`` is not a floating-point torch dtype name; ``cuda_graphs`` with a
+            model the static step cannot run (``static_decode.causal_lm``).
         OSError: the model (or an adapter's base model) is neither local nor in the Hugging Face cache.
     """
     path = resolve_name_or_path(name_or_path, cache_dir)
@@ -381,6 +383,8 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
         log.warning("The policy %s is built without dropout (π_old is scored in eval mode and the update runs in "
                     "train mode: any dropout would make the first PPO ratio differ from 1); set to 0: %s",
                     name_or_path, ", ".join(zeroed))
+    if cuda_graphs:
+        causal_lm(model)  # refuses a model the static step cannot run, at start-up rather than at the first rollout
     if trainable:
         for p in model.parameters():
             if p.requires_grad and p.dtype != master:

@@ -54,17 +54,22 @@ class StaticKV:
 
 def causal_lm(model):
     """The causal LM under a PEFT wrapper (its LoRA layers stay in place), checked to have the decoder shape the step
-    runs (``model.embed_tokens``, ``layers``, ``rotary_emb``, ``norm``, ``lm_head``: Llama, Qwen2, Mistral, ...).
+    runs (``model.embed_tokens``, ``layers``, ``rotary_emb``, ``norm``, ``lm_head``: Llama, Qwen2) with full attention.
 
     Raises:
-        ValueError: another architecture, naming it.
+        ValueError: another architecture, or a sliding attention window, naming it.
     """
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner = getattr(core, "model", None)
     if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "rotary_emb", "norm")) \
             or not hasattr(core, "lm_head"):
         raise ValueError(f"model.policy.cuda_graphs=true: {type(core).__name__} is not a decoder with model.layers, "
-                         "model.rotary_emb, model.norm and lm_head (Llama, Qwen2, Mistral); expected false")
+                         "model.rotary_emb, model.norm and lm_head (Llama, Qwen2); expected false")
+    config = core.config
+    if getattr(config, "sliding_window", None) and set(getattr(config, "layer_types", None) or ["sliding"]) \
+            != {"full_attention"}:
+        raise ValueError(f"model.policy.cuda_graphs=true: {type(core).__name__} attends through a sliding window of "
+                         f"{config.sliding_window} tokens, which the static step does not apply; expected false")
     return core
 
 
