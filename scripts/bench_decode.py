@@ -107,6 +107,20 @@ def measure(policy, prompts, new_tokens: int, repeats: int, device, bf16_context
     return out
 
 
+def load_policy(args):
+    """``--model`` (or random weights of ``--shape``) in ``--dtype`` on ``--device``, in eval mode."""
+    from src.models.policy import build_policy
+
+    cache_dir = os.environ.get("EMPO2_DATA_DIR", str(ROOT / "data")) + "/models"
+    if args.shape:
+        policy = random_policy(args.shape, cache_dir, args.device, args.dtype)
+    else:
+        policy = build_policy(name_or_path=args.model, cache_dir=cache_dir, dtype=args.dtype, master_dtype=args.dtype,
+                              trainable=False, max_response_tokens=args.new_tokens, max_prompt_tokens=1 << 20)
+    policy.model.to(args.device).eval()
+    return policy
+
+
 def random_policy(shape: str, cache_dir: str, device: str, dtype: str):
     """A policy of ``shape`` with random ``dtype`` weights built on ``device`` (no download: the paper models' public
     config.json values) and the tiny model's SmolLM2 tokenizer (its ids fit every shape's vocabulary)."""
@@ -163,19 +177,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from src.models.policy import build_policy
     from src.models.rollout_precision import rollout_precision
     from src.utils.logging import machine_description
     from src.utils.precision_choice import cpu_features, decide_precision, probe_cpu_matmul
 
     os.environ.setdefault("EMPO2_ADAPT_THREADS", "0")
-    cache_dir = os.environ.get("EMPO2_DATA_DIR", str(ROOT / "data")) + "/models"
-    if args.shape:
-        policy = random_policy(args.shape, cache_dir, args.device, args.dtype)
-    else:
-        policy = build_policy(name_or_path=args.model, cache_dir=cache_dir, dtype=args.dtype, master_dtype=args.dtype,
-                              trainable=False, max_response_tokens=args.new_tokens, max_prompt_tokens=1 << 20)
-    policy.model.to(args.device).eval()
+    policy = load_policy(args)
     kind = str(args.device).split(":")[0]
     trainer_precision = args.trainer_precision
     if trainer_precision == "auto":

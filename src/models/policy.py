@@ -95,6 +95,8 @@ class Policy(nn.Module):
         # "graphs" (model.policy.cuda_graphs): decode over preallocated keys/values, each step a CUDA graph on a GPU,
         # eagerly elsewhere ("eager"); None: the dynamic cache (src/models/static_decode.py)
         self.static_decode = static_decode
+        if static_decode:
+            causal_lm(model)  # refuses a model the static step cannot run when built, not at the first rollout
         self.model = model
         self.tokenizer = tokenizer
         self.max_response_tokens = max_response_tokens
@@ -383,8 +385,6 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
         log.warning("The policy %s is built without dropout (π_old is scored in eval mode and the update runs in "
                     "train mode: any dropout would make the first PPO ratio differ from 1); set to 0: %s",
                     name_or_path, ", ".join(zeroed))
-    if cuda_graphs:
-        causal_lm(model)  # refuses a model the static step cannot run, at start-up rather than at the first rollout
     if trainable:
         for p in model.parameters():
             if p.requires_grad and p.dtype != master:
