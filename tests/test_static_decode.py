@@ -128,22 +128,28 @@ def test_a_qwen2_model_decodes_the_same_statically(tiny_model_dir):
         assert got == pytest.approx(expected, abs=1e-5)
 
 
-def test_another_architecture_or_a_sliding_window_is_refused_by_name():
-    from transformers import AutoModelForCausalLM, MistralConfig
+def test_another_architecture_attention_or_a_sliding_window_is_refused_by_name(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
-    with pytest.raises(ValueError, match="Linear is not a decoder.*expected false"):
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=100)
+    with pytest.raises(ValueError, match="a Linear model; the static step runs .'llama', 'qwen2'. decoders only"):
         causal_lm(torch.nn.Linear(2, 2))
-    mistral = AutoModelForCausalLM.from_config(MistralConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        vocab_size=100, sliding_window=16))
-    with pytest.raises(ValueError, match="MistralForCausalLM attends through a sliding window of 16 tokens"):
-        causal_lm(mistral)
+    with pytest.raises(ValueError, match="a mistral model"):
+        causal_lm(AutoModelForCausalLM.from_config(MistralConfig(**small)))
+    sliding = Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    with pytest.raises(ValueError, match="this qwen2 model attends through a sliding window of 16 tokens"):
+        causal_lm(AutoModelForCausalLM.from_config(sliding))
+    eager = AutoModelForCausalLM.from_config(Qwen2Config(**small), attn_implementation="eager")
+    with pytest.raises(ValueError, match="with attention 'eager': .*expected model.policy.attn_implementation=sdpa"):
+        causal_lm(eager)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graph_captured_steps_draw_what_eager_steps_draw(stopping: Policy):  # pragma: no cover - needs a GPU
-    policy = copy.copy(stopping)
-    policy.model = copy.deepcopy(stopping.model).cuda()
+    # a new Policy: copy.copy of a module shares its submodules, so assigning .model would move the shared fixture's
+    policy = Policy(copy.deepcopy(stopping.model).cuda(), stopping.tokenizer, max_response_tokens=12)
+    policy.eos_token_ids = stopping.eos_token_ids
     prompts, seeds = _prompts(policy), [31, 32, 33, 34, 35]
     policy.static_decode = "eager"
     eager = policy.generate(prompts, max_new_tokens=12, seeds=seeds)

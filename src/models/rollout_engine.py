@@ -147,6 +147,7 @@ def decode(model, input_ids: Tensor, attention_mask: Tensor, cache=None, *, max_
                 synced=synced, step_context=step_context or contextlib.nullcontext)
     if static:
         layers = [(layer.keys, layer.values) for layer in cache.layers]
+        del out, cache  # only ``layers`` (and ``prompt_layers``, when kept) hold the prefill's keys/values now
         decode_static(model, layers, logits, attention_mask, replies, pick, graphs=static == "graphs", **loop)
     else:
         _decode_dynamic(model, cache, logits, attention_mask, replies, **loop)

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from src.models.sampling import counter_exponentials
+STATIC_MODEL_TYPES = ("llama", "qwen2")  # decoders whose forward is embedding, layers, norm, head and no more
 
 
 class StaticKV:
@@ -53,22 +53,27 @@ class StaticKV:
 
 
 def causal_lm(model):
-    """The causal LM under a PEFT wrapper (its LoRA layers stay in place), checked to have the decoder shape the step
-    runs (``model.embed_tokens``, ``layers``, ``rotary_emb``, ``norm``, ``lm_head``: Llama, Qwen2) with full attention.
+    """The causal LM under a PEFT wrapper (its LoRA layers stay in place), checked to be one the step runs exactly:
+    a Llama or Qwen2 decoder (``model.embed_tokens``, ``layers``, ``rotary_emb``, ``norm``, ``lm_head``, nothing
+    computed outside them) with full attention through SDPA (the step's boolean mask is SDPA's form; eager attention
+    would add it to the scores).
 
     Raises:
-        ValueError: another architecture, or a sliding attention window, naming it.
+        ValueError: another architecture, another attention implementation or a sliding window, naming it.
     """
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
-    inner = getattr(core, "model", None)
-    if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "rotary_emb", "norm")) \
-            or not hasattr(core, "lm_head"):
-        raise ValueError(f"model.policy.cuda_graphs=true: {type(core).__name__} is not a decoder with model.layers, "
-                         "model.rotary_emb, model.norm and lm_head (Llama, Qwen2); expected false")
-    config = core.config
+    config = getattr(core, "config", None)
+    kind = getattr(config, "model_type", type(core).__name__)
+    if kind not in STATIC_MODEL_TYPES:
+        raise ValueError(f"model.policy.cuda_graphs=true: a {kind} model; the static step runs "
+                         f"{list(STATIC_MODEL_TYPES)} decoders only; expected false")
+    attention = getattr(config, "_attn_implementation", None)
+    if attention != "sdpa":
+        raise ValueError(f"model.policy.cuda_graphs=true with attention {attention!r}: the static step passes SDPA's "
+                         "boolean mask; expected model.policy.attn_implementation=sdpa (or null)")
     if getattr(config, "sliding_window", None) and set(getattr(config, "layer_types", None) or ["sliding"]) \
             != {"full_attention"}:
-        raise ValueError(f"model.policy.cuda_graphs=true: {type(core).__name__} attends through a sliding window of "
+        raise ValueError(f"model.policy.cuda_graphs=true: this {kind} model attends through a sliding window of "
                          f"{config.sliding_window} tokens, which the static step does not apply; expected false")
     return core
 
@@ -87,15 +92,10 @@ def forward_step(core, token: Tensor, position: Tensor, valid: Tensor, kv: Stati
     return core.lm_head(core.model.norm(hidden))[:, -1].float()
 
 
-def draw_counter(logits: Tensor, seeds: Tensor, step: Tensor, temperature: float) -> Tensor:
-    """``RowStreams``' exponential race with counter streams, the step a tensor (graph-safe): ``[B]`` tokens."""
-    race = counter_exponentials(seeds, step, logits.shape[-1]).log_()
-    return (logits / temperature - race.float()).argmax(dim=-1)
-
-
 class _Graph:
     """``fn(*inputs) -> outputs`` captured once in a CUDA graph (after a warm-up on a side stream, as torch's docs
-    require); calling it copies the inputs into the captured ones and replays. Autocast's weight-cast cache is off
+    require; ``first`` holds the warm-up's outputs); calling it copies the inputs into the captured ones and replays.
+    Autocast's weight-cast cache is off
     while capturing (torch's advice for graphs), so a replay casts the weights it reads instead of reusing copies."""
 
     def __init__(self, fn: Callable[..., tuple[Tensor, ...]], inputs: list[Tensor]):
@@ -106,7 +106,9 @@ class _Graph:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                fn(*[t.clone() for t in inputs])  # warm-up: lazy initialisations happen outside the capture
+                # the warm-up (lazy initialisations happen outside the capture) is this step: capturing executes
+                # nothing, so its outputs are the step's result (``first``) and the first replay is the next step
+                self.first = fn(*[t.clone() for t in inputs])
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
@@ -142,6 +144,7 @@ def decode_static(model, layers: list[tuple[Tensor, Tensor]], logits: Tensor, ma
     drop = streams is not None and not synced
     slot = torch.full((1,), width, dtype=torch.long, device=device)
     kv = StaticKV.from_prefill(layers, width + max_new_tokens, slot)
+    layers.clear()  # the prefill's keys/values now live in ``kv``: free them (unless the caller keeps the prompt's)
     valid = torch.cat([mask.bool(), mask.new_zeros(batch, max_new_tokens, dtype=torch.bool)], dim=1)
     position = mask.long().sum(-1)  # the next token's position: the row's real tokens so far
     rows = torch.arange(batch, device=device)  # the row each batch slot holds (a filler repeats one)
@@ -172,7 +175,9 @@ def decode_static(model, layers: list[tuple[Tensor, Tensor]], logits: Tensor, ma
 
         if graphs and graph is None:
             graph = _Graph(one_step, [chosen, position, step_t])
-        chosen, log_prob = (graph or one_step)(chosen, position, step_t)
+            chosen, log_prob = graph.first
+        else:
+            chosen, log_prob = (graph or one_step)(chosen, position, step_t)
         position = position + 1
 
 
