@@ -120,10 +120,9 @@ def resolve_rollout_precision(cfg) -> str | None:
     policy = (cfg.get("model") or {}).get("policy")
     if policy is None:
         return None
-    accelerator = str((cfg.get("trainer") or {}).get("accelerator", "cpu")).lower()
-    import torch
+    from src.utils.startup_checks import on_cuda
 
-    cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    cuda = on_cuda(str((cfg.get("trainer") or {}).get("accelerator", "cpu")).lower())
     value = rollout_precision(str(policy.get("rollout_precision", "auto")), "cuda" if cuda else "cpu")
     with open_dict(policy):
         policy.rollout_precision = value

@@ -119,7 +119,7 @@ def graph_problems(trainer: dict[str, Any], model: dict[str, Any]) -> list[str]:
         return []
     problems = []
     accelerator = str(trainer.get("accelerator", "auto")).lower()
-    if accelerator not in ("gpu", "cuda") and not (accelerator == "auto" and _cuda()):
+    if not on_cuda(accelerator):
         problems.append(f"model.policy.cuda_graphs=true with trainer.accelerator={accelerator}: CUDA graphs need a "
                         "CUDA device; expected false here (or trainer.accelerator=gpu on a GPU machine)")
     if "fsdp" in str(trainer.get("strategy", "")).lower():
@@ -128,7 +128,13 @@ def graph_problems(trainer: dict[str, Any], model: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _cuda() -> bool:
+def on_cuda(accelerator: str) -> bool:
+    """Whether ``trainer.accelerator`` (lower-case) runs on a CUDA GPU: ``gpu`` or ``cuda``, or ``auto`` where torch
+    sees one (torch is imported only then)."""
+    if accelerator in ("gpu", "cuda"):
+        return True
+    if accelerator != "auto":
+        return False
     import torch
 
     return torch.cuda.is_available()
