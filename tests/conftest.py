@@ -41,3 +41,24 @@ def tiny_policy(tiny_model_dir, model_cache_dir):
     torch.manual_seed(0)
     return build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir), dtype="float32",
                         max_response_tokens=8, max_prompt_tokens=1024)
+
+
+ENGINE_TOPICS = ("hi", "tell me about the sea", "name three colours and a fruit, then stop", "why", "a poem on trains")
+
+
+@pytest.fixture(scope="session")
+def engine_prompts():
+    """``prompts(policy)``: the five chat prompts of different lengths the rollout-engine tests decode."""
+    return lambda policy: [policy.encode([{"role": "user", "content": t}]) for t in ENGINE_TOPICS]
+
+
+@pytest.fixture(scope="session")
+def stopping_policy(tiny_policy):
+    """The tiny policy with a fifth of its vocabulary declared EOS: its random replies end at different steps, so the
+    engine drops finished rows mid-batch."""
+    import copy
+
+    policy = copy.copy(tiny_policy)
+    vocab = tiny_policy.model.get_output_embeddings().weight.shape[0]
+    policy.eos_token_ids = sorted(set(tiny_policy.eos_token_ids) | set(range(0, vocab, 5)))
+    return policy

@@ -1,8 +1,8 @@
-"""Decoding over preallocated keys/values (src/models/static_decode.py, ``model.policy.cuda_graphs``) against the
-dynamic loop, on the tiny policy in fp32 on the CPU (where the same loop runs eagerly): the same tokens and log-probs
-for the same seeds while finished rows leave the batch, a row's result independent of its companions, a kept prompt
-continued unchanged, the live weights read; the counter stream the same for a tensor step as for an int; the bucket
-sizes a captured graph gets. The graph capture itself runs only on a CUDA device (the last test)."""
+"""Decoding over preallocated keys/values (src/models/static_decode.py, ``model.policy.cuda_graphs``), beyond the
+exactness, batch-independence and live-weight tests it shares with the dynamic loop (tests/test_rollout_engine.py
+runs those for both loops), on the CPU where it runs eagerly: a kept prompt continued unchanged, a Qwen2 model the
+same as under the dynamic loop, the counter stream the same for a tensor step, the bucket sizes a captured graph
+gets, the models it refuses. The graph capture itself runs only on a CUDA device (the last test)."""
 from __future__ import annotations
 
 import copy
@@ -13,21 +13,6 @@ import torch
 from src.models.policy import Policy
 from src.models.sampling import counter_exponentials
 from src.models.static_decode import _bucket, causal_lm
-
-TOPICS = ("hi", "tell me about the sea", "name three colours and a fruit, then stop", "why", "a poem on trains")
-
-
-@pytest.fixture(scope="module")
-def stopping(tiny_policy: Policy) -> Policy:
-    """The tiny policy with a fifth of its vocabulary declared EOS, so replies end at different steps."""
-    policy = copy.copy(tiny_policy)
-    vocab = tiny_policy.model.get_output_embeddings().weight.shape[0]
-    policy.eos_token_ids = sorted(set(tiny_policy.eos_token_ids) | set(range(0, vocab, 5)))
-    return policy
-
-
-def _prompts(policy: Policy) -> list[list[int]]:
-    return [policy.encode([{"role": "user", "content": t}]) for t in TOPICS]
 
 
 def _both(policy: Policy, *args, **kwargs):
@@ -41,36 +26,11 @@ def _both(policy: Policy, *args, **kwargs):
     return out
 
 
-@pytest.mark.parametrize("mode", ["seeded", "global-generator", "greedy"])
-def test_static_keys_values_decode_what_the_dynamic_cache_decodes(stopping: Policy, mode):
-    kwargs = {"seeded": dict(seeds=[11, 12, 13, 14, 15]), "global-generator": {}, "greedy": dict(do_sample=False)}[mode]
-    dynamic, static = _both(stopping, _prompts(stopping), max_new_tokens=12, temperature=0.8, **kwargs)
-    assert static.response_ids == dynamic.response_ids
-    for got, expected in zip(static.log_probs, dynamic.log_probs):
-        assert got == pytest.approx(expected, abs=1e-5)
-    assert static.truncated == dynamic.truncated
-    if mode == "seeded":  # rows ended mid-batch and left it
-        assert len({len(r) for r in dynamic.response_ids}) > 1 and min(map(len, dynamic.response_ids)) < 12
-
-
-def test_a_row_decodes_the_same_alone_or_in_any_batch(stopping: Policy):
-    policy = copy.copy(stopping)
-    policy.static_decode = "eager"
-    prompts, seeds = _prompts(policy), [21, 22, 23, 24, 25]
-    batch = policy.generate(prompts, max_new_tokens=10, seeds=seeds)
-    for i in (0, 3):
-        alone = policy.generate([prompts[i]], max_new_tokens=10, seeds=[seeds[i]])
-        assert alone.response_ids[0] == batch.response_ids[i]
-        assert alone.log_probs[0] == pytest.approx(batch.log_probs[i], abs=1e-5)
-    shuffled = policy.generate(prompts[::-1], max_new_tokens=10, seeds=seeds[::-1])
-    assert shuffled.response_ids[::-1] == batch.response_ids
-
-
-def test_a_kept_prompt_continues_the_same_under_static_decoding(tiny_policy: Policy):
+def test_a_kept_prompt_continues_the_same_under_static_decoding(tiny_policy: Policy, engine_prompts):
     """A reflection continues a rollout's kept prompt keys/values: the same reply as from the full prompt."""
     policy = copy.copy(tiny_policy)
     policy.static_decode = "eager"
-    prompts = _prompts(policy)[:3]
+    prompts = engine_prompts(policy)[:3]
     first = policy.generate(prompts, max_new_tokens=4, seeds=[1, 2, 3], keep_prompt_kv=True)
     longer = [p + r + policy.encode_next_turn("now reflect") for p, r in zip(prompts, first.response_ids)]
     kept = [first.prompt_kv(i) for i in range(3)]
@@ -79,24 +39,6 @@ def test_a_kept_prompt_continues_the_same_under_static_decoding(tiny_policy: Pol
     assert continued.response_ids == fresh.response_ids
     for got, expected in zip(continued.log_probs, fresh.log_probs):
         assert got == pytest.approx(expected, abs=1e-4)
-
-
-def test_static_decoding_reads_the_live_weights(tiny_policy: Policy):
-    policy = copy.copy(tiny_policy)
-    policy.static_decode = "eager"
-    prompts = _prompts(policy)[:2]
-    before = policy.generate(prompts, max_new_tokens=6, seeds=[1, 2])
-    weight = policy.model.get_output_embeddings().weight
-    saved = weight.detach().clone()
-    with torch.no_grad():
-        weight.mul_(1.5)
-    try:
-        after = policy.generate(prompts, max_new_tokens=6, seeds=[1, 2])
-    finally:
-        with torch.no_grad():
-            weight.copy_(saved)
-    assert after.log_probs[0][0] != pytest.approx(before.log_probs[0][0], abs=1e-3)
-    assert policy.generate(prompts, max_new_tokens=6, seeds=[1, 2]).log_probs == before.log_probs
 
 
 def test_the_counter_stream_draws_the_same_for_a_tensor_step():
@@ -111,7 +53,7 @@ def test_graph_buckets_are_powers_of_two_and_exact_eagerly():
     assert [_bucket(n, False) for n in (1, 3, 5, 9)] == [1, 3, 5, 9]
 
 
-def test_a_qwen2_model_decodes_the_same_statically(tiny_model_dir):
+def test_a_qwen2_model_decodes_the_same_statically(tiny_model_dir, engine_prompts):
     """Qwen2 (the paper's family: biases in q/k/v, grouped keys/values) through the static step, random weights."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -122,7 +64,7 @@ def test_a_qwen2_model_decodes_the_same_statically(tiny_model_dir):
                          num_key_value_heads=2, vocab_size=49152, rope_theta=1e6, max_position_embeddings=4096)
     policy = Policy(AutoModelForCausalLM.from_config(config), load_tokenizer(tiny_model_dir), max_response_tokens=8)
     policy.rollout_precision = "fp32"
-    dynamic, static = _both(policy, _prompts(policy), max_new_tokens=8, seeds=[1, 2, 3, 4, 5])
+    dynamic, static = _both(policy, engine_prompts(policy), max_new_tokens=8, seeds=[1, 2, 3, 4, 5])
     assert static.response_ids == dynamic.response_ids
     for got, expected in zip(static.log_probs, dynamic.log_probs):
         assert got == pytest.approx(expected, abs=1e-5)
@@ -146,11 +88,11 @@ def test_another_architecture_attention_or_a_sliding_window_is_refused_by_name(t
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-def test_graph_captured_steps_draw_what_eager_steps_draw(stopping: Policy):  # pragma: no cover - needs a GPU
+def test_graph_captured_steps_draw_what_eager_steps_draw(stopping_policy: Policy, engine_prompts):  # needs a GPU
     # a new Policy: copy.copy of a module shares its submodules, so assigning .model would move the shared fixture's
-    policy = Policy(copy.deepcopy(stopping.model).cuda(), stopping.tokenizer, max_response_tokens=12)
-    policy.eos_token_ids = stopping.eos_token_ids
-    prompts, seeds = _prompts(policy), [31, 32, 33, 34, 35]
+    policy = Policy(copy.deepcopy(stopping_policy.model).cuda(), stopping_policy.tokenizer, max_response_tokens=12)
+    policy.eos_token_ids = stopping_policy.eos_token_ids
+    prompts, seeds = engine_prompts(policy), [31, 32, 33, 34, 35]
     policy.static_decode = "eager"
     eager = policy.generate(prompts, max_new_tokens=12, seeds=seeds)
     policy.static_decode = "graphs"
