@@ -5,9 +5,9 @@ whole cache) and launches each of a step's ~15 kernels per layer from Python: on
 bound a 7B decoding step (docs/performance.md). Here the prompt's keys/values are copied once into buffers with room
 for every new token; a step writes one column in place (``StaticKV``) and runs the model's own decoder layers, norm
 and head on fixed shapes, so on CUDA the whole step (forward, log-softmax at the temperature, the draw) replays as
-one CUDA graph (``_Graph``). A graph holds a fixed batch: rows are packed into power-of-two buckets and repacked
-into the next smaller bucket once half of them have ended, so finished rows stop costing; a row's draw depends
-only on its seed and step (the counter stream), never on its slot. Graphs are captured per ``generate`` call, so
+one CUDA graph (``_Graph``). A graph holds a fixed batch: the batch starts at its own size and, as replies end,
+the running rows are repacked into the smallest power-of-two bucket that holds them whenever that is smaller, so
+finished rows stop costing; a row's draw depends only on its seed and step (the counter stream), never on its slot. Graphs are captured per ``generate`` call, so
 they always read the weights of that moment (an optimizer step in between is seen). On a CPU the same loop runs
 eagerly with exact-size batches. Used with ``model.policy.cuda_graphs=true`` (off by default: not yet measured on
 a GPU); the tokens and log-probs equal the dynamic loop's (fp32, tests/test_static_decode.py).
@@ -95,8 +95,8 @@ def forward_step(core, token: Tensor, position: Tensor, valid: Tensor, kv: Stati
 class _Graph:
     """``fn(*inputs) -> outputs`` captured once in a CUDA graph (after a warm-up on a side stream, as torch's docs
     require; ``first`` holds the warm-up's outputs); calling it copies the inputs into the captured ones and replays.
-    Autocast's weight-cast cache is off
-    while capturing (torch's advice for graphs), so a replay casts the weights it reads instead of reusing copies."""
+    Autocast's weight-cast cache is off while capturing (torch's advice for graphs), so a replay casts the weights it
+    reads instead of reusing copies."""
 
     def __init__(self, fn: Callable[..., tuple[Tensor, ...]], inputs: list[Tensor]):
         self.inputs = [t.clone() for t in inputs]
