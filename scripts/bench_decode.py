@@ -13,8 +13,10 @@ same prompts and seeds, best of
 in ``--rollout-precision`` (``auto``: the dtype this machine runs faster, ``src/models/rollout_precision.py``).
 Per path: wall time of the whole generation, of the prefill alone (one new token), prefill tokens/s,
 decoding ms per step ((whole - prefill) / decoding steps of the longest reply), the tokens generated. ``bound_ms``:
-the bytes one decoding step must read at least (the weights, plus the keys/values of the mean context over all rows)
-over the bandwidth a copy kernel reaches on this device (``copy_bandwidth``), i.e. the memory-bandwidth bound.
+the bytes one of the engine's decoding steps must read at least (the weights, plus the keys/values of the mean context
+over all rows, in the dtype the steps read: 2 bytes where they run the bf16 inference copy) over the bandwidth a copy
+kernel reaches on this device (``copy_bandwidth``), i.e. the memory-bandwidth bound; ``replaced_bound_ms`` the same
+in the weights' own dtype, what the replaced path reads.
 Replies end at EOS: a real one, or with ``--stop-every K`` every K-th token id (replies of mixed lengths, as in
 rollouts, so the engine's dropping of finished rows shows). Run it alone: other work on the cores moves every figure.
 """
@@ -145,14 +147,16 @@ def summary(result: dict) -> dict:
             "speedup_whole_static": replaced / result["static"]["whole_s"], **result}
 
 
-def bound_ms(policy, prompts, new_tokens: int, bandwidth: float) -> float:
+def bound_ms(policy, prompts, new_tokens: int, bandwidth: float, step_bytes: int | None = None) -> float:
     """The memory-bandwidth bound of one decoding step: weight bytes plus the keys/values of every row's mean
-    context (prompt + half the new tokens), over ``bandwidth``, in ms."""
+    context (prompt + half the new tokens), over ``bandwidth``, in ms. ``step_bytes``: the bytes per weight and per
+    key/value element the steps read (2 for the bf16 inference copy); default the weights' own."""
     config = policy.model.config
-    weights = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    params = list(policy.model.parameters())
+    weights = sum(p.numel() * (step_bytes or p.element_size()) for p in params)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dtype_bytes = next(policy.model.parameters()).element_size()
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * (step_bytes or
+                                                                                        params[0].element_size())
     context = sum(len(p) + new_tokens / 2 for p in prompts)
     return 1000 * (weights + per_token * context) / bandwidth
 
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from src.models.rollout_precision import rollout_precision
+    from src.models.rollout_precision import BF16_DECODE, rollout_precision
     from src.utils.logging import machine_description
     from src.utils.precision_choice import cpu_features, decide_precision, probe_cpu_matmul
 
@@ -195,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
         vocab = policy.model.get_output_embeddings().weight.shape[0]
         policy.eos_token_ids = sorted(set(policy.eos_token_ids) | set(range(0, vocab, args.stop_every)))
     bandwidth = copy_bandwidth(args.device)
+    copied = policy.rollout_precision in BF16_DECODE and next(policy.model.parameters()).dtype != torch.bfloat16
     rows = []
     for n in args.prompts:
         prompts = make_prompts(policy, n, args.prompt_tokens)
@@ -204,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "prompts": n, "prompt_tokens": sum(len(p) for p in prompts) / n, "new_tokens": args.new_tokens,
                      "dtype": args.dtype, "threads": torch.get_num_threads(), "trainer_precision": trainer_precision,
                      "rollout_precision": policy.rollout_precision,
-                     "bound_ms": bound_ms(policy, prompts, args.new_tokens, bandwidth), **summary(result)})
+                     "bound_ms": bound_ms(policy, prompts, args.new_tokens, bandwidth, 2 if copied else None),
+                     "replaced_bound_ms": bound_ms(policy, prompts, args.new_tokens, bandwidth), **summary(result)})
     report = {"model": args.model, "copy_bandwidth_gb_s": bandwidth / 1e9, "python": platform.python_version(),
               "torch": torch.__version__, "rows": rows}
     text = json.dumps(report, indent=2)

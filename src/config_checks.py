@@ -252,7 +252,7 @@ def check_training_settings(cfg: DictConfig) -> None:
     Raises:
         ConfigError: one line per bad setting.
     """
-    from src.utils.startup_checks import graph_problems
+    from src.utils.startup_checks import generation_problems
 
     seed = cfg.get("seed")
     problems = [] if _is_int(seed) and seed >= 0 else [
@@ -263,7 +263,7 @@ def check_training_settings(cfg: DictConfig) -> None:
     problems += env_problems(_container(cfg.get("env")))
     problems += algorithm_problems(cfg)
     problems += model_problems(_container(cfg.get("model")))
-    problems += graph_problems(_container(cfg.get("trainer")), _container(cfg.get("model")))
+    problems += generation_problems(_container(cfg.get("trainer")), _container(cfg.get("model")))
     if uses_memory(cfg):
         problems += memory_problems(_container(cfg.get("memory")))
     for source, follower in (("data.temperature=", "algorithm.temperature="), ("env.max_steps=", "data.max_steps=")):

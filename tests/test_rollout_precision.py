@@ -1,6 +1,7 @@
 """The precision of each rollout phase (src/models/rollout_precision.py): the choice follows the measured speed-ups,
-an explicit setting is honoured inside the Trainer's autocast, and a bf16 prefill hands fp32 keys/values to the
-decoding steps."""
+an explicit setting is honoured inside the Trainer's autocast, a bf16 prefill hands fp32 keys/values to the
+decoding steps, and bf16 decoding steps run a copy of the live weights (src/models/inference_copy.py), never under
+FSDP."""
 from __future__ import annotations
 
 import copy
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from src.models import rollout_precision as rp
+from src.models.inference_copy import InferenceCopy
 from src.models.policy import Policy
 
 
@@ -65,3 +67,60 @@ def test_a_bf16_prefill_decodes_in_fp32_and_its_kept_prompt_continues(tiny_polic
     longer = prompts[1] + mixed.response_ids[1] + policy.encode_next_turn("go on")
     continued = policy.generate([longer], max_new_tokens=3, seeds=[3], prefix_kv=[kept])
     assert len(continued.response_ids[0]) >= 1 and all(lp <= 0 for lp in continued.log_probs[0])
+
+
+def test_bf16_decoding_steps_run_a_copy_of_the_live_weights(tiny_policy: Policy):
+    policy = copy.deepcopy(tiny_policy)  # weights of its own: this test changes them
+    count = len(list(policy.parameters()))
+    _, fp32 = _generate(policy, "fp32", outer_bf16=False)
+    _, bf16 = _generate(policy, "bf16-decode", outer_bf16=True)
+    # the prefill ran in fp32 (the first token's log-prob is fp32's), the steps on bf16 weights (later ones differ)
+    assert [lp[0] for lp in bf16.log_probs] == pytest.approx([lp[0] for lp in fp32.log_probs], abs=1e-6)
+    gap = max(abs(a - b) for x, y in zip(bf16.log_probs, fp32.log_probs) for a, b in zip(x[1:], y[1:]))
+    assert gap > 1e-4
+    assert {p.dtype for p in policy.model.parameters()} == {torch.float32}  # the live weights stay fp32 masters
+    assert len(list(policy.parameters())) == count and all("inference" not in k for k in policy.state_dict())
+    # a change no version counter sees (a fused optimizer step, a .data write) reaches the next rollout
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.data.mul_(1.5)
+    calls = {"live": 0, "copy": 0}
+    hooks = [m.register_forward_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
+             for k, m in (("live", policy.model), ("copy", policy._inference_copy.model))]
+    _, after = _generate(policy, "bf16-decode", outer_bf16=True)
+    for hook in hooks:
+        hook.remove()
+    assert calls == {"live": 1, "copy": max(len(r) for r in after.response_ids) - 1}  # prefill; every step
+    _, fresh = _generate(copy.deepcopy(policy), "bf16-decode", outer_bf16=True)  # a copy built from these weights
+    assert after.response_ids == fresh.response_ids and after.log_probs == fresh.log_probs
+    assert after.log_probs != bf16.log_probs
+
+
+def test_the_copy_casts_what_differs_and_keeps_buffers_ties_and_shared_weights(tiny_policy: Policy):
+    model = copy.deepcopy(tiny_policy.model)
+    norm = model.model.norm.weight
+    norm.data = norm.data.bfloat16()  # already bf16 (as a frozen LoRA base would be): shared, not copied
+    inference = InferenceCopy()
+    out = inference.refreshed(model)
+    assert out is not model and not out.training and out.model.norm.weight is norm
+    assert all(p.dtype == torch.bfloat16 and (p is norm or not p.requires_grad) for p in out.parameters())
+    assert torch.equal(out.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight.bfloat16())
+    assert [b.dtype for b in out.buffers()] == [b.dtype for b in model.buffers()]  # rotary frequencies stay fp32
+    assert (out.lm_head.weight is out.model.embed_tokens.weight) == (model.lm_head.weight is
+                                                                     model.model.embed_tokens.weight)
+    assert inference.refreshed(model) is out  # built once, refreshed in place
+    assert inference.refreshed(tiny_policy.model) is not out  # another model: its own copy
+    assert InferenceCopy().refreshed(model.to(torch.bfloat16)) is model  # all bf16 already: no copy
+
+
+def test_fsdp_keeps_decoding_steps_off_the_copy(monkeypatch):
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv(rp.ENV_VAR, "cpu|bf16")  # as if this CPU measured bf16 faster in both phases
+    fsdp = {"_target_": "lightning.pytorch.strategies.ModelParallelStrategy"}
+    for strategy, expected in ((fsdp, "bf16-prefill"), ("fsdp", "bf16-prefill"), ("ddp", "bf16")):
+        cfg = OmegaConf.create({"trainer": {"accelerator": "cpu", "strategy": strategy},
+                                "model": {"policy": {"rollout_precision": "auto"}}})
+        assert rp.resolve_rollout_precision(cfg) == expected == cfg.model.policy.rollout_precision
+    with pytest.raises(ValueError, match="rollout_precision=bf16-decode under FSDP"):
+        rp.phase_settings("bf16-decode", "cpu", None, InferenceCopy(), synced=True)

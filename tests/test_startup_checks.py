@@ -203,6 +203,10 @@ BAD_SETTINGS = [
     (["trainer.accelerator=cpu", "model.policy.cuda_graphs=true"],
      r"model.policy.cuda_graphs=true with trainer.accelerator=cpu: CUDA graphs need a CUDA device; expected false"),
     (["model.policy.cuda_graphs=yes"], r"model.policy.cuda_graphs='yes': expected true or false"),
+    (["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=1", "trainer.precision=32-true",
+      "model.policy.rollout_precision=bf16-decode"],
+     r"model.policy.rollout_precision=bf16-decode with trainer.strategy=ModelParallelStrategy: bf16 decoding steps "
+     r"run a bf16 copy"),
     (["trainer.accelerator=cpu", "trainer.precision=16-mixed"],
      r"trainer.precision='16-mixed' on a CPU: Lightning would run bf16-mixed instead"),
     (["env.task=null"], r"env.task=None: expected a task \(a name, a paper id like '4-2' or an index\) or a list"),
@@ -260,3 +264,15 @@ def test_resuming_onto_another_model_is_refused_naming_both(tmp_path, tiny_model
     from src.utils.startup_checks import check_checkpoint_path
 
     assert check_checkpoint_path(train_cfg) == ckpt  # the model it was trained on passes
+
+
+def test_trainer_fsdp_is_seen_as_sharded_by_the_generation_checks():
+    """trainer=fsdp names its strategy as a ``_target_`` mapping (ModelParallelStrategy), not a string with 'fsdp'."""
+    from omegaconf import OmegaConf
+
+    from src.utils.startup_checks import generation_problems
+
+    fsdp = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "trainer" / "fsdp.yaml"))
+    problems = generation_problems(fsdp, {"policy": {"cuda_graphs": True, "rollout_precision": "bf16"}})
+    assert len(problems) == 2 and all("trainer.strategy=ModelParallelStrategy" in p for p in problems)
+    assert generation_problems({**fsdp, "strategy": "ddp"}, {"policy": {"cuda_graphs": True}}) == []

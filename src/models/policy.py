@@ -31,7 +31,8 @@ from src.models.precision import master_dtype as master_dtype_of  # the build_po
 from src.models.prompt_cache import (PromptKV, SharedPrefixes, batch_with_prefixes, common_prefix, prompt_spans,
                                      row_prompt_kv)
 from src.models.rollout_engine import RowStreams, decode
-from src.models.rollout_precision import phase_contexts, rollout_precision
+from src.models.inference_copy import InferenceCopy
+from src.models.rollout_precision import phase_settings, rollout_precision
 from src.models.static_decode import causal_lm
 from src.models.sampling import dropped_generation_defaults
 from src.utils.threads import adapt_threads
@@ -92,6 +93,7 @@ class Policy(nn.Module):
         if max_response_tokens < 1:
             raise ValueError(f"max_response_tokens must be >= 1, got {max_response_tokens}")
         self.rollout_precision = rollout_precision  # per phase of generate (src/models/rollout_precision.py)
+        self._inference_copy = InferenceCopy()  # the weights bf16 decoding steps run (not a submodule)
         # "graphs" (model.policy.cuda_graphs): decode over preallocated keys/values, each step a CUDA graph on a GPU,
         # eagerly elsewhere ("eager"); None: the dynamic cache (src/models/static_decode.py)
         self.static_decode = static_decode
@@ -207,15 +209,9 @@ class Policy(nn.Module):
         return Generation(response_ids, log_probs, texts, out.truncated, kv)
 
     def _phases(self) -> dict[str, Any]:
-        """The engine's per-phase contexts and cache dtype for ``rollout_precision`` (resolved on first use)."""
-        device = self.device.type
-        self.rollout_precision = rollout_precision(self.rollout_precision, device)
-        prefill, step = phase_contexts(self.rollout_precision, device)
-        if prefill is None:
-            return {}
-        decode_bf16 = self.rollout_precision in ("bf16", "bf16-decode")
-        dtype = torch.bfloat16 if decode_bf16 else next(self.model.parameters()).dtype
-        return {"prefill_context": prefill, "step_context": step, "cache_dtype": dtype}
+        """The engine's per-phase settings for ``rollout_precision`` (resolved on first use; ``phase_settings``)."""
+        self.rollout_precision = rollout_precision(self.rollout_precision, self.device.type)
+        return phase_settings(self.rollout_precision, self.device.type, self.model, self._inference_copy, self.synced)
 
     def _prompt_prefix_kv(self, ids: list[int], past: PromptKV | None = None) -> PromptKV:
         """Keys/values of one prompt prefix ``ids`` (no grad), continuing ``past`` (those of its first ``past.length``

@@ -124,14 +124,15 @@ def decode(model, input_ids: Tensor, attention_mask: Tensor, cache=None, *, max_
            streams: RowStreams | None = None, keep_prompt_kv: bool = False, synced: bool = False,
            prefill_context: Callable[[], ContextManager] | None = None,
            step_context: Callable[[], ContextManager] | None = None, cache_dtype: torch.dtype | None = None,
-           static: str | None = None) -> Decoded:
+           step_model=None, static: str | None = None) -> Decoded:
     """Prefill ``input_ids`` ``[B, W]`` (left-padded prompts, or ``[prefix block | rest]`` with ``cache`` holding the
     prefix block's keys/values: ``batch_with_prefixes``), then decode up to ``max_new_tokens`` tokens per row.
 
     ``streams``: each row's seeded stream (``do_sample`` only); ``synced`` (FSDP): every rank keeps stepping, rows
     kept, until no rank has a running row. ``prefill_context`` / ``step_context``: context factories for the prefill
     and for each decoding step (their precision: ``src/models/rollout_precision.py``); ``cache_dtype``: the dtype the
-    keys/values take after the prefill, for the decoding steps. ``static``: decode over preallocated keys/values
+    keys/values take after the prefill, for the decoding steps; ``step_model``: the model the decoding steps run
+    (the bf16 inference copy of ``model``, ``src/models/inference_copy.py``; default ``model``). ``static``: decode over preallocated keys/values
     (``src/models/static_decode.py``), ``"eager"`` or ``"graphs"`` (each step a CUDA graph); None: the dynamic cache.
     """
     with (prefill_context or contextlib.nullcontext)():
@@ -145,6 +146,7 @@ def decode(model, input_ids: Tensor, attention_mask: Tensor, cache=None, *, max_
     replies = Replies(input_ids.shape[0], max_new_tokens, eos_token_ids, pad_token_id, input_ids.device)
     loop = dict(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample, streams=streams,
                 synced=synced, step_context=step_context or contextlib.nullcontext)
+    model = step_model or model
     if static:
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         del out, cache  # only ``layers`` (and ``prompt_layers``, when kept) hold the prefill's keys/values now

@@ -109,23 +109,38 @@ def hardware_problems(trainer: dict) -> list[str]:
     return problems
 
 
-def graph_problems(trainer: dict[str, Any], model: dict[str, Any]) -> list[str]:
+def generation_problems(trainer: dict[str, Any], model: dict[str, Any]) -> list[str]:
     """``model.policy.cuda_graphs``: a bool, true only where a decoding step can be captured (a CUDA accelerator; not
-    FSDP, whose sharded weights are gathered inside each forward: src/models/static_decode.py)."""
-    value = (model.get("policy") or {}).get("cuda_graphs", False)
+    FSDP, whose sharded weights are gathered inside each forward: src/models/static_decode.py);
+    ``model.policy.rollout_precision``: no bf16 decoding steps under FSDP (they run a copy of the weights, and
+    sharded weights cannot be copied: src/models/inference_copy.py)."""
+    policy = model.get("policy") or {}
+    fsdp = sharded(trainer)
+    precision = policy.get("rollout_precision", "auto")
+    problems = [] if not fsdp or precision not in ("bf16", "bf16-decode") else [
+        f"model.policy.rollout_precision={precision} with trainer.strategy={fsdp}: bf16 decoding steps run a bf16 "
+        "copy of the weights, which FSDP's sharded weights cannot give; expected fp32, bf16-prefill, trainer or auto"]
+    value = policy.get("cuda_graphs", False)
     if not isinstance(value, bool):
-        return [f"model.policy.cuda_graphs={value!r}: expected true or false"]
+        return problems + [f"model.policy.cuda_graphs={value!r}: expected true or false"]
     if not value:
-        return []
-    problems = []
+        return problems
     accelerator = str(trainer.get("accelerator", "auto")).lower()
     if not on_cuda(accelerator):
         problems.append(f"model.policy.cuda_graphs=true with trainer.accelerator={accelerator}: CUDA graphs need a "
                         "CUDA device; expected false here (or trainer.accelerator=gpu on a GPU machine)")
-    if "fsdp" in str(trainer.get("strategy", "")).lower():
-        problems.append(f"model.policy.cuda_graphs=true with trainer.strategy={trainer.get('strategy')}: FSDP gathers "
+    if fsdp:
+        problems.append(f"model.policy.cuda_graphs=true with trainer.strategy={fsdp}: FSDP gathers "
                         "sharded weights inside each forward, which a captured step cannot; expected false")
     return problems
+
+
+def sharded(trainer: dict[str, Any]) -> str | None:
+    """The name of ``trainer.strategy`` where it shards the weights (a name with ``fsdp``, or trainer=fsdp's
+    ``ModelParallelStrategy``: FSDP2, given as a ``_target_`` mapping), else None."""
+    strategy = trainer.get("strategy", "")
+    name = str(strategy.get("_target_", "") if hasattr(strategy, "get") else strategy).rsplit(".", 1)[-1]
+    return name if "fsdp" in name.lower() or "modelparallel" in name.lower() else None
 
 
 def on_cuda(accelerator: str) -> bool:
