@@ -8,7 +8,7 @@ For each batch size: the replaced path (``transformers``' ``generate`` with the 
 streams, tests/hf_reference.py), the engine (``Policy.generate``) and the engine over preallocated keys/values
 (``static``: ``model.policy.cuda_graphs=true``, each step a CUDA graph on a GPU, the same loop eagerly on a CPU), the
 same prompts and seeds, best of
-``--repeats``, both inside the context a training run gives its rollouts here (bf16 autocast where
+``--repeats`` taken in turns, all inside the context a training run gives its rollouts here (bf16 autocast where
 ``trainer.precision=auto`` picks ``bf16-mixed``, as ``--trainer-precision`` says); the engine then computes each phase
 in ``--rollout-precision`` (``auto``: the dtype this machine runs faster, ``src/models/rollout_precision.py``).
 Per path: wall time of the whole generation, of the prefill alone (one new token), prefill tokens/s,
@@ -75,17 +75,16 @@ def make_prompts(policy, n: int, tokens: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - tic)
-    return best, out
+def timed(fn) -> tuple[float, object]:
+    tic = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - tic, out
 
 
 def measure(policy, prompts, new_tokens: int, repeats: int, device, bf16_context: bool) -> dict:
-    """Both paths on ``prompts``: whole generation, prefill alone, decoding per step, tokens generated."""
+    """The three paths on ``prompts``: whole generation, prefill alone, decoding per step, tokens generated. Each
+    figure is the best of ``repeats``, the paths taking turns (round-robin), so a slow spell of a shared machine
+    falls on all of them rather than on whichever ran then."""
     import torch
 
     from hf_reference import hf_generate
@@ -96,16 +95,21 @@ def measure(policy, prompts, new_tokens: int, repeats: int, device, bf16_context
     paths = {"replaced": lambda n: hf_generate(policy, prompts, n, 1.0, seeds=seeds)[0],
              "engine": lambda n: policy.generate(prompts, max_new_tokens=n, temperature=1.0, seeds=seeds).response_ids,
              "static": lambda n: static.generate(prompts, max_new_tokens=n, temperature=1.0, seeds=seeds).response_ids}
+    best = {name: {"whole": float("inf"), "prefill": float("inf")} for name in paths}
+    replies = {}
+    with torch.no_grad(), torch.autocast(str(device).split(":")[0], dtype=torch.bfloat16, enabled=bf16_context):
+        for _ in range(repeats):
+            for name, run in paths.items():
+                whole, replies[name] = timed(lambda: run(new_tokens))
+                prefill, _ = timed(lambda: run(1))
+                best[name] = {"whole": min(whole, best[name]["whole"]), "prefill": min(prefill, best[name]["prefill"])}
     out = {}
-    for name, run in paths.items():
-        with torch.no_grad(), torch.autocast(str(device).split(":")[0], dtype=torch.bfloat16, enabled=bf16_context):
-            whole, replies = timed(lambda: run(new_tokens), repeats)
-            prefill, _ = timed(lambda: run(1), repeats)
-        steps = max(len(r) for r in replies) - 1
-        out[name] = {"whole_s": whole, "prefill_s": prefill,
-                     "prefill_tokens_per_s": sum(len(p) for p in prompts) / prefill,
-                     "decode_ms_per_step": 1000 * (whole - prefill) / max(steps, 1),
-                     "generated_tokens": sum(len(r) for r in replies), "longest_reply": steps + 1}
+    for name, times in best.items():
+        steps = max(len(r) for r in replies[name]) - 1
+        out[name] = {"whole_s": times["whole"], "prefill_s": times["prefill"],
+                     "prefill_tokens_per_s": sum(len(p) for p in prompts) / times["prefill"],
+                     "decode_ms_per_step": 1000 * (times["whole"] - times["prefill"]) / max(steps, 1),
+                     "generated_tokens": sum(len(r) for r in replies[name]), "longest_reply": steps + 1}
     return out
 
 
