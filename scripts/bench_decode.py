@@ -114,7 +114,9 @@ def measure(policy, prompts, new_tokens: int, repeats: int, device, bf16_context
 
 
 def load_policy(args):
-    """``--model`` (or random weights of ``--shape``) in ``--dtype`` on ``--device``, in eval mode."""
+    """``--model`` (or random weights of ``--shape``) in ``--dtype`` on ``--device``, in eval mode. ``--model`` is
+    built as training builds it, trainable (fp32 master weights): inside one autocast region autocast keeps its casts
+    of trainable weights, as in a training rollout, and casts frozen ones again at every step."""
     from src.models.policy import build_policy
 
     cache_dir = os.environ.get("EMPO2_DATA_DIR", str(ROOT / "data")) + "/models"
@@ -122,7 +124,7 @@ def load_policy(args):
         policy = random_policy(args.shape, cache_dir, args.device, args.dtype)
     else:
         policy = build_policy(name_or_path=args.model, cache_dir=cache_dir, dtype=args.dtype, master_dtype=args.dtype,
-                              trainable=False, max_response_tokens=args.new_tokens, max_prompt_tokens=1 << 20)
+                              trainable=True, max_response_tokens=args.new_tokens, max_prompt_tokens=1 << 20)
     policy.model.to(args.device).eval()
     return policy
 

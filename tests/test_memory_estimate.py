@@ -80,6 +80,16 @@ def test_estimate_known_answer():
     # ... and a frozen copy when LoRA continues an adapter loaded as the policy
     adapter = estimate_per_device(ParamCounts(1000, 10, 100), world=2, sharded=False, reference=True, weight_bytes=2)
     assert adapter == {**lora, "frozen reference": 2000}
+    # bf16 decoding steps copy what is not bf16: fp32 master weights, fp32 adapters over a bf16 base (shared)
+    full = estimate_per_device(ParamCounts(1000, 0, 100), world=1, sharded=False, reference=False, weight_bytes=2,
+                               inference_copy=True)
+    assert full["bf16 inference copy"] == 2000
+    adapters = estimate_per_device(ParamCounts(1000, 10, 100), world=1, sharded=False, reference=False,
+                                   weight_bytes=2, inference_copy=True)
+    assert adapters["bf16 inference copy"] == 20
+    fp32_base = estimate_per_device(ParamCounts(1000, 10, 100), world=1, sharded=False, reference=False,
+                                    weight_bytes=4, inference_copy=True)
+    assert fp32_base["bf16 inference copy"] == 2020
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the real device memory is read")

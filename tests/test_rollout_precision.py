@@ -124,3 +124,23 @@ def test_fsdp_keeps_decoding_steps_off_the_copy(monkeypatch):
         assert rp.resolve_rollout_precision(cfg) == expected == cfg.model.policy.rollout_precision
     with pytest.raises(ValueError, match="rollout_precision=bf16-decode under FSDP"):
         rp.phase_settings("bf16-decode", "cpu", None, InferenceCopy(), synced=True)
+
+
+def test_the_copy_follows_a_replaced_parameter_and_the_adapter_state(tiny_model_dir, model_cache_dir):
+    from src.models.policy import build_policy
+
+    lora = {"enabled": True, "r": 4, "alpha": 8, "target_modules": "all-linear"}
+    model = build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir), lora=lora).model
+    inference = InferenceCopy()
+
+    def flags(m):
+        return {layer.disable_adapters for layer in m.modules() if hasattr(layer, "merged_adapters")}
+
+    first = inference.refreshed(model)
+    with model.disable_adapter():
+        assert flags(inference.refreshed(model)) == {True}  # the copy runs without adapters too
+    assert flags(inference.refreshed(model)) == {False}
+    up = model.base_model.model.model.layers[0].mlp.up_proj.lora_A["default"]
+    up.weight = torch.nn.Parameter(torch.full_like(up.weight, 0.5))  # another object of the same shape
+    copied = inference.refreshed(model).base_model.model.model.layers[0].mlp.up_proj.lora_A["default"].weight
+    assert first is not inference.model and torch.equal(copied, torch.full_like(copied, 0.5))

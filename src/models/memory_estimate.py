@@ -10,7 +10,9 @@ s = W when the strategy shards (FSDP, FSDP2) and 1 when it replicates (DDP, one 
   base model with adapters off (no copy), except when LoRA continues an adapter loaded from
   ``model.policy.name_or_path``: then it is a frozen merged copy ``2P/s``;
 - FSDP: the parameters gathered for compute, and their gradients, in the compute dtype: the root module
-  (embeddings, final norm, LM head) plus two decoder layers (the current one and the prefetched one).
+  (embeddings, final norm, LM head) plus two decoder layers (the current one and the prefetched one);
+- bf16 decoding steps (``model.policy.rollout_precision`` bf16 or bf16-decode): a bf16 copy ``2`` bytes per
+  parameter not already bf16 (``inference_copy.py``).
 
 Parameter counts come from the model's ``config.json`` alone (an adapter directory's base model, and its
 ``adapter_config.json`` for the adapters), the model built on the meta device: no weights are read or downloaded.
@@ -78,13 +80,15 @@ def _count_parameters(path: str, lora_json: str) -> ParamCounts:
 
 
 def estimate_per_device(counts: ParamCounts, *, world: int, sharded: bool, reference: bool, weight_bytes: int,
-                        master_bytes: int = 4, compute_bytes: int = 2) -> dict[str, float]:
+                        master_bytes: int = 4, compute_bytes: int = 2, inference_copy: bool = False
+                        ) -> dict[str, float]:
     """Bytes per device of each part of the model states (see the module docstring for the formulas).
 
     ``reference``: a frozen copy of the model is kept as the KL reference (``policy.reference_is_a_copy`` with
     ``kl_coef > 0``). ``weight_bytes``: bytes per frozen weight (loading dtype); ``master_bytes``: per trainable
     parameter (its gradient and each AdamW moment have the same size); ``compute_bytes``: per parameter gathered
-    by FSDP.
+    by FSDP; ``inference_copy``: bf16 decoding steps keep a bf16 copy of every weight not bf16 already
+    (``rollout_precision`` bf16 or bf16-decode, never sharded: ``src/models/inference_copy.py``).
     """
     s = world if sharded else 1
     lora = counts.adapters > 0
@@ -99,6 +103,9 @@ def estimate_per_device(counts: ParamCounts, *, world: int, sharded: bool, refer
         parts["DDP gradient buckets"] = trainable * master_bytes
     if sharded and world > 1:
         parts["FSDP gathered params+grads"] = 2 * counts.gathered * compute_bytes
+    copied = trainable * (master_bytes != 2) + (counts.total * (weight_bytes != 2) if lora else 0)
+    if inference_copy and copied:
+        parts["bf16 inference copy"] = 2 * copied
     return parts
 
 
@@ -117,11 +124,6 @@ def _world_size(trainer: dict[str, Any]) -> int:
 
 def _strategy_name(strategy: Any) -> str:
     return str(strategy.get("_target_", "")).rsplit(".", 1)[-1] if isinstance(strategy, dict) else str(strategy)
-
-
-def _is_sharded(strategy: Any) -> bool:
-    name = _strategy_name(strategy)
-    return "fsdp" in name.lower() or name == "ModelParallelStrategy"
 
 
 def device_memory_bytes(accelerator: str, configured_gib: float) -> tuple[float, str]:
@@ -153,6 +155,8 @@ def check_device_memory(cfg) -> dict[str, float] | None:
     from src.models.hub import resolve_name_or_path
     from src.models.policy import reference_is_a_copy
     from src.models.precision import torch_dtype
+    from src.models.rollout_precision import BF16_DECODE
+    from src.utils.startup_checks import sharded as strategy_sharded
 
     check = OmegaConf.to_container(cfg.memory_check, resolve=True) if cfg.get("memory_check") else {}
     if not check.get("enabled", True):
@@ -164,14 +168,15 @@ def check_device_memory(cfg) -> dict[str, float] | None:
         trainer["strategy"] = OmegaConf.to_container(trainer["strategy"], resolve=True)
     lora = dict(policy.get("lora") or {})
     path = resolve_name_or_path(policy["name_or_path"], policy["cache_dir"])
-    world, sharded = _world_size(trainer), _is_sharded(trainer.get("strategy"))
+    world, sharded = _world_size(trainer), bool(strategy_sharded(trainer))
     sizes = dict(weight_bytes=torch_dtype(policy.get("dtype", "float32")).itemsize,
                  master_bytes=torch_dtype(policy.get("master_dtype", "float32")).itemsize,
                  compute_bytes=2 if "16" in str(trainer.get("precision")) else 4, world=world)
     kl = float(cfg.algorithm.get("kl_coef", 0.0)) > 0
     counts = count_parameters(path, lora)
     reference = kl and reference_is_a_copy(policy)
-    parts = estimate_per_device(counts, sharded=sharded, reference=reference, **sizes)
+    parts = estimate_per_device(counts, sharded=sharded, reference=reference, **sizes,
+                                inference_copy=policy.get("rollout_precision") in BF16_DECODE)
     memory, source = device_memory_bytes(trainer.get("accelerator", "cpu"), check.get("device_memory_gib", 80))
     limit = memory * float(check.get("usable_fraction", 0.9))
     total = sum(parts.values())

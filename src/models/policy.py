@@ -115,6 +115,10 @@ class Policy(nn.Module):
         ids |= set([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
         self.eos_token_ids = sorted(ids)
 
+    def _apply(self, fn, *args, **kwargs):
+        self._inference_copy = InferenceCopy()  # a move or cast of the policy drops the old copy's tensors
+        return super()._apply(fn, *args, **kwargs)
+
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device

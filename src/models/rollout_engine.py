@@ -132,8 +132,9 @@ def decode(model, input_ids: Tensor, attention_mask: Tensor, cache=None, *, max_
     kept, until no rank has a running row. ``prefill_context`` / ``step_context``: context factories for the prefill
     and for each decoding step (their precision: ``src/models/rollout_precision.py``); ``cache_dtype``: the dtype the
     keys/values take after the prefill, for the decoding steps; ``step_model``: the model the decoding steps run
-    (the bf16 inference copy of ``model``, ``src/models/inference_copy.py``; default ``model``). ``static``: decode over preallocated keys/values
-    (``src/models/static_decode.py``), ``"eager"`` or ``"graphs"`` (each step a CUDA graph); None: the dynamic cache.
+    (the bf16 inference copy of ``model``, ``src/models/inference_copy.py``; default ``model``). ``static``: decode
+    over preallocated keys/values (``src/models/static_decode.py``), ``"eager"`` or ``"graphs"`` (each step a CUDA
+    graph); None: the dynamic cache.
     """
     with (prefill_context or contextlib.nullcontext)():
         out = _forward(model, input_ids[:, cache.get_seq_length():] if cache is not None else input_ids,
@@ -146,7 +147,7 @@ def decode(model, input_ids: Tensor, attention_mask: Tensor, cache=None, *, max_
     replies = Replies(input_ids.shape[0], max_new_tokens, eos_token_ids, pad_token_id, input_ids.device)
     loop = dict(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample, streams=streams,
                 synced=synced, step_context=step_context or contextlib.nullcontext)
-    model = step_model or model
+    model = model if step_model is None else step_model
     if static:
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         del out, cache  # only ``layers`` (and ``prompt_layers``, when kept) hold the prefill's keys/values now

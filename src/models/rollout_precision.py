@@ -6,7 +6,8 @@ products, bound by the bytes of the weights). So each phase gets its own dtype, 
 
 - a bf16 prefill runs under bf16 autocast (each weight is cast once per call, against hundreds of tokens);
 - bf16 decoding steps run a bf16 copy of the weights (``src/models/inference_copy.py``; the weights themselves
-  where they are bf16 already): autocast would cast every fp32 weight at every step, which loses even to fp32.
+  where they are bf16 already): autocast casts frozen fp32 weights again at every step, and caches the casts of
+  trainable ones only inside one enclosing autocast region; the copy reads bf16 bytes in training and evaluation.
 
 The values: ``trainer`` (both phases under the Trainer's precision context, as the update computes), ``fp32`` (no
 autocast, the fp32 weights), ``bf16-prefill``, ``bf16-decode``, ``bf16`` (both), and ``auto`` (default): on a CPU a
@@ -122,7 +123,10 @@ def phase_settings(value: str, device_type: str, model, inference_copy, synced: 
     if bf16_decode and synced:
         raise ValueError(f"model.policy.rollout_precision={value} under FSDP: expected fp32, bf16-prefill or trainer")
     step_model = inference_copy.refreshed(model) if bf16_decode else model
-    return {"prefill_context": lambda: torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16_prefill),
+    # no cast cache in the prefill: inside the Trainer's autocast it would keep a second bf16 copy of the trainable
+    # weights for the whole rollout, and a prefill casts each weight once per call anyway
+    return {"prefill_context": lambda: torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16_prefill,
+                                                      cache_enabled=False),
             # the steps' weights carry their dtype: autocast off, also inside the Trainer's
             "step_context": lambda: torch.autocast(device_type, enabled=False),
             "cache_dtype": next(step_model.parameters()).dtype, "step_model": step_model}

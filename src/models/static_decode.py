@@ -7,10 +7,11 @@ for every new token; a step writes one column in place (``StaticKV``) and runs t
 and head on fixed shapes, so on CUDA the whole step (forward, log-softmax at the temperature, the draw) replays as
 one CUDA graph (``_Graph``). A graph holds a fixed batch: the batch starts at its own size and, as replies end,
 the running rows are repacked into the smallest power-of-two bucket that holds them whenever that is smaller, so
-finished rows stop costing; a row's draw depends only on its seed and step (the counter stream), never on its slot. Graphs are captured per ``generate`` call, so
-they always read the weights of that moment (an optimizer step in between is seen). On a CPU the same loop runs
-eagerly with exact-size batches. Used with ``model.policy.cuda_graphs=true`` (off by default: not yet measured on
-a GPU); the tokens and log-probs equal the dynamic loop's (fp32, tests/test_static_decode.py).
+finished rows stop costing; a row's draw depends only on its seed and step (the counter stream), never on its slot.
+Graphs are captured per ``generate`` call, so they always read the weights of that moment (an optimizer step in
+between is seen). On a CPU the same loop runs eagerly with exact-size batches. Used with
+``model.policy.cuda_graphs=true`` (off by default: not yet measured on a GPU); the tokens and log-probs equal the
+dynamic loop's (fp32, tests/test_static_decode.py).
 """
 from __future__ import annotations
 
