@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
                          bf16_context=trainer_precision == "bf16-mixed")
         rows.append({"device": machine_description() if args.device == "cpu" else torch.cuda.get_device_name(),
                      "prompts": n, "prompt_tokens": sum(len(p) for p in prompts) / n, "new_tokens": args.new_tokens,
-                     "dtype": args.dtype, "threads": torch.get_num_threads(), "trainer_precision": trainer_precision,
+                     "dtype": args.dtype, "trainable_weights": any(p.requires_grad for p in policy.model.parameters()),
+                     "threads": torch.get_num_threads(), "trainer_precision": trainer_precision,
                      "rollout_precision": policy.rollout_precision,
                      "bound_ms": bound_ms(policy, prompts, args.new_tokens, bandwidth, 2 if copied else None),
                      "replaced_bound_ms": bound_ms(policy, prompts, args.new_tokens, bandwidth), **summary(result)})
