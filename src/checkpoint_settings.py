@@ -7,7 +7,8 @@ What the command line sets still applies: a ``key=value`` override of one of tho
 (``env=webshop``). Settings that name this machine's directories (an interpolation of ``paths.*`` or of an
 environment variable, e.g. WebShop's ``env.data_dir``) keep this config's value, and a setting that follows another
 one (``data.max_steps: ${env.max_steps}``) keeps following it where that gives the checkpoint's value or where the
-command line set the setting it follows.
+command line set the setting it follows. Settings a machine chooses for itself (``THIS_MACHINE``: the rollout
+precision the training machine resolved from ``auto``) keep this config's value too.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from src.utils.console import CONSOLE
 log = logging.getLogger(__name__)
 
 RUN_GROUPS = ("model", "data", "env", "memory", "algorithm")
+THIS_MACHINE = ("model.policy.rollout_precision",)  # a run stores its machine's choice; this machine makes its own
 _MACHINE = re.compile(r"\$\{(paths\.|oc\.env:|hydra:)")
 _REFERENCE = re.compile(r"\$\{([\w.]+)\}")  # the key a plain interpolation reads
 
@@ -63,8 +65,8 @@ def apply_run_config(cfg: DictConfig, saved: dict[str, Any], keys: set[str], gro
     ``cfg`` does not have (a setting since removed) are left out. Returns the keys whose value changed."""
     raw = flat(OmegaConf.to_container(cfg, resolve=False))
     saved_flat = flat({g: saved[g] for g in RUN_GROUPS if g in saved and g not in groups})
-    taken = {k: v for k, v in saved_flat.items()
-             if k in raw and k not in keys and not any(k.startswith(c + ".") for c in keys)}
+    taken = {k: v for k, v in saved_flat.items() if k in raw and k not in keys and k not in THIS_MACHINE
+             and not any(k.startswith(c + ".") for c in keys)}
     follows = {k for k in taken if isinstance(raw[k], str) and "${" in raw[k]}
     changed = []
     # plain values first, so that an interpolation is judged by what it gives once they are set

@@ -10,7 +10,8 @@ COMPOSED = {  # what src/eval.py composed: its own defaults and the command line
     "paths": {"data_dir": "/here/data"},
     "env": {"task": "boil", "max_steps": 30, "data_dir": "${paths.data_dir}/webshop", "num_train_variations": 5},
     "data": {"max_steps": "${env.max_steps}", "temperature": 1.0, "val": {"num_tasks": 20}},
-    "model": {"policy": {"name_or_path": "embedded:SmolLM2-135M-Instruct", "lora": {"enabled": False}}},
+    "model": {"policy": {"name_or_path": "embedded:SmolLM2-135M-Instruct", "lora": {"enabled": False},
+                         "rollout_precision": "auto"}},
     "memory": {"partition": "variation"},
     "algorithm": {"name": "empo2"},
     "eval": {"num_tasks": "${data.val.num_tasks}", "seeds": [0]},
@@ -20,7 +21,8 @@ SAVED = {  # the training run's resolved config, as its checkpoint holds it
     "env": {"task": "find-non-living-thing", "max_steps": 3, "data_dir": "/there/data/webshop",
             "num_train_variations": 5, "seed": None},
     "data": {"max_steps": 3, "temperature": 0.7, "val": {"num_tasks": 1}},
-    "model": {"policy": {"name_or_path": "embedded:tiny-random-llama", "lora": {"enabled": False}}},
+    "model": {"policy": {"name_or_path": "embedded:tiny-random-llama", "lora": {"enabled": False},
+                         "rollout_precision": "bf16"}},  # what the training machine resolved auto to
     "memory": {"partition": "task"},
     "algorithm": {"name": "empo2_authors"},
     "eval": {"num_tasks": 99},
@@ -41,6 +43,7 @@ def test_the_training_runs_settings_replace_the_composed_ones():
     assert cfg.eval.num_tasks == 1  # eval.* is the command's own group, its interpolation reads the run's data.val
     assert cfg.env.data_dir == "/here/data/webshop"  # a directory of this machine stays
     assert "seed" not in cfg.env  # a setting the code no longer has is left out
+    assert cfg.model.policy.rollout_precision == "auto"  # this machine measures its own choice
     assert sorted(changed) == ["algorithm.name", "data.temperature", "data.val.num_tasks", "env.max_steps",
                                "env.task", "memory.partition", "model.policy.name_or_path"]
 
