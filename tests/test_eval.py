@@ -147,6 +147,7 @@ def test_standard_eval_without_memory(checkpoint, tmp_path, capsys):
     assert run.data.metrics["eval/score"] == pytest.approx(summary["score"]["mean"])
     assert run.data.metrics["eval/success_rate_stderr"] == pytest.approx(summary["success_rate"]["stderr"])
     assert run.data.params["eval/protocol"] == "standard"
+    assert run.data.tags["rollout_precision_used"] == cfg.model.policy.rollout_precision != "auto"  # what ran here
     assert "eval_summary.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
 
 

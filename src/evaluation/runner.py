@@ -283,7 +283,8 @@ def _write_and_log(cfg: DictConfig, summary: dict[str, Any]) -> None:
     loggers = instantiate_loggers(logger_cfg)
     if loggers:
         log_config(cfg, loggers)
-        set_tags(loggers, {"precision_used": summary["precision"]})
+        set_tags(loggers, {"precision_used": summary["precision"],
+                           "rollout_precision_used": str(cfg.model.policy.get("rollout_precision"))})
         _log_summary(summary, loggers, path)
 
 
