@@ -23,8 +23,8 @@ from torch import nn
 
 
 class InferenceCopy:
-    """The copy of one model in ``dtype``, built at first use on the model's device and rebuilt when the model, its
-    device or its parameters' shapes change. Not a submodule of its owner: never in a state dict or an optimizer."""
+    """The copy of one model in ``dtype``, built at first use on the model's device and rebuilt when what it mirrors
+    changes (the module docstring says what). Not a submodule of its owner: never in a state dict or an optimizer."""
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16):
         self.dtype = dtype

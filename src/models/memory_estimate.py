@@ -122,10 +122,6 @@ def _world_size(trainer: dict[str, Any]) -> int:
     return n * int(trainer.get("num_nodes", 1) or 1)
 
 
-def _strategy_name(strategy: Any) -> str:
-    return str(strategy.get("_target_", "")).rsplit(".", 1)[-1] if isinstance(strategy, dict) else str(strategy)
-
-
 def device_memory_bytes(accelerator: str, configured_gib: float) -> tuple[float, str]:
     """Memory of one device: the GPU's when one is visible (and the accelerator may use it), else the config's."""
     if str(accelerator) in ("gpu", "cuda", "auto") and torch.cuda.is_available():
@@ -156,7 +152,7 @@ def check_device_memory(cfg) -> dict[str, float] | None:
     from src.models.policy import reference_is_a_copy
     from src.models.precision import torch_dtype
     from src.models.rollout_precision import BF16_DECODE
-    from src.utils.startup_checks import sharded as strategy_sharded
+    from src.utils.startup_checks import sharded as strategy_sharded, strategy_name
 
     check = OmegaConf.to_container(cfg.memory_check, resolve=True) if cfg.get("memory_check") else {}
     if not check.get("enabled", True):
@@ -182,7 +178,7 @@ def check_device_memory(cfg) -> dict[str, float] | None:
     total = sum(parts.values())
     how = f"LoRA r={lora.get('r', 16)}" if lora.get("enabled") else "full fine-tuning"
     what = (f"{how} of {policy['name_or_path']} ({counts.total / 1e9:.2f}B parameters) on {world} device(s) "
-            f"({'sharded' if sharded else 'replicated'}: trainer.strategy={_strategy_name(trainer.get('strategy'))})")
+            f"({'sharded' if sharded else 'replicated'}: trainer.strategy={strategy_name(trainer.get('strategy'))})")
     if total <= limit:
         log.info("Memory estimate: %.1f GiB per device of %.1f GiB (%s) for %s: %s GiB", total / GIB, memory / GIB,
                  source, what, _describe(parts))

@@ -114,10 +114,12 @@ def generation_problems(trainer: dict[str, Any], model: dict[str, Any]) -> list[
     FSDP, whose sharded weights are gathered inside each forward: src/models/static_decode.py);
     ``model.policy.rollout_precision``: no bf16 decoding steps under FSDP (they run a copy of the weights, and
     sharded weights cannot be copied: src/models/inference_copy.py)."""
+    from src.models.rollout_precision import BF16_DECODE
+
     policy = model.get("policy") or {}
     fsdp = sharded(trainer)
     precision = policy.get("rollout_precision", "auto")
-    problems = [] if not fsdp or precision not in ("bf16", "bf16-decode") else [
+    problems = [] if not fsdp or precision not in BF16_DECODE else [
         f"model.policy.rollout_precision={precision} with trainer.strategy={fsdp}: bf16 decoding steps run a bf16 "
         "copy of the weights, which FSDP's sharded weights cannot give; expected fp32, bf16-prefill, trainer or auto"]
     value = policy.get("cuda_graphs", False)
@@ -135,11 +137,16 @@ def generation_problems(trainer: dict[str, Any], model: dict[str, Any]) -> list[
     return problems
 
 
+def strategy_name(strategy: Any) -> str:
+    """``trainer.strategy`` as a name: the string itself, or a ``_target_`` mapping's class name (trainer=fsdp's
+    ``ModelParallelStrategy``)."""
+    return str(strategy.get("_target_", "") if hasattr(strategy, "get") else strategy).rsplit(".", 1)[-1]
+
+
 def sharded(trainer: dict[str, Any]) -> str | None:
     """The name of ``trainer.strategy`` where it shards the weights (a name with ``fsdp``, or trainer=fsdp's
-    ``ModelParallelStrategy``: FSDP2, given as a ``_target_`` mapping), else None."""
-    strategy = trainer.get("strategy", "")
-    name = str(strategy.get("_target_", "") if hasattr(strategy, "get") else strategy).rsplit(".", 1)[-1]
+    ``ModelParallelStrategy``: FSDP2), else None."""
+    name = strategy_name(trainer.get("strategy", ""))
     return name if "fsdp" in name.lower() or "modelparallel" in name.lower() else None
 
 
