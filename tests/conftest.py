@@ -19,6 +19,20 @@ os.environ.setdefault("EMPO2_ADAPT_THREADS", "0")
 os.environ.setdefault("EMPO2_ROLLOUT_PRECISION", "cpu|trainer")
 
 
+@pytest.fixture(autouse=True)
+def _keep_the_process_precision_choices():
+    """Each test leaves the process tree's precision choices as it found them: a start-up check that resolves
+    ``auto`` for another device (trainer=fsdp names a GPU) rewrites them, and a later test's CPU rollouts then probed
+    this machine and ran bf16 steps (seen: test_startup_checks.py before test_rollout_engine.py, 8 failures)."""
+    saved = {name: os.environ.get(name) for name in ("EMPO2_ROLLOUT_PRECISION", "EMPO2_PRECISION_CHOICE")}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def model_cache_dir() -> Path:
     """Where converted/built models live (the project's data dir, so the SmolLM2 conversion is reused)."""
