@@ -114,12 +114,11 @@ def generation_problems(trainer: dict[str, Any], model: dict[str, Any]) -> list[
     FSDP, whose sharded weights are gathered inside each forward: src/models/static_decode.py);
     ``model.policy.rollout_precision``: no bf16 decoding steps under FSDP (they run a copy of the weights, and
     sharded weights cannot be copied: src/models/inference_copy.py)."""
-    from src.models.rollout_precision import BF16_DECODE
-
     policy = model.get("policy") or {}
     fsdp = sharded(trainer)
     precision = policy.get("rollout_precision", "auto")
-    problems = [] if not fsdp or precision not in BF16_DECODE else [
+    # rollout_precision.BF16_DECODE's values, written out: utils may not import models (tests/test_imports.py)
+    problems = [] if not fsdp or precision not in ("bf16", "bf16-decode") else [
         f"model.policy.rollout_precision={precision} with trainer.strategy={fsdp}: bf16 decoding steps run a bf16 "
         "copy of the weights, which FSDP's sharded weights cannot give; expected fp32, bf16-prefill, trainer or auto"]
     value = policy.get("cuda_graphs", False)
