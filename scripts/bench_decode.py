@@ -85,13 +85,16 @@ def measure(policy, prompts, new_tokens: int, repeats: int, device, bf16_context
     """The three paths on ``prompts``: whole generation, prefill alone, decoding per step, tokens generated. Each
     figure is the best of ``repeats``, the paths taking turns (round-robin), so a slow spell of a shared machine
     falls on all of them rather than on whichever ran then."""
+    from dataclasses import replace
+
     import torch
 
     from hf_reference import hf_generate
+    from src.models.rollout_engine import RolloutEngine
 
     seeds = list(range(len(prompts)))
-    static = copy.copy(policy)
-    static.static_decode = "graphs"  # model.policy.cuda_graphs=true: captured steps on CUDA, the same loop eagerly here
+    static = copy.copy(policy)  # model.policy.cuda_graphs=true: captured steps on CUDA, the same loop eagerly here
+    static.engine = RolloutEngine(replace(policy.engine.settings, static="graphs"), policy.model)
     paths = {"replaced": lambda n: hf_generate(policy, prompts, n, 1.0, seeds=seeds)[0],
              "engine": lambda n: policy.generate(prompts, max_new_tokens=n, temperature=1.0, seeds=seeds).response_ids,
              "static": lambda n: static.generate(prompts, max_new_tokens=n, temperature=1.0, seeds=seeds).response_ids}
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from src.models.rollout_precision import BF16_DECODE, rollout_precision
+    from src.models.rollout_engine import BF16_DECODE, EngineSettings, RolloutEngine, rollout_precision
     from src.utils.logging import machine_description
     from src.utils.precision_choice import cpu_features, decide_precision, probe_cpu_matmul
 
@@ -199,13 +202,13 @@ def main(argv: list[str] | None = None) -> dict:
         trainer_precision = decide_precision(kind, cuda_bf16=kind == "cuda" and torch.cuda.is_bf16_supported(),
                                              probe=probe_cpu_matmul() if kind == "cpu" else None,
                                              features=cpu_features() if kind == "cpu" else "")[0]
-    os.environ.pop("EMPO2_ROLLOUT_PRECISION", None)  # measure this machine, whatever a parent chose
-    policy.rollout_precision = rollout_precision(args.rollout_precision, kind)
+    chosen = rollout_precision(args.rollout_precision, kind)  # auto: this process measures this machine
+    policy.engine = RolloutEngine(EngineSettings(chosen), policy.model)
     if args.stop_every:
         vocab = policy.model.get_output_embeddings().weight.shape[0]
         policy.eos_token_ids = sorted(set(policy.eos_token_ids) | set(range(0, vocab, args.stop_every)))
     bandwidth = copy_bandwidth(args.device)
-    copied = policy.rollout_precision in BF16_DECODE and next(policy.model.parameters()).dtype != torch.bfloat16
+    copied = chosen in BF16_DECODE and next(policy.model.parameters()).dtype != torch.bfloat16
     rows = []
     for n in args.prompts:
         prompts = make_prompts(policy, n, args.prompt_tokens)
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "prompts": n, "prompt_tokens": sum(len(p) for p in prompts) / n, "new_tokens": args.new_tokens,
                      "dtype": args.dtype, "trainable_weights": any(p.requires_grad for p in policy.model.parameters()),
                      "threads": torch.get_num_threads(), "trainer_precision": trainer_precision,
-                     "rollout_precision": policy.rollout_precision,
+                     "rollout_precision": chosen,
                      "bound_ms": bound_ms(policy, prompts, args.new_tokens, bandwidth, 2 if copied else None),
                      "replaced_bound_ms": bound_ms(policy, prompts, args.new_tokens, bandwidth), **summary(result)})
     report = {"model": args.model, "copy_bandwidth_gb_s": bandwidth / 1e9, "python": platform.python_version(),

@@ -133,7 +133,7 @@ def bench_generation(policy, device: str, batches: list[int], prompt_tokens: int
 def bench_streams(policy, device: str, batches: list[int], prompt_tokens: int, new_tokens: int) -> list[dict]:
     """Decoding step (ms) of each way to draw, and whether a seeded row draws the same tokens alone as in a batch."""
     import src.models.policy as policy_module
-    from src.models.rollout_engine import RowStreams
+    from src.models.sampling import RowStreams
 
     class Generators(RowStreams):  # per-row torch generators on any device
         def __init__(self, seeds, temperature, device="cpu", counter=None):

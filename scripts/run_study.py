@@ -53,6 +53,11 @@ def compose(experiment: str, overrides: Sequence[str]):
         return hydra_compose(config_name="train", overrides=[f"experiment={experiment}", *overrides])
 
 
+# each run gets the study's rollout precision on its command line (trainer.precision's choice reaches it through the
+# environment: src/utils/precision_choice.py)
+ROLLOUT = "model.policy.rollout_precision="
+
+
 def run_commands(experiment: str, algorithms: Sequence[str], seeds: Sequence[int], iterations: int,
                  tags: Sequence[str], overrides: Sequence[str]) -> list[list[str]]:
     """One `src/train.py` command line (argv list) per (algorithm, seed), seeds outermost (runs side by side
@@ -205,7 +210,7 @@ def estimate_minutes(args: argparse.Namespace, tracking_uri: str, exp_name: str,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the study (or print it with ``--dry-run``); return the number of failed training runs."""
-    from src.models.rollout_precision import resolve_rollout_precision
+    from src.models.rollout_engine import resolve_rollout_precision
     from src.utils.precision_choice import resolve_precision
 
     ap = _parser()
@@ -245,9 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         return 0
 
-    # the precisions' timed probes decide once here; every run inherits the choice through the environment, so the
-    # load of the moment cannot give one study's runs different precisions (it did: fp32, then bf16 prefill)
-    print(f"precision of every run: trainer {resolve_precision(cfg)}, rollout {resolve_rollout_precision(cfg)}")
+    # the timed probes decide once, for every run (two runs of a study once chose fp32, then bf16 prefill): ROLLOUT
+    trainer, rollout = resolve_precision(cfg), resolve_rollout_precision(cfg)
+    print(f"precision of every run: trainer {trainer}, rollout {rollout}")
+    commands = [[*(a for a in c if not a.startswith(ROLLOUT)), f"{ROLLOUT}{rollout}"] for c in commands]
     if cfg.model.get("warm_start"):
         print("\nwarm start: python src/sft.py " + " ".join([f"experiment={args.experiment}", *args.overrides]),
               flush=True)

@@ -40,7 +40,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     from src.utils.checkpoint_io import AtomicCheckpointIO
     from src.utils.config_error import refused_settings
     from src.utils.instantiate import instantiate_callbacks, instantiate_loggers
-    from src.models.rollout_precision import resolve_rollout_precision
+    from src.models.rollout_engine import resolve_rollout_precision
     from src.utils.precision_choice import resolve_precision
     from src.utils.run_end import end_tracker_runs
 
@@ -96,7 +96,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from src.utils.config_error import refused_settings
     from src.config_checks import prepare_run
 
-    from src.models.rollout_precision import resolve_rollout_precision
+    from src.models.rollout_engine import resolve_rollout_precision
     from src.utils.precision_choice import resolve_precision
 
     with refused_settings():

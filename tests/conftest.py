@@ -13,24 +13,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # DDP against one process); the run's default follows the machine's load (src/utils/threads.py), which on a shared
 # CI machine made a resumed run round differently (CI, 2026-12-04). test_threads.py tests the governor itself.
 os.environ.setdefault("EMPO2_ADAPT_THREADS", "0")
-# Rollouts in the caller's precision context, whatever bf16 this machine has: token-exact comparisons then hold on
-# every CI machine (model.policy.rollout_precision=auto would pick bf16 phases where they are faster).
-# test_rollout_precision.py tests the choice itself.
-os.environ.setdefault("EMPO2_ROLLOUT_PRECISION", "cpu|trainer")
 
 
 @pytest.fixture(autouse=True)
-def _keep_the_process_precision_choices():
-    """Each test leaves the process tree's precision choices as it found them: a start-up check that resolves
-    ``auto`` for another device (trainer=fsdp names a GPU) rewrites them, and a later test's CPU rollouts then probed
-    this machine and ran bf16 steps (seen: test_startup_checks.py before test_rollout_engine.py, 8 failures)."""
-    saved = {name: os.environ.get(name) for name in ("EMPO2_ROLLOUT_PRECISION", "EMPO2_PRECISION_CHOICE")}
+def _rollout_precision_pinned(monkeypatch):
+    """``model.policy.rollout_precision=auto`` runs in the caller's precision context (``trainer``) in every test,
+    whatever bf16 this machine has: token-exact comparisons then hold on every CI machine (auto would pick bf16 phases
+    where they measure faster). The engine's own choice for this process is replaced by a fresh one per test, so a
+    test that resolves ``auto`` (for another device, or by a probe it patches) leaves nothing to the next.
+    test_rollout_precision.py tests the choice itself; tests that start ``src/train.py`` pass
+    ``model.policy.rollout_precision=trainer`` on its command line. trainer.precision=auto's choice still reaches DDP
+    ranks through ``EMPO2_PRECISION_CHOICE`` (src/utils/precision_choice.py says why): each test leaves it as found."""
+    from src.models import rollout_engine
+
+    monkeypatch.setattr(rollout_engine, "_CHOSEN", {"cpu": ("trainer", "pinned by tests/conftest.py")})
+    saved = os.environ.get("EMPO2_PRECISION_CHOICE")
     yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    if saved is None:
+        os.environ.pop("EMPO2_PRECISION_CHOICE", None)
+    else:
+        os.environ["EMPO2_PRECISION_CHOICE"] = saved
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +56,7 @@ def tiny_policy(tiny_model_dir, model_cache_dir):
 
     torch.manual_seed(0)
     return build_policy(name_or_path=tiny_model_dir, cache_dir=str(model_cache_dir), dtype="float32",
-                        max_response_tokens=8, max_prompt_tokens=1024)
+                        max_response_tokens=8, max_prompt_tokens=1024, rollout_precision="trainer")
 
 
 ENGINE_TOPICS = ("hi", "tell me about the sea", "name three colours and a fruit, then stop", "why", "a poem on trains")

@@ -8,7 +8,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from src.models.batch_layout import pack_batch
 from src.models.prompt_cache import batch_with_prefixes
-from src.models.rollout_engine import RowStreams
+from src.models.sampling import RowStreams
 
 
 class _Recorder(LogitsProcessor):

@@ -460,21 +460,27 @@ def test_study_dry_run_prints_plan(tmp_path, capsys):
 
 def test_a_study_decides_the_precisions_once_for_all_its_runs(tmp_path, monkeypatch, capsys):
     """``auto`` precisions are timed probes; the study probes once and its runs inherit the choice (two runs of one
-    study had once chosen different rollout precisions under different loads)."""
+    study had once chosen different rollout precisions under different loads): trainer.precision through the
+    environment, the rollout precision on each run's command line."""
     import os
 
+    from src.models import rollout_engine
+
     monkeypatch.delenv("EMPO2_PRECISION_CHOICE", raising=False)
-    monkeypatch.delenv("EMPO2_ROLLOUT_PRECISION", raising=False)
+    monkeypatch.setattr(rollout_engine, "_CHOSEN", {})  # this process has not chosen yet: the study probes
     seen = []
     monkeypatch.setattr(run_study, "run_all", lambda commands, parallel, threads: seen.append(
-        (os.environ.get("EMPO2_PRECISION_CHOICE"), os.environ.get("EMPO2_ROLLOUT_PRECISION"))) or [])
+        (os.environ.get("EMPO2_PRECISION_CHOICE"), commands)) or [])
     monkeypatch.setattr(run_study.subprocess, "run", lambda *a, **k: None)  # the comparison afterwards
     assert run_study.main(["--seeds", "1", "--iterations", "1", "--study-id", "p", "model=tiny",
                            "model.warm_start=null", f"logger.mlflow.tracking_uri=sqlite:///{tmp_path}/m.db"]) == 0
-    (trainer, rollout), = seen
-    assert trainer and trainer.startswith("cpu|") and rollout and rollout.startswith("cpu|")
-    assert f"precision of every run: trainer {trainer.split('|')[1]}, rollout {rollout.split('|')[1]}" in \
-        capsys.readouterr().out
+    (trainer, commands), = seen
+    rollout = {a for cmd in commands for a in cmd if a.startswith("model.policy.rollout_precision=")}
+    assert trainer and trainer.startswith("cpu|") and commands and len(rollout) == 1
+    assert all(sum(a.startswith("model.policy.rollout_precision=") for a in cmd) == 1 for cmd in commands)
+    rollout = rollout.pop().split("=")[1]
+    assert rollout in rollout_engine.ROLLOUT_PRECISIONS and rollout != "auto"
+    assert f"precision of every run: trainer {trainer.split('|')[1]}, rollout {rollout}" in capsys.readouterr().out
 
 
 def test_study_refuses_side_by_side_runs_that_do_not_fit_in_memory(tmp_path, capsys):

@@ -44,9 +44,10 @@ DDP = ["trainer.strategy=ddp", "trainer.devices=2"]
 
 
 def _train_cli(tmp: Path, name: str, *overrides: str) -> Path:
-    """``src/train.py`` with the stub environment; the run directory (its console output in ``console.txt``)."""
-    proc = run_cli(["src/train.py", *overrides, f"paths.log_dir={tmp}/logs", f"hydra.run.dir={tmp}/{name}"],
-                   env=STUB_ENV_VARS)
+    """``src/train.py`` with the stub environment, rollouts in the Trainer's precision (as tests/conftest.py pins
+    them in this process); the run directory (its console output in ``console.txt``)."""
+    proc = run_cli(["src/train.py", *overrides, "model.policy.rollout_precision=trainer", f"paths.log_dir={tmp}/logs",
+                    f"hydra.run.dir={tmp}/{name}"], env=STUB_ENV_VARS)
     assert proc.returncode == 0, failure_report(proc)
     (tmp / name / "console.txt").write_text(proc.stdout + proc.stderr)
     return tmp / name

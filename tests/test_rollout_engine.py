@@ -6,19 +6,21 @@ row's result does not depend on its companions; a weight change is seen by the n
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
 from hf_reference import hf_generate
 from src.models.policy import Policy
+from src.models.rollout_engine import RolloutEngine
 
 LOOPS = {"dynamic": None, "static": "eager"}
 
 
 def _with_loop(policy: Policy, loop: str) -> Policy:
     variant = copy.copy(policy)
-    variant.static_decode = LOOPS[loop]
+    variant.engine = RolloutEngine(replace(policy.engine.settings, static=LOOPS[loop]))
     return variant
 
 

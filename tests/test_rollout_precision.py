@@ -1,6 +1,6 @@
-"""The precision of each rollout phase (src/models/rollout_precision.py): the choice follows the measured speed-ups,
+"""The precision of each rollout phase (src/models/rollout_engine.py): the choice follows the measured speed-ups,
 an explicit setting is honoured inside the Trainer's autocast, a bf16 prefill hands fp32 keys/values to the
-decoding steps, and bf16 decoding steps run a copy of the live weights (src/models/inference_copy.py), never under
+decoding steps, and bf16 decoding steps run a copy of the live weights (rollout_engine.InferenceCopy), never under
 FSDP."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-from src.models import rollout_precision as rp
-from src.models.inference_copy import InferenceCopy
+from src.models import rollout_engine as rp
+from src.models.rollout_engine import EngineSettings, InferenceCopy, RolloutEngine
 from src.models.policy import Policy
 
 
@@ -26,8 +26,8 @@ def test_each_phase_is_bf16_only_where_it_measured_faster(prefill, decode, expec
         rp.decide_rollout_precision("cpu")
 
 
-def test_auto_is_chosen_once_per_process_tree_and_logged(monkeypatch, caplog):
-    monkeypatch.delenv(rp.ENV_VAR, raising=False)
+def test_auto_is_chosen_once_per_process_and_logged(monkeypatch, caplog):
+    monkeypatch.setattr(rp, "_CHOSEN", {})  # nothing chosen yet (tests/conftest.py pins the CPU's choice)
     calls = []
     monkeypatch.setattr(rp, "probe_phases", lambda: calls.append(1) or {"prefill": 3.0, "decode": 0.4})
     with caplog.at_level(logging.INFO, logger=rp.__name__):
@@ -40,7 +40,8 @@ def test_auto_is_chosen_once_per_process_tree_and_logged(monkeypatch, caplog):
 
 
 def _generate(policy: Policy, precision: str, outer_bf16: bool, **kwargs):
-    policy.rollout_precision = precision
+    policy.engine = copy.copy(policy.engine)  # settings of its own; the inference copy is shared
+    policy.engine.settings = EngineSettings(precision)
     prompts = [policy.encode([{"role": "user", "content": c}]) for c in ("hi", "tell me about the sea")]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=outer_bf16):  # as under trainer.precision=bf16-mixed
         return prompts, policy.generate(prompts, max_new_tokens=5, seeds=[1, 2], **kwargs)
@@ -86,7 +87,7 @@ def test_bf16_decoding_steps_run_a_copy_of_the_live_weights(tiny_policy: Policy)
             p.data.mul_(1.5)
     calls = {"live": 0, "copy": 0}
     hooks = [m.register_forward_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
-             for k, m in (("live", policy.model), ("copy", policy._inference_copy.model))]
+             for k, m in (("live", policy.model), ("copy", policy.engine.copy.model))]
     _, after = _generate(policy, "bf16-decode", outer_bf16=True)
     for hook in hooks:
         hook.remove()
@@ -116,14 +117,15 @@ def test_the_copy_casts_what_differs_and_keeps_buffers_ties_and_shared_weights(t
 def test_fsdp_keeps_decoding_steps_off_the_copy(monkeypatch):
     from omegaconf import OmegaConf
 
-    monkeypatch.setenv(rp.ENV_VAR, "cpu|bf16")  # as if this CPU measured bf16 faster in both phases
+    monkeypatch.setitem(rp._CHOSEN, "cpu", ("bf16", "as if this CPU measured bf16 faster in both phases"))
     fsdp = {"_target_": "lightning.pytorch.strategies.ModelParallelStrategy"}
     for strategy, expected in ((fsdp, "bf16-prefill"), ("fsdp", "bf16-prefill"), ("ddp", "bf16")):
         cfg = OmegaConf.create({"trainer": {"accelerator": "cpu", "strategy": strategy},
                                 "model": {"policy": {"rollout_precision": "auto"}}})
         assert rp.resolve_rollout_precision(cfg) == expected == cfg.model.policy.rollout_precision
-    with pytest.raises(ValueError, match="rollout_precision=bf16-decode under FSDP"):
-        rp.phase_settings("bf16-decode", "cpu", None, InferenceCopy(), synced=True)
+    with pytest.raises(ValueError, match="rollout_precision=bf16-decode with trainer.strategy=FSDP"):
+        RolloutEngine(EngineSettings("bf16-decode")).precision("cpu", synced=True)
+    assert RolloutEngine(EngineSettings("auto")).precision("cpu", synced=True) == "bf16-prefill"  # auto falls back
 
 
 def test_the_copy_follows_a_replaced_parameter_and_the_adapter_state(tiny_model_dir, model_cache_dir):

@@ -26,7 +26,8 @@ RUN = ["experiment=scienceworld", "debug=default", "logger=mlflow", "trainer.pre
        "env._target_=stub_envs.StubEnv", "+env.reward_per_char=0.01", "env.max_steps=2", "data.val=null",
        "data.num_mini_batches=1",
        "trainer.check_val_every_n_epoch=null", "algorithm=grpo", "~callbacks.rich_progress_bar",
-       "trainer.enable_progress_bar=false", "log_checkpoint_artifact=false"]
+       "trainer.enable_progress_bar=false", "log_checkpoint_artifact=false",
+       "model.policy.rollout_precision=trainer"]  # as tests/conftest.py pins it in this process
 
 
 def _runs(log_dir: Path) -> list:

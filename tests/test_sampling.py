@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from src.models.policy import Policy, pack_batch
-from src.models.rollout_engine import RowStreams
+from src.models.sampling import RowStreams
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["a cat", "the sea", "a train", "winter", "a robot", "bread", "a city", "music"]

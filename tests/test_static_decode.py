@@ -6,11 +6,13 @@ gets, the models it refuses. The graph capture itself runs only on a CUDA device
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
 from src.models.policy import Policy
+from src.models.rollout_engine import EngineSettings, RolloutEngine
 from src.models.sampling import counter_exponentials
 from src.models.static_decode import _bucket, causal_lm
 
@@ -20,7 +22,7 @@ def _both(policy: Policy, *args, **kwargs):
     out = []
     for static in (None, "eager"):
         variant = copy.copy(policy)
-        variant.static_decode = static
+        variant.engine = RolloutEngine(replace(policy.engine.settings, static=static))
         torch.manual_seed(3)
         out.append(variant.generate(*args, **kwargs))
     return out
@@ -29,7 +31,7 @@ def _both(policy: Policy, *args, **kwargs):
 def test_a_kept_prompt_continues_the_same_under_static_decoding(tiny_policy: Policy, engine_prompts):
     """A reflection continues a rollout's kept prompt keys/values: the same reply as from the full prompt."""
     policy = copy.copy(tiny_policy)
-    policy.static_decode = "eager"
+    policy.engine = RolloutEngine(replace(tiny_policy.engine.settings, static="eager"))
     prompts = engine_prompts(policy)[:3]
     first = policy.generate(prompts, max_new_tokens=4, seeds=[1, 2, 3], keep_prompt_kv=True)
     longer = [p + r + policy.encode_next_turn("now reflect") for p, r in zip(prompts, first.response_ids)]
@@ -63,7 +65,7 @@ def test_a_qwen2_model_decodes_the_same_statically(tiny_model_dir, engine_prompt
     config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=49152, rope_theta=1e6, max_position_embeddings=4096)
     policy = Policy(AutoModelForCausalLM.from_config(config), load_tokenizer(tiny_model_dir), max_response_tokens=8)
-    policy.rollout_precision = "fp32"
+    policy.engine = RolloutEngine(EngineSettings("fp32"))
     dynamic, static = _both(policy, engine_prompts(policy), max_new_tokens=8, seeds=[1, 2, 3, 4, 5])
     assert static.response_ids == dynamic.response_ids
     for got, expected in zip(static.log_probs, dynamic.log_probs):
@@ -93,9 +95,9 @@ def test_graph_captured_steps_draw_what_eager_steps_draw(stopping_policy: Policy
     policy = Policy(copy.deepcopy(stopping_policy.model).cuda(), stopping_policy.tokenizer, max_response_tokens=12)
     policy.eos_token_ids = stopping_policy.eos_token_ids
     prompts, seeds = engine_prompts(policy), [31, 32, 33, 34, 35]
-    policy.static_decode = "eager"
+    policy.engine = RolloutEngine(EngineSettings(static="eager"))
     eager = policy.generate(prompts, max_new_tokens=12, seeds=seeds)
-    policy.static_decode = "graphs"
+    policy.engine = RolloutEngine(EngineSettings(static="graphs"))
     graphed = policy.generate(prompts, max_new_tokens=12, seeds=seeds)
     assert graphed.response_ids == eager.response_ids
     for got, expected in zip(graphed.log_probs, eager.log_probs):

@@ -98,7 +98,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     """
     from src.config_checks import check_env_settings
     from src.utils.config_error import refused_settings
-    from src.models.rollout_precision import resolve_rollout_precision
+    from src.models.rollout_engine import resolve_rollout_precision
     from src.utils.precision_choice import resolve_precision
 
     ev = cfg.eval

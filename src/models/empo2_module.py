@@ -61,7 +61,7 @@ class EMPO2Module(L.LightningModule):
         gradient_clip_val: max global grad norm (manual optimization clips here, not in the Trainer).
     """
 
-    def __init__(self, policy: dict[str, Any], algorithm: dict[str, Any], optimizer, gradient_clip_val: float | None = 1.0):
+    def __init__(self, policy: dict[str, Any], algorithm: dict[str, Any], optimizer, gradient_clip_val: float | None):
         super().__init__()
         # the optimizer is a callable (Hydra partial): checkpoints must stay loadable with weights_only=True
         self.save_hyperparameters(logger=False, ignore=["optimizer"])
@@ -96,7 +96,7 @@ class EMPO2Module(L.LightningModule):
         policy is switched to synchronised generation (see ``run_episodes``).
         """
         from lightning.pytorch.strategies import ModelParallelStrategy
-
+        self.policy.engine.agree()  # first, with several ranks (any strategy): all run rank 0's rollout precision
         if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
             return
         from torch.distributed.fsdp import fully_shard

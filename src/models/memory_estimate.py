@@ -12,7 +12,7 @@ s = W when the strategy shards (FSDP, FSDP2) and 1 when it replicates (DDP, one 
 - FSDP: the parameters gathered for compute, and their gradients, in the compute dtype: the root module
   (embeddings, final norm, LM head) plus two decoder layers (the current one and the prefetched one);
 - bf16 decoding steps (``model.policy.rollout_precision`` bf16 or bf16-decode): a bf16 copy ``2`` bytes per
-  parameter not already bf16 (``inference_copy.py``).
+  parameter not already bf16 (``rollout_engine.InferenceCopy``).
 
 Parameter counts come from the model's ``config.json`` alone (an adapter directory's base model, and its
 ``adapter_config.json`` for the adapters), the model built on the meta device: no weights are read or downloaded.
@@ -88,7 +88,7 @@ def estimate_per_device(counts: ParamCounts, *, world: int, sharded: bool, refer
     ``kl_coef > 0``). ``weight_bytes``: bytes per frozen weight (loading dtype); ``master_bytes``: per trainable
     parameter (its gradient and each AdamW moment have the same size); ``compute_bytes``: per parameter gathered
     by FSDP; ``inference_copy``: bf16 decoding steps keep a bf16 copy of every weight not bf16 already
-    (``rollout_precision`` bf16 or bf16-decode, never sharded: ``src/models/inference_copy.py``).
+    (``rollout_precision`` bf16 or bf16-decode, never sharded: ``src/models/rollout_engine.py``).
     """
     s = world if sharded else 1
     lora = counts.adapters > 0
@@ -151,7 +151,7 @@ def check_device_memory(cfg) -> dict[str, float] | None:
     from src.models.hub import resolve_name_or_path
     from src.models.policy import reference_is_a_copy
     from src.models.precision import torch_dtype
-    from src.models.rollout_precision import BF16_DECODE
+    from src.utils.startup_checks import BF16_DECODE
     from src.utils.startup_checks import sharded as strategy_sharded, strategy_name
 
     check = OmegaConf.to_container(cfg.memory_check, resolve=True) if cfg.get("memory_check") else {}

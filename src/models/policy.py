@@ -28,13 +28,9 @@ from src.models.hub import (adapter_base_model, base_model_setting, load_causal_
                             resolve_name_or_path)
 from src.models.log_probs import entropy_from_logits, log_probs_from_logits
 from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
-from src.models.prompt_cache import (PromptKV, SharedPrefixes, batch_with_prefixes, common_prefix, prompt_spans,
-                                     row_prompt_kv)
-from src.models.rollout_engine import RowStreams, decode
-from src.models.inference_copy import InferenceCopy
-from src.models.rollout_precision import phase_settings, rollout_precision
-from src.models.static_decode import causal_lm
-from src.models.sampling import dropped_generation_defaults
+from src.models.prompt_cache import PromptKV, SharedPrefixes, common_prefix, row_prompt_kv
+from src.models.rollout_engine import EngineSettings, InferenceCopy, Replies, RolloutEngine
+from src.models.sampling import RowStreams, Sampler, dropped_generation_defaults
 from src.utils.threads import adapt_threads
 
 log = logging.getLogger(__name__)
@@ -84,21 +80,15 @@ class Policy(nn.Module):
         max_prompt_tokens: prompts longer than this are cut from the left (oldest history first),
             keeping the chat template's head; a warning counter is exposed as ``num_prompts_truncated``.
         temperature: default sampling temperature (rollout 1.0, evaluation 0.4 in the paper).
+        engine: the rollout engine's settings (``model.policy.rollout_precision`` and ``cuda_graphs``).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_response_tokens: int = 32,
-                 max_prompt_tokens: int = 4096, temperature: float = 1.0, rollout_precision: str = "auto",
-                 static_decode: str | None = None):
+                 max_prompt_tokens: int = 4096, temperature: float = 1.0, engine: EngineSettings = EngineSettings()):
         super().__init__()
         if max_response_tokens < 1:
             raise ValueError(f"max_response_tokens must be >= 1, got {max_response_tokens}")
-        self.rollout_precision = rollout_precision  # per phase of generate (src/models/rollout_precision.py)
-        self._inference_copy = InferenceCopy()  # the weights bf16 decoding steps run (not a submodule)
-        # "graphs" (model.policy.cuda_graphs): decode over preallocated keys/values, each step a CUDA graph on a GPU,
-        # eagerly elsewhere ("eager"); None: the dynamic cache (src/models/static_decode.py)
-        self.static_decode = static_decode
-        if static_decode:
-            causal_lm(model)  # refuses a model the static step cannot run when built, not at the first rollout
+        self.engine = RolloutEngine(engine, model)  # src/models/rollout_engine.py (not a submodule)
         self.model = model
         self.tokenizer = tokenizer
         self.max_response_tokens = max_response_tokens
@@ -116,7 +106,7 @@ class Policy(nn.Module):
         self.eos_token_ids = sorted(ids)
 
     def _apply(self, fn, *args, **kwargs):
-        self._inference_copy = InferenceCopy()  # a move or cast of the policy drops the old copy's tensors
+        self.engine.copy = InferenceCopy()  # a move or cast of the policy drops the old inference copy's tensors
         return super()._apply(fn, *args, **kwargs)
 
     @property
@@ -185,47 +175,15 @@ class Policy(nn.Module):
                 self.generate([[self.tokenizer.eos_token_id]], max_new_tokens, temperature, do_sample)
             return Generation([], [], [], [])
         self._warn_dropped_generation_defaults()
-        pad = self.tokenizer.pad_token_id
         streams = RowStreams(seeds, temperature, self.device) if do_sample and seeds is not None else None
-        cache, was_training = None, self.model.training
-        self.model.eval()
-        try:
-            if shared is not None and prefix_kv is None and not self.synced:
-                prefix_kv = shared.for_batch(self._prompt_prefix_kv, prompt_ids)
-            if prefix_kv is not None and any(p is not None for p in prefix_kv):
-                batch, cache = batch_with_prefixes(prompt_ids, prefix_kv, pad, self.model.config)
-            else:
-                prefix_kv, batch = None, pack_batch(prompt_ids, [[] for _ in prompt_ids], pad)
-            out = decode(self.model, batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
-                         cache, max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample,
-                         eos_token_ids=self.eos_token_ids, pad_token_id=pad, streams=streams,
-                         keep_prompt_kv=keep_prompt_kv, synced=self.synced,
-                         static=None if self.synced else self.static_decode, **self._phases())
-        finally:
-            self.model.train(was_training)
+        replies = Replies(len(prompt_ids), max_new_tokens, self.eos_token_ids, self.tokenizer.pad_token_id, self.device)
+        out = self.engine.generate(self.model, prompt_ids, Sampler(temperature, do_sample, streams), replies,
+                                   prefix_kv=prefix_kv, shared=shared, keep_prompt_kv=keep_prompt_kv,
+                                   synced=self.synced)
         response_ids = [out.tokens[i, :n].tolist() for i, n in enumerate(out.lengths)]
         log_probs = [out.log_probs[i, :n].tolist() for i, n in enumerate(out.lengths)]
         texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
-        kv = None
-        if keep_prompt_kv:
-            kept = [0 if prefix_kv is None or p is None else p.length for p in (prefix_kv or prompt_ids)]
-            kv = (out.prompt_layers, prompt_spans([len(p) for p in prompt_ids], kept, batch["input_ids"].shape[1]))
-        return Generation(response_ids, log_probs, texts, out.truncated, kv)
-
-    def _phases(self) -> dict[str, Any]:
-        """The engine's per-phase settings for ``rollout_precision`` (resolved on first use; ``phase_settings``)."""
-        self.rollout_precision = rollout_precision(self.rollout_precision, self.device.type)
-        return phase_settings(self.rollout_precision, self.device.type, self.model, self._inference_copy, self.synced)
-
-    def _prompt_prefix_kv(self, ids: list[int], past: PromptKV | None = None) -> PromptKV:
-        """Keys/values of one prompt prefix ``ids`` (no grad), continuing ``past`` (those of its first ``past.length``
-        ids) when given, for ``SharedPrefixes``."""
-        start = 0 if past is None else past.length
-        cache = None if past is None else DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in past.layers],
-                                                       config=self.model.config)
-        out = self.model(input_ids=torch.tensor([ids[start:]], device=self.device), cache=cache,
-                         use_cache=True, logits_to_keep=1)
-        return PromptKV([(layer.keys, layer.values) for layer in out.cache.layers], len(ids))
+        return Generation(response_ids, log_probs, texts, out.truncated, out.kv)
 
     def _warn_dropped_generation_defaults(self) -> None:
         if self._checked_generation_defaults:
@@ -392,5 +350,4 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
     else:
         model.requires_grad_(False)
     return Policy(model, tokenizer, max_response_tokens=max_response_tokens, max_prompt_tokens=max_prompt_tokens,
-                  temperature=temperature, rollout_precision=rollout_precision,
-                  static_decode="graphs" if cuda_graphs else None)
+                  temperature=temperature, engine=EngineSettings(rollout_precision, "graphs" if cuda_graphs else None))

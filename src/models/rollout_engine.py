@@ -1,79 +1,77 @@
-"""The rollout engine: one prefill and a decoding loop over the model's own forward (gpt-fast's shape), behind
-``Policy.generate``, which rollouts, reflections and evaluation all call.
+"""The rollout engine behind ``Policy.generate`` (which rollouts, reflections and evaluation all call): one object,
+``RolloutEngine``, per policy, that owns how a batch of prompts becomes replies.
 
-Each step takes the logits of the rows still running, the log-softmax at the temperature (the log-probs the trainer
-scores: docs/method.md#rollout-importance-sampling-correction), and one token per row: greedy, torch's global
-generator, or each row's own seeded stream (the exponential race ``argmax(logits / T - log E)``, ``E ~ Exp(1)``, which
-picks token k with probability ``softmax(logits / T)[k]``). Nothing else shapes sampling: no checkpoint
-``generation_config`` is read. A row ends at its first EOS (kept: the policy learns to stop); with seeded streams its
-keys/values then leave the batch, so finished rows stop costing. Without seeds every row stays to the end, because
-torch's generator draws one batch-shaped sample per step and a smaller batch would change the other rows' draws.
+- **Decoding** (gpt-fast's shape): one prefill and a loop over the model's own forward. Each step takes the logits of
+  the rows still running, the log-softmax at the temperature (the log-probs the trainer scores:
+  docs/method.md#rollout-importance-sampling-correction) and one token per row (``sampling.Sampler``); nothing else
+  shapes sampling, no checkpoint ``generation_config`` is read. A row ends at its first EOS (kept: the policy learns
+  to stop); with seeded streams its keys/values then leave the batch. Without seeds every row stays to the end: torch's
+  generator draws one batch-shaped sample per step, and a smaller batch would change the other rows' draws.
+  ``model.policy.cuda_graphs``: the steps run over preallocated keys/values instead (``src/models/static_decode.py``).
+- **Shared prefixes**: kept prompt keys/values (``prefix_kv``) and the prefixes rows share (``SharedPrefixes``,
+  ``src/models/prompt_cache.py``) are fed as a cache, so only the rest of each prompt is computed.
+- **Each phase's precision** (``model.policy.rollout_precision``). The prefill multiplies hundreds of prompt tokens
+  at once (compute-bound: bf16 wins on CPUs with AVX512-BF16 or AMX), a decoding step a few rows (bound by the bytes
+  of the weights). A bf16 prefill runs under bf16 autocast (each weight cast once per call); bf16 decoding steps run
+  a bf16 copy of the weights (``InferenceCopy``): autocast would cast frozen weights again at every step. The values:
+  ``trainer`` (both phases under the caller's context, the Trainer's precision), ``fp32``, ``bf16-prefill``,
+  ``bf16-decode``, ``bf16`` and ``auto``: on a CPU a timed probe of each phase's products, bf16 only where it is
+  ``MIN_BF16_SPEEDUP`` times faster; on a GPU ``trainer``. ``auto`` is chosen once per process (``_CHOSEN``, not an
+  environment variable) and logged; the entry points write the choice into the config (``resolve_rollout_precision``:
+  the logged config and the tag ``rollout_precision_used`` say what ran), and DDP/FSDP ranks, which re-run the entry
+  point and so probe each on their own, all take rank 0's value (``RolloutEngine.agree``). Under FSDP, whose sharded
+  weights cannot be copied, ``auto`` falls back from bf16 decoding steps and an explicit one is refused (one rule:
+  ``startup_checks.rollout_precision_under_fsdp``). The loss's log-probs still come from the training forward;
+  ``algorithm.rollout_is`` covers the mismatch.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import logging
+import time
 from dataclasses import dataclass
-from typing import Callable, ContextManager
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from transformers import DynamicCache
 
-from src.models.sampling import counter_exponentials, int64
-from src.models.static_decode import decode_static
-from src.utils.distributed import all_reduce
+from src.models.batch_layout import pack_batch
+from src.models.prompt_cache import PromptKV, SharedPrefixes, batch_with_prefixes, prompt_spans
+from src.models.sampling import Sampler
+from src.models.static_decode import causal_lm, decode_static
+from src.utils.distributed import all_reduce, is_distributed
+from src.utils.startup_checks import BF16_DECODE, on_cuda, rollout_precision_under_fsdp, sharded
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_PRECISIONS = ("auto", "trainer", "fp32", "bf16-prefill", "bf16-decode", "bf16")
+MIN_BF16_SPEEDUP = 1.25  # as trainer.precision=auto (src/utils/precision_choice.py)
+_CHOSEN: dict[str, tuple[str, str]] = {}  # device type -> (auto's choice, its reason): this process's, made once
 
 
-class RowStreams:
-    """Each row's random stream for the exponential race: on a CUDA GPU the counter-based ``counter_exponentials``
-    (``counter=True``: a batch is a few element-wise kernels), elsewhere one ``torch.Generator`` per row (on a CPU the
-    counter's int64 arithmetic is ~10x slower than torch's sampler; Apple's MPS has no float64). The two draw different
-    tokens for the same seeds, each the same in every batch.
+@dataclass(frozen=True)
+class EngineSettings:
+    """What ``model.policy.*`` says of the engine: ``rollout_precision`` (each phase's precision, above) and
+    ``static`` (``model.policy.cuda_graphs``: ``"graphs"``, decoding steps over preallocated keys/values, each a CUDA
+    graph on a GPU, eager elsewhere; ``"eager"``; None: the dynamic cache)."""
 
-    Raises:
-        ValueError: a temperature <= 0.
-    """
-
-    def __init__(self, seeds: list[int], temperature: float, device: torch.device | str = "cpu",
-                 counter: bool | None = None):
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        self.temperature, self.device = temperature, torch.device(device)
-        self.counter = self.device.type == "cuda" if counter is None else counter
-        if self.counter:
-            self.seeds = torch.tensor([int64(int(s)) for s in seeds], dtype=torch.int64, device=device)
-        else:
-            self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
-
-    def draw(self, logits: Tensor, rows: Tensor, step: int) -> Tensor:
-        """``[n]`` tokens of the ``n`` rows ``rows`` (their indices among the seeds) at decoding step ``step`` from
-        ``logits`` ``[n, V]``."""
-        if self.counter:
-            log_race = counter_exponentials(self.seeds[rows.to(self.seeds.device)], step, logits.shape[-1]).log_()
-        else:
-            log_race = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-            for out, row in zip(log_race, rows.tolist()):
-                out.exponential_(generator=self.generators[row])
-            log_race.log_()
-        return (logits.float() / self.temperature - log_race.float()).argmax(dim=-1)
+    rollout_precision: str = "auto"
+    static: str | None = None
 
 
 @dataclass
 class Decoded:
     """``tokens`` / ``log_probs``: ``[B, T]`` (long, float32 nats), row i's response in its first ``lengths[i]``
-    columns (EOS included); ``truncated[i]``: no EOS within the budget; ``prompt_layers``: the prompts' keys/values after
-    the prefill, ``[(keys, values)]`` per layer, each ``[B, kv_heads, width, head_dim]`` (with ``keep_prompt_kv``)."""
+    columns (EOS included); ``truncated[i]``: no EOS within the budget; ``kv`` (with ``keep_prompt_kv``): the prompts'
+    keys/values after the prefill, ``[(keys, values)]`` per layer, each ``[B, kv_heads, width, head_dim]``, and each
+    prompt's column spans in them (``prompt_spans``)."""
 
     tokens: Tensor
     log_probs: Tensor
     lengths: list[int]
     truncated: list[bool]
-    prompt_layers: list[tuple[Tensor, Tensor]] | None
-
-
-def _forward(model, input_ids: Tensor, mask: Tensor, cache, logits_to_keep: int = 1):
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]  # padding never shifts a position
-    return model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                 logits_to_keep=logits_to_keep)
+    kv: tuple[list[tuple[Tensor, Tensor]], list[list[tuple[int, int]]]] | None = None
 
 
 class Replies:
@@ -104,70 +102,136 @@ class Replies:
         return all_reduce([running], op="max")[0] > 0 if synced else running > 0
 
 
-def pick(logits: Tensor, temperature: float, do_sample: bool, streams: RowStreams | None, rows: Tensor,
-         step: int | Tensor) -> tuple[Tensor, Tensor]:
-    """The ``[n]`` tokens drawn from ``logits`` ``[n, V]`` (float32) and their log-probs under
-    ``log_softmax(logits / temperature)``: each row's seeded stream, torch's global generator, or greedy."""
-    log_softmax = torch.log_softmax(logits / temperature, dim=-1)
-    if streams is not None:
-        chosen = streams.draw(logits, rows, step)
-    elif do_sample:
-        chosen = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1).squeeze(1)
-    else:
-        chosen = logits.argmax(dim=-1)
-    return chosen, log_softmax.gather(-1, chosen[:, None]).squeeze(-1)
+class RolloutEngine:
+    """The engine of one policy: its ``EngineSettings``, the bf16 copy its decoding steps may run (``InferenceCopy``)
+    and the rollout precision its ranks agreed on. ``generate`` and ``decode`` take everything else explicitly.
 
-
-@torch.no_grad()
-def decode(model, input_ids: Tensor, attention_mask: Tensor, cache=None, *, max_new_tokens: int,
-           temperature: float, do_sample: bool, eos_token_ids: list[int], pad_token_id: int,
-           streams: RowStreams | None = None, keep_prompt_kv: bool = False, synced: bool = False,
-           prefill_context: Callable[[], ContextManager] | None = None,
-           step_context: Callable[[], ContextManager] | None = None, cache_dtype: torch.dtype | None = None,
-           step_model=None, static: str | None = None) -> Decoded:
-    """Prefill ``input_ids`` ``[B, W]`` (left-padded prompts, or ``[prefix block | rest]`` with ``cache`` holding the
-    prefix block's keys/values: ``batch_with_prefixes``), then decode up to ``max_new_tokens`` tokens per row.
-
-    ``streams``: each row's seeded stream (``do_sample`` only); ``synced`` (FSDP): every rank keeps stepping, rows
-    kept, until no rank has a running row. ``prefill_context`` / ``step_context``: context factories for the prefill
-    and for each decoding step (their precision: ``src/models/rollout_precision.py``); ``cache_dtype``: the dtype the
-    keys/values take after the prefill, for the decoding steps; ``step_model``: the model the decoding steps run
-    (the bf16 inference copy of ``model``, ``src/models/inference_copy.py``; default ``model``). ``static``: decode
-    over preallocated keys/values (``src/models/static_decode.py``), ``"eager"`` or ``"graphs"`` (each step a CUDA
-    graph); None: the dynamic cache.
+    Raises:
+        ValueError: ``settings.static`` with a model the static step cannot run (``static_decode.causal_lm``).
     """
-    with (prefill_context or contextlib.nullcontext)():
-        out = _forward(model, input_ids[:, cache.get_seq_length():] if cache is not None else input_ids,
-                       attention_mask, cache)
-    cache, logits = out.cache, out.logits[:, -1].float()
-    if cache_dtype is not None:
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys.to(cache_dtype), layer.values.to(cache_dtype)
-    prompt_layers = [(layer.keys, layer.values) for layer in cache.layers] if keep_prompt_kv else None
-    replies = Replies(input_ids.shape[0], max_new_tokens, eos_token_ids, pad_token_id, input_ids.device)
-    loop = dict(max_new_tokens=max_new_tokens, temperature=temperature, do_sample=do_sample, streams=streams,
-                synced=synced, step_context=step_context or contextlib.nullcontext)
-    model = model if step_model is None else step_model
-    if static:
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
-        del out, cache  # only ``layers`` (and ``prompt_layers``, when kept) hold the prefill's keys/values now
-        decode_static(model, layers, logits, attention_mask, replies, pick, graphs=static == "graphs", **loop)
-    else:
-        _decode_dynamic(model, cache, logits, attention_mask, replies, **loop)
-    return Decoded(replies.tokens.cpu(), replies.log_probs.cpu(), replies.lengths.tolist(),
-                   (~replies.finished).tolist(), prompt_layers)
+
+    def __init__(self, settings: EngineSettings = EngineSettings(), model: nn.Module | None = None):
+        if settings.static and model is not None:
+            causal_lm(model)  # refuses a model the static step cannot run when built, not at the first rollout
+        self.settings = settings
+        self.copy = InferenceCopy()  # not a submodule of the policy: never in a state dict or an optimizer
+        self.agreed: str | None = None  # rank 0's rollout precision, once ``agree`` ran under torch.distributed
+
+    def precision(self, device_type: str, synced: bool = False) -> str:
+        """The rollout precision that runs on ``device_type``: the agreed one, else the setting with ``auto`` replaced
+        by this process's choice; under FSDP (``synced``) after ``rollout_precision_under_fsdp``.
+
+        Raises:
+            ValueError: an unknown value; bf16 decoding steps asked for explicitly under FSDP.
+        """
+        requested = self.settings.rollout_precision
+        value = self.agreed or rollout_precision(requested, device_type)
+        return rollout_precision_under_fsdp(value, "FSDP", chosen=requested == "auto") if synced else value
+
+    def agree(self) -> None:
+        """Every rank takes rank 0's rollout precision (its log line, logged config and ``rollout_precision_used`` tag
+        say what ran). DDP/FSDP ranks are processes of their own that re-run the entry point, so each resolved
+        ``auto`` by its own timed probe, and probes can disagree. A collective: ``EMPO2Module.configure_model`` calls
+        it, where every rank passes once the process group exists; not the first ``generate``, which a rank may
+        reach where others do not (a reflection). The identity without torch.distributed."""
+        if not is_distributed():
+            return
+        import torch.distributed as dist
+
+        mine = self.precision("cuda" if dist.get_backend() == "nccl" else "cpu")
+        chosen = [mine]
+        dist.broadcast_object_list(chosen, src=0)
+        self.agreed = chosen[0]
+        if chosen[0] != mine:
+            log.info("Rollout precision: %s (rank 0's; this rank had %s)", chosen[0], mine)
+
+    @torch.no_grad()
+    def generate(self, model, prompt_ids: list[list[int]], sampler: Sampler, replies: Replies, *,
+                 prefix_kv: list[PromptKV | None] | None = None, shared: SharedPrefixes | None = None,
+                 keep_prompt_kv: bool = False, synced: bool = False) -> Decoded:
+        """Replies to ``prompt_ids`` into ``replies`` (``Policy.generate`` says what each argument means), with
+        ``model`` in eval mode: the prompts' kept or shared prefixes as a cache, then ``decode``."""
+        was_training = model.training
+        model.eval()
+        try:
+            if shared is not None and prefix_kv is None and not synced:
+                prefix_kv = shared.for_batch(lambda ids, past: _prefix_kv(model, ids, past), prompt_ids)
+            if prefix_kv is not None and any(p is not None for p in prefix_kv):
+                batch, cache = batch_with_prefixes(prompt_ids, prefix_kv, replies.pad, model.config)
+            else:
+                prefix_kv, cache = None, None
+                batch = pack_batch(prompt_ids, [[] for _ in prompt_ids], replies.pad)
+            device = replies.tokens.device
+            out = self.decode(model, batch["input_ids"].to(device), batch["attention_mask"].to(device), cache, replies,
+                              sampler, keep_prompt_kv, synced)
+        finally:
+            model.train(was_training)
+        if keep_prompt_kv:
+            kept = [0 if p is None else p.length for p in (prefix_kv or [None] * len(prompt_ids))]
+            out.kv = (out.kv[0], prompt_spans([len(p) for p in prompt_ids], kept, batch["input_ids"].shape[1]))
+        return out
+
+    def decode(self, model, input_ids: Tensor, attention_mask: Tensor, cache: DynamicCache | None, replies: Replies,
+               sampler: Sampler, keep_prompt_kv: bool = False, synced: bool = False) -> Decoded:
+        """Prefill ``input_ids`` ``[B, W]`` (left-padded prompts, or ``[prefix block | rest]`` with ``cache`` holding
+        the prefix block's keys/values: ``batch_with_prefixes``), then decode until ``replies`` is full or every row
+        ended, each phase in its precision. ``synced`` (FSDP): every rank keeps stepping, rows kept, until no rank
+        has a running row (and the dynamic cache: a captured step cannot gather sharded weights)."""
+        device, value = input_ids.device.type, self.precision(input_ids.device.type, synced)
+        step_model = self.copy.refreshed(model) if value in BF16_DECODE else model
+        # no cast cache in a bf16 prefill: inside the Trainer's autocast it would keep a second bf16 copy of the
+        # trainable weights for the whole rollout, and a prefill casts each weight once per call anyway
+        prefill = contextlib.nullcontext() if value == "trainer" else torch.autocast(
+            device, dtype=torch.bfloat16, enabled=value in ("bf16", "bf16-prefill"), cache_enabled=False)
+        with prefill:
+            out = _forward(model, input_ids[:, cache.get_seq_length():] if cache is not None else input_ids,
+                           attention_mask, cache)
+        cache, logits = out.cache, out.logits[:, -1].float()
+        if value != "trainer":  # the steps' keys/values in the dtype of the weights they run
+            dtype = next(step_model.parameters()).dtype
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.to(dtype), layer.values.to(dtype)
+        kept = [(layer.keys, layer.values) for layer in cache.layers] if keep_prompt_kv else None
+        static = None if synced else self.settings.static
+        # the steps' weights carry their dtype: autocast off, also inside the Trainer's
+        with contextlib.nullcontext() if value == "trainer" else torch.autocast(device, enabled=False):
+            if static:
+                layers = [(layer.keys, layer.values) for layer in cache.layers]
+                del out, cache  # only ``layers`` (and ``kept``) hold the prefill's keys/values now
+                decode_static(step_model, layers, logits, attention_mask, replies, sampler,
+                              replies.tokens.shape[1], synced, graphs=static == "graphs")
+            else:
+                _decode_dynamic(step_model, cache, logits, attention_mask, replies, sampler, synced)
+        return Decoded(replies.tokens.cpu(), replies.log_probs.cpu(), replies.lengths.tolist(),
+                       (~replies.finished).tolist(), None if kept is None else (kept, []))
 
 
-def _decode_dynamic(model, cache, logits: Tensor, mask: Tensor, replies: Replies, *, max_new_tokens: int,
-                    temperature: float, do_sample: bool, streams: RowStreams | None, synced: bool,
-                    step_context: Callable[[], ContextManager]) -> None:
+def _forward(model, input_ids: Tensor, mask: Tensor, cache, logits_to_keep: int = 1):
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1]:]  # padding never shifts a position
+    return model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                 logits_to_keep=logits_to_keep)
+
+
+def _prefix_kv(model, ids: list[int], past: PromptKV | None = None) -> PromptKV:
+    """Keys/values of one prompt prefix ``ids`` (no grad), continuing ``past`` (those of its first ``past.length``
+    ids) when given: what ``SharedPrefixes`` computes."""
+    start = 0 if past is None else past.length
+    cache = None if past is None else DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in past.layers],
+                                                   config=model.config)
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([ids[start:]], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+    return PromptKV([(layer.keys, layer.values) for layer in out.cache.layers], len(ids))
+
+
+def _decode_dynamic(model, cache, logits: Tensor, mask: Tensor, replies: Replies, sampler: Sampler,
+                    synced: bool) -> None:
     """The decoding loop over the model's forward and its growing cache. With seeded streams (and not ``synced``)
-    ended rows leave the batch; without, every row stays, because torch's generator draws one batch-shaped sample per
-    step and a smaller batch would change the other rows' draws."""
+    ended rows leave the batch; without, every row stays (the module docstring says why)."""
     rows = torch.arange(mask.shape[0], device=mask.device)
-    drop = streams is not None and not synced
+    drop = sampler.streams is not None and not synced
+    max_new_tokens = replies.tokens.shape[1]
     for step in range(max_new_tokens):
-        chosen = replies.add(step, rows, *pick(logits, temperature, do_sample, streams, rows, step))
+        chosen = replies.add(step, rows, *sampler.pick(logits, rows, step))
         if step + 1 == max_new_tokens or not replies.running(synced):
             break
         if drop and bool(replies.finished[rows].any()):
@@ -175,5 +239,159 @@ def _decode_dynamic(model, cache, logits: Tensor, mask: Tensor, replies: Replies
             cache.batch_select_indices(keep)
             rows, mask, chosen = rows[keep], mask[keep], chosen[keep]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        with step_context():
-            logits = _forward(model, chosen[:, None], mask, cache).logits[:, -1].float()
+        logits = _forward(model, chosen[:, None], mask, cache).logits[:, -1].float()
+
+
+def probe_phases(hidden: int = 576, ffn: int = 1536, prefill_rows: int = 128, decode_rows: int = 8,
+                 decode_matrices: int = 48, max_seconds: float = 0.2) -> dict[str, float]:
+    """bf16's speed-up over fp32 (> 1: bf16 faster) on the CPU of each phase's products in the form it would run
+    them: a prefill, ``[prefill_rows, hidden] @ [hidden, ffn]`` under bf16 autocast over fp32 weights; a decoding
+    step, ``[decode_rows, hidden]`` through ``decode_matrices`` weights ``[hidden, ffn]`` in bf16 (the inference
+    copy), 170 MB in fp32 by default: a step streams its weights from memory, and one small matrix that stays in
+    the caches does not show it (on the Xeon of docs/performance.md one such product measured 0.9-1.5x, 48 of them
+    2.1x, SmolLM2's whole step 1.8x). ``{"prefill", "decode"}``, best of up to 6 repetitions after a warm-up.
+    Bounded: a dtype stops once it has taken ``max_seconds`` (an emulated bf16 product on an AVX2 CPU is ~50x
+    slower, and one repetition shows it)."""
+    generator = torch.Generator().manual_seed(0)
+    out = {}
+    for phase, rows, count in (("prefill", prefill_rows, 1), ("decode", decode_rows, decode_matrices)):
+        weight = torch.randn(ffn, hidden, generator=generator)
+        weights = [weight] + [weight.clone() for _ in range(count - 1)]  # distinct memory, as a model's layers
+        x = torch.randn(rows, hidden, generator=generator)
+        best = {}
+        for bf16 in (False, True):
+            copied = bf16 and phase == "decode"
+            inputs, ws = (x.bfloat16(), [w.bfloat16() for w in weights]) if copied else (x, weights)
+            times, start = [], time.perf_counter()
+            for _ in range(7):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 and not copied):
+                    tic = time.perf_counter()
+                    for w in ws:
+                        torch.nn.functional.linear(inputs, w)
+                    times.append(time.perf_counter() - tic)
+                if time.perf_counter() - start > max_seconds:
+                    break
+            best[bf16] = min(times[1:] or times)  # the first call warms up
+        out[phase] = best[False] / best[True]
+    return out
+
+
+def decide_rollout_precision(device_type: str, probe: dict[str, float] | None = None) -> tuple[str, str]:
+    """(the phases' precision for ``auto``, a one-line reason) from measured facts: ``probe_phases`` on a CPU.
+
+    Raises:
+        ValueError: a CPU without its probe.
+    """
+    if device_type != "cpu":
+        return "trainer", "a GPU: the Trainer's precision in both phases"
+    if probe is None:
+        raise ValueError("decide_rollout_precision('cpu') needs probe_phases()")
+    fast = {phase: probe[phase] >= MIN_BF16_SPEEDUP for phase in ("prefill", "decode")}
+    choice = {(False, False): "fp32", (True, False): "bf16-prefill", (False, True): "bf16-decode",
+              (True, True): "bf16"}[fast["prefill"], fast["decode"]]
+    return choice, (f"bf16 autocast {probe['prefill']:.2f}x fp32's speed in a prefill product, bf16 weights "
+                    f"{probe['decode']:.2f}x in a decoding one, on this CPU")
+
+
+def rollout_precision(value: str, device_type: str) -> str:
+    """``value`` with ``auto`` replaced by this process's choice for ``device_type`` (``decide_rollout_precision``,
+    made and logged once, kept in ``_CHOSEN``).
+
+    Raises:
+        ValueError: a value not in ``ROLLOUT_PRECISIONS``.
+    """
+    if value not in ROLLOUT_PRECISIONS:
+        raise ValueError(f"model.policy.rollout_precision={value!r}: expected one of {ROLLOUT_PRECISIONS}")
+    if value != "auto":
+        return value
+    if device_type not in _CHOSEN:
+        _CHOSEN[device_type] = decide_rollout_precision(device_type,
+                                                        probe_phases() if device_type == "cpu" else None)
+        log.info("Rollout precision: %s (%s; model.policy.rollout_precision=auto, override with e.g. "
+                 "model.policy.rollout_precision=fp32)", *_CHOSEN[device_type])
+    return _CHOSEN[device_type][0]
+
+
+def resolve_rollout_precision(cfg) -> str | None:
+    """Replace ``model.policy.rollout_precision=auto`` in ``cfg`` by this machine's choice (``rollout_precision`` for
+    the device ``trainer.accelerator`` names; under FSDP after ``rollout_precision_under_fsdp``), so the logged config
+    and the tag ``rollout_precision_used`` say what ran. Returns it (None without a policy).
+
+    Raises:
+        ValueError: an unknown value.
+    """
+    from omegaconf import open_dict
+
+    policy = (cfg.get("model") or {}).get("policy")
+    if policy is None:
+        return None
+    trainer = cfg.get("trainer") or {}
+    requested = str(policy.get("rollout_precision", "auto"))
+    value = rollout_precision(requested, "cuda" if on_cuda(str(trainer.get("accelerator", "cpu")).lower()) else "cpu")
+    fsdp = sharded(trainer)
+    if requested == "auto" and fsdp and value != rollout_precision_under_fsdp(value, fsdp, chosen=True):
+        value = rollout_precision_under_fsdp(value, fsdp, chosen=True)
+        log.info("Rollout precision under FSDP: %s (its sharded weights cannot be copied for bf16 decoding steps)",
+                 value)
+    with open_dict(policy):
+        policy.rollout_precision = value
+    return value
+
+
+class InferenceCopy:
+    """A copy of one model in ``dtype`` for bf16 decoding steps, built at first use on the model's device. A step
+    multiplies a few rows by every weight, so its time is the weights' bytes, which bf16 halves (SmolLM2, 8 rows at
+    900 tokens, the AMX Xeon of docs/performance.md: ~68 ms a step with the copy, ~125 ms fp32, ~118 ms under
+    autocast with frozen weights). It holds only the parameters whose dtype differs (a bf16 LoRA base is shared) and
+    keeps the buffers as they are (a bf16 rotary ``inv_freq`` would shift late positions' phase by radians).
+
+    Refreshed from the live weights at every ``generate`` call (42 ms for SmolLM2 on that Xeon, ~1 % of an 8-row
+    rollout step), so no update path leaves it stale (a fused optimizer and ``.data`` writes bump no version counter);
+    rebuilt when anything else it mirrors changes: another model, a parameter object replaced, a shape, device or
+    dtype, or a PEFT layer's adapter state (merged, disabled, which adapters are active)."""
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16):
+        self.dtype = dtype
+        self.source: nn.Module | None = None
+        self.model: nn.Module | None = None
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the copy's tensor, the live parameter it mirrors)
+        self.layout: list[tuple] = []
+
+    def __deepcopy__(self, memo) -> "InferenceCopy":
+        return InferenceCopy(self.dtype)  # a copied policy builds its own copy of its own weights
+
+    def refreshed(self, model: nn.Module) -> nn.Module:
+        """``model`` itself where every parameter is already ``dtype``, else the copy with the live weights now.
+
+        The copy has the model's modules, hooks and config, ``requires_grad=False`` parameters, and is in eval mode.
+        """
+        live = list(model.parameters())
+        if all(p.dtype == self.dtype for p in live):
+            return model
+        layout = [(id(p), p.shape, p.device, p.dtype) for p in live] + adapter_state(model)
+        if self.source is not model or layout != self.layout:
+            self._build(model, live)
+            self.layout = layout
+        with torch.no_grad():
+            for mine, p in self.pairs:
+                mine.copy_(p)
+        return self.model
+
+    def _build(self, model: nn.Module, live: list[nn.Parameter]) -> None:
+        self.model = self.source = None  # the old copy's memory first
+        memo, self.pairs = {}, []
+        for p in live:  # a tied parameter appears once, and stays tied in the copy through the memo
+            if p.dtype == self.dtype:
+                memo[id(p)] = p  # shared, not copied: always the live value
+                continue
+            mine = nn.Parameter(torch.empty(p.shape, dtype=self.dtype, device=p.device), requires_grad=False)
+            memo[id(p)] = mine
+            self.pairs.append((mine, p))
+        self.model = copy.deepcopy(model, memo).eval()
+        self.source = model
+
+
+def adapter_state(model: nn.Module) -> list[tuple]:
+    """Each PEFT LoRA layer's (merged, adapters disabled, active adapters): flags a copy does not follow by itself."""
+    return [(bool(getattr(m, "merged", False)), bool(getattr(m, "disable_adapters", False)),
+             tuple(getattr(m, "active_adapters", ()))) for m in model.modules() if hasattr(m, "merged_adapters")]

@@ -1,4 +1,4 @@
-"""What sampling may and may not read, and the counter-based random stream of a seeded row.
+"""What sampling may and may not read, how a step draws (``Sampler``), and the random streams of seeded rows.
 
 The trainer scores every sampled token with ``log_softmax(logits / T)`` over the full vocabulary (old and behaviour
 log-probs of the clipped loss, docs/method.md#one-iteration), so the tokens must be drawn from that same distribution.
@@ -9,6 +9,7 @@ The rollout engine (``src/models/rollout_engine.py``) reads nothing but the logi
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,3 +69,60 @@ def counter_exponentials(seeds: Tensor, step: int | Tensor, size: int) -> Tensor
     offset = step * _STEP if isinstance(step, Tensor) else int64(step * _STEP)
     x = splitmix64(seeds[:, None] * _SEED + (index * _GAMMA + offset))
     return -torch.log((_shift_right(x, 11).double() + 0.5) * 2.0 ** -53)
+
+
+class RowStreams:
+    """Each row's random stream for the exponential race ``argmax(logits / T - log E)``, ``E ~ Exp(1)`` (it picks
+    token k with probability ``softmax(logits / T)[k]``): on a CUDA GPU the counter-based ``counter_exponentials``
+    (``counter=True``: a batch is a few element-wise kernels), elsewhere one ``torch.Generator`` per row (on a CPU the
+    counter's int64 arithmetic is ~10x slower than torch's sampler; Apple's MPS has no float64). The two draw different
+    tokens for the same seeds, each the same in every batch.
+
+    Raises:
+        ValueError: a temperature <= 0.
+    """
+
+    def __init__(self, seeds: list[int], temperature: float, device: torch.device | str = "cpu",
+                 counter: bool | None = None):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.temperature, self.device = temperature, torch.device(device)
+        self.counter = self.device.type == "cuda" if counter is None else counter
+        if self.counter:
+            self.seeds = torch.tensor([int64(int(s)) for s in seeds], dtype=torch.int64, device=device)
+        else:
+            self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+    def draw(self, logits: Tensor, rows: Tensor, step: int) -> Tensor:
+        """``[n]`` tokens of the ``n`` rows ``rows`` (their indices among the seeds) at decoding step ``step`` from
+        ``logits`` ``[n, V]``."""
+        if self.counter:
+            log_race = counter_exponentials(self.seeds[rows.to(self.seeds.device)], step, logits.shape[-1]).log_()
+        else:
+            log_race = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            for out, row in zip(log_race, rows.tolist()):
+                out.exponential_(generator=self.generators[row])
+            log_race.log_()
+        return (logits.float() / self.temperature - log_race.float()).argmax(dim=-1)
+
+
+@dataclass
+class Sampler:
+    """How every step of one ``generate`` call draws: at ``temperature``, from each row's seeded stream
+    (``streams``, ``do_sample`` only), torch's global generator (``do_sample`` without streams), or greedily."""
+
+    temperature: float
+    do_sample: bool = True
+    streams: RowStreams | None = None
+
+    def pick(self, logits: Tensor, rows: Tensor, step: int | Tensor) -> tuple[Tensor, Tensor]:
+        """The ``[n]`` tokens drawn from ``logits`` ``[n, V]`` (float32) for the rows ``rows`` at ``step`` and their
+        log-probs under ``log_softmax(logits / temperature)``."""
+        log_softmax = torch.log_softmax(logits / self.temperature, dim=-1)
+        if self.streams is not None:
+            chosen = self.streams.draw(logits, rows, step)
+        elif self.do_sample:
+            chosen = torch.multinomial(torch.softmax(logits / self.temperature, dim=-1), num_samples=1).squeeze(1)
+        else:
+            chosen = logits.argmax(dim=-1)
+        return chosen, log_softmax.gather(-1, chosen[:, None]).squeeze(-1)

@@ -1,6 +1,6 @@
 """Decoding steps over preallocated keys/values (gpt-fast's shape), each step captured in a CUDA graph on a GPU.
 
-The dynamic loop of ``rollout_engine.decode`` grows every layer's keys/values by one column per step (a copy of the
+The dynamic loop of ``RolloutEngine.decode`` grows every layer's keys/values by one column per step (a copy of the
 whole cache) and launches each of a step's ~15 kernels per layer from Python: on a GPU the launches, not the bytes,
 bound a 7B decoding step (docs/performance.md). Here the prompt's keys/values are copied once into buffers with room
 for every new token; a step writes one column in place (``StaticKV``) and runs the model's own decoder layers, norm
@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+
+from src.models.sampling import Sampler
 
 STATIC_MODEL_TYPES = ("llama", "qwen2")  # decoders whose forward is embedding, layers, norm, head and no more
 
@@ -125,14 +127,13 @@ class _Graph:
 
 
 @torch.no_grad()
-def decode_static(model, layers: list[tuple[Tensor, Tensor]], logits: Tensor, mask: Tensor, replies, pick, *,
-                  max_new_tokens: int, temperature: float, do_sample: bool, streams, synced: bool, graphs: bool,
-                  step_context) -> None:
-    """``rollout_engine.decode``'s loop over ``StaticKV``: ``layers`` the prefill's keys/values (``[B, kv_heads, W,
+def decode_static(model, layers: list[tuple[Tensor, Tensor]], logits: Tensor, mask: Tensor, replies,
+                  sampler: Sampler, max_new_tokens: int, synced: bool, graphs: bool) -> None:
+    """``RolloutEngine.decode``'s loop over ``StaticKV``: ``layers`` the prefill's keys/values (``[B, kv_heads, W,
     head_dim]`` each), ``logits`` ``[B, V]`` its last position's, ``mask`` ``[B, W]``; writes into ``replies``
-    (``rollout_engine.Replies``) with ``pick`` (``rollout_engine.pick``). ``graphs``: capture each bucket's step in
-    a CUDA graph (seeded streams on CUDA or greedy only: torch's global generator draws one batch-shaped sample per
-    step, so those rows run eagerly, every row to the end, as in the dynamic loop).
+    (``rollout_engine.Replies``) what ``sampler`` draws. ``graphs``: capture each bucket's step in a CUDA graph
+    (seeded streams on CUDA or greedy only: torch's global generator draws one batch-shaped sample per step, so
+    those rows run eagerly, every row to the end, as in the dynamic loop).
 
     Raises:
         ValueError: the model is not a decoder of the supported shape (``causal_lm``).
@@ -140,7 +141,8 @@ def decode_static(model, layers: list[tuple[Tensor, Tensor]], logits: Tensor, ma
     core = causal_lm(model)
     batch, width = mask.shape
     device = mask.device
-    graphs = graphs and device.type == "cuda" and (streams is None and not do_sample
+    streams = sampler.streams
+    graphs = graphs and device.type == "cuda" and (streams is None and not sampler.do_sample
                                                    or streams is not None and streams.counter)
     drop = streams is not None and not synced
     slot = torch.full((1,), width, dtype=torch.long, device=device)
@@ -152,7 +154,7 @@ def decode_static(model, layers: list[tuple[Tensor, Tensor]], logits: Tensor, ma
     own = torch.ones(batch, dtype=torch.bool, device=device)  # the slot that records its row (fillers do not)
     step_t = torch.zeros(1, dtype=torch.long, device=device)
     graph = None
-    chosen, log_prob = pick(logits, temperature, do_sample, streams, rows, 0)
+    chosen, log_prob = sampler.pick(logits, rows, 0)
     for step in range(max_new_tokens):
         fed = replies.add(step, rows[own], chosen[own], log_prob[own])
         chosen = chosen.masked_scatter(own, fed)
@@ -170,9 +172,8 @@ def decode_static(model, layers: list[tuple[Tensor, Tensor]], logits: Tensor, ma
         step_t.fill_(step + 1)
 
         def one_step(token: Tensor, pos: Tensor, at: Tensor, kv=kv, valid=valid, rows=rows):
-            with step_context():
-                step_logits = forward_step(core, token, pos, valid, kv)
-            return pick(step_logits, temperature, do_sample, streams, rows, at if graphs else int(at))
+            step_logits = forward_step(core, token, pos, valid, kv)
+            return sampler.pick(step_logits, rows, at if graphs else int(at))
 
         if graphs and graph is None:
             graph = _Graph(one_step, [chosen, position, step_t])

@@ -8,7 +8,10 @@ An explicit ``trainer.precision=...`` is never changed; ``precision_problems`` r
 way (``src/models/precision.py``); only the compute dtype of matmuls changes.
 
 The choice is made once per process tree: the first process stores it in ``EMPO2_PRECISION_CHOICE`` and the
-processes it starts (DDP ranks, environment workers) read it from there, so ranks never disagree.
+processes it starts (DDP ranks, environment workers, a study's runs) read it from there, so ranks never disagree.
+An environment variable, unlike the rollout precision's choice (``src/models/rollout_engine.py``: rank 0's, by a
+broadcast once the ranks can talk): every rank builds its Trainer, whose precision plugin is this choice, before the
+process group exists, and Lightning starts the ranks with the launching process's environment.
 """
 from __future__ import annotations
 

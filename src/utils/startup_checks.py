@@ -42,7 +42,7 @@ def check_trainer_options(cfg: DictConfig) -> None:
     """
     trainer, data = cfg.trainer, cfg.get("data") or {}
     rows_rule = data.get("mini_batch_rows") is not None  # the steps per iteration follow the rollout
-    steps_per_iteration = int(data.get("ppo_epochs", 1)) * int(data.get("num_mini_batches") or 1)
+    steps_per_iteration = int(data.ppo_epochs) * int(data.get("num_mini_batches") or 1)
     problems = []
     for key in ("limit_train_batches", "overfit_batches"):
         value = trainer.get(key)
@@ -113,14 +113,15 @@ def generation_problems(trainer: dict[str, Any], model: dict[str, Any]) -> list[
     """``model.policy.cuda_graphs``: a bool, true only where a decoding step can be captured (a CUDA accelerator; not
     FSDP, whose sharded weights are gathered inside each forward: src/models/static_decode.py);
     ``model.policy.rollout_precision``: no bf16 decoding steps under FSDP (they run a copy of the weights, and
-    sharded weights cannot be copied: src/models/inference_copy.py)."""
+    sharded weights cannot be copied: ``rollout_precision_under_fsdp``)."""
     policy = model.get("policy") or {}
     fsdp = sharded(trainer)
-    precision = policy.get("rollout_precision", "auto")
-    # rollout_precision.BF16_DECODE's values, written out: utils may not import models (tests/test_imports.py)
-    problems = [] if not fsdp or precision not in ("bf16", "bf16-decode") else [
-        f"model.policy.rollout_precision={precision} with trainer.strategy={fsdp}: bf16 decoding steps run a bf16 "
-        "copy of the weights, which FSDP's sharded weights cannot give; expected fp32, bf16-prefill, trainer or auto"]
+    problems = []
+    try:
+        if fsdp:
+            rollout_precision_under_fsdp(str(policy.get("rollout_precision", "auto")), fsdp, chosen=False)
+    except ValueError as err:
+        problems.append(str(err))
     value = policy.get("cuda_graphs", False)
     if not isinstance(value, bool):
         return problems + [f"model.policy.cuda_graphs={value!r}: expected true or false"]
@@ -134,6 +135,28 @@ def generation_problems(trainer: dict[str, Any], model: dict[str, Any]) -> list[
         problems.append(f"model.policy.cuda_graphs=true with trainer.strategy={fsdp}: FSDP gathers "
                         "sharded weights inside each forward, which a captured step cannot; expected false")
     return problems
+
+
+# the rollout precisions whose decoding steps run a bf16 copy of the weights (src/models/rollout_engine.py)
+BF16_DECODE = ("bf16", "bf16-decode")
+
+
+def rollout_precision_under_fsdp(value: str, strategy: str, chosen: bool) -> str:
+    """The one rule for bf16 decoding steps under FSDP (they run a copy of the weights, and sharded weights cannot be
+    copied): the rollout precision ``value`` that runs there. ``auto``'s choice (``chosen``) falls back to
+    bf16-prefill or fp32; an explicit value is refused. Here, in src/utils, so that both the start-up check and the
+    engine (src/models/rollout_engine.py) read it.
+
+    Raises:
+        ValueError: an explicit ``value`` with bf16 decoding steps, naming ``strategy``.
+    """
+    if value not in BF16_DECODE:
+        return value
+    if chosen:
+        return {"bf16": "bf16-prefill", "bf16-decode": "fp32"}[value]
+    raise ValueError(f"model.policy.rollout_precision={value} with trainer.strategy={strategy}: bf16 decoding steps "
+                     "run a bf16 copy of the weights, which FSDP's sharded weights cannot give; expected fp32, "
+                     "bf16-prefill, trainer or auto")
 
 
 def strategy_name(strategy: Any) -> str:
