@@ -20,13 +20,16 @@ sees), ``max_score`` (float), and ``admissible_actions`` (list[str]) when the en
 An invalid action is a no-op with ``valid_action=False``, never an exception. ``truncated`` is True when the
 environment's own action cap is reached.
 
-Both environments read the action with one rule, ``extract_action``: the first ``<action>`` tag wins, and
-``info['format_ok']`` is False when a reply holds several tags or an unclosed one.
+Every environment (ScienceWorld, WebShop, TextWorldExpress) reads the action with one rule, ``extract_action``: the
+first ``<action>`` tag wins, and ``info['format_ok']`` is False when a reply holds several tags or an unclosed one.
 """
 from __future__ import annotations
 
+import logging
 import re
-from typing import Any
+from typing import Any, Callable
+
+from src.utils.environ import temporary_environ
 
 _JVM_SIZE = re.compile(r"^\d+[kKmMgG]?$")
 _OPEN_TAG = re.compile(r"<action>", re.IGNORECASE)
@@ -51,6 +54,24 @@ def jvm_problems(env_cfg: dict[str, Any], name: str) -> list[str]:
     if heap is not None and not _JVM_SIZE.match(str(heap)):
         problems.append(f"env.jvm_heap={heap!r}: expected a JVM heap size like '768m' or '2g' (-Xmx of each JVM)")
     return problems
+
+
+def launch_jvm(factory: Callable[[], Any], jvm_heap: str, flags: str = "") -> Any:
+    """``factory()``, which starts a simulator's JVM, with ``jvm_heap`` as its max heap and the serial GC (without a
+    cap one JVM grows to ~3.5 GB; the default GC runs a thread per core) plus ``flags``. ``JAVA_TOOL_OPTIONS`` is set
+    only while the JVM launches, so this process's environment is left as it was."""
+    with temporary_environ("JAVA_TOOL_OPTIONS", f"-Xmx{jvm_heap} -XX:+UseSerialGC {flags}".rstrip()):
+        return factory()
+
+
+def close_jvm(simulator: Any, name: str) -> None:
+    """Close a simulator package's object (its JVM may already be gone: nothing left to release), then disarm its
+    ``close``: the object's ``__del__`` would call it again on the dead gateway."""
+    try:
+        simulator.close()
+    except Exception as exc:
+        logging.getLogger(__name__).debug("%s JVM shutdown: %s", name, exc)
+    simulator.close = lambda: None
 
 
 def extract_action(response: str) -> tuple[str | None, bool]:
@@ -133,13 +154,8 @@ class Environment:
     Task dicts (``tasks(split)``) carry ``task_name`` and ``variation``: the memory's per-variation partition is
     ``<task_name>/<variation>``.
 
-    Hooks of the imitation warm start (``src/warm_start.py``), which an environment without demonstrations leaves
-    as they are (the warm start then says what is missing):
-
-    - ``warm_start_config`` / ``warm_start_tasks``: the environment and the training tasks it demonstrates on;
-    - ``demonstrations``: successful trajectory records (``replay``'s format) of those tasks, e.g. gold paths;
-    - ``reflection_records`` and ``hindsight_tip``: trajectories that go right and wrong, and the tip an agent
-      could write on one in hindsight, from what the trajectory showed it only (the reflection examples).
+    The hooks of the imitation warm start (``src/warm_start.py``) follow; an environment without demonstrations
+    leaves them as they are (the warm start then says what is missing).
     """
 
     display_name = "environment"
@@ -187,7 +203,6 @@ class Environment:
     def startup_warnings(cls, env_cfg: dict[str, Any]) -> None:
         """Warn at start-up about settings that run but may not do what the user meant (default: nothing)."""
 
-    # ------------------------------------------------------------------ the imitation warm start
     @classmethod
     def warm_start_config(cls, env_cfg: dict[str, Any], num_tasks: int | None) -> dict[str, Any]:
         """The config the warm start builds its environment from, ``model.warm_start.num_tasks`` given (default:
@@ -239,6 +254,20 @@ class Environment:
         """
         raise NotImplementedError("this environment writes no hindsight tips (Environment.hindsight_tip; set "
                                   "model.warm_start.reflections=null)")
+
+
+class JvmEnvironment(Environment):
+    """An environment whose simulator (``self._sim``, set with ``self._closed = False``) runs in a JVM of its own."""
+
+    def close(self) -> None:
+        """Shut the JVM down (idempotent)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        close_jvm(self._sim, self.display_name)
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def environment_class(env_cfg: dict[str, Any] | str) -> type[Environment]:

@@ -2,11 +2,10 @@
 (docs/environments.md#the-contract, "Worker pool").
 
 Each worker builds its environment from a picklable ``_target_`` config with ``hydra.utils.instantiate`` and
-serves reset/step/tasks over a pipe. A call to several workers is sent to all of them before any answer is
-read, so the environments work in parallel. A worker that dies, breaks its pipe, raises inside its
-environment, or does not answer within ``timeout_s`` seconds is killed and restarted (a ValueError or TypeError of
-``reset``/``step`` keeps it), and that call's result for it is an error result: an exception of an episode never ends
-the run (docs/method.md#one-iteration, step 4: the caller marks the episode failed and drops it from its group).
+serves reset/step/tasks over a pipe. A call to several workers is sent to all of them before any answer is read, so
+the environments work in parallel. A broken or silent worker is restarted, and its result is an error result: an
+exception of an episode never ends the run (docs/method.md#one-iteration, step 4: the caller marks the episode
+failed and drops it from its group).
 """
 from __future__ import annotations
 
@@ -59,6 +58,7 @@ def _worker_main(conn: Connection, env_cfg: dict[str, Any]) -> None:
         conn.send(("init_error", traceback.format_exc()))
         return
     conn.send(("ready", os.getpid()))
+    calls = {"reset": env.reset, "step": env.step, "tasks": env.tasks, "system_prompt": lambda _: env.system_prompt}
     try:
         while True:
             try:
@@ -68,17 +68,9 @@ def _worker_main(conn: Connection, env_cfg: dict[str, Any]) -> None:
             if cmd == "close":
                 break
             try:
-                if cmd == "reset":
-                    result = env.reset(arg)
-                elif cmd == "step":
-                    result = env.step(arg)
-                elif cmd == "tasks":
-                    result = env.tasks(arg)
-                elif cmd == "system_prompt":
-                    result = env.system_prompt
-                else:
+                if cmd not in calls:
                     raise ValueError(f"unknown pool command {cmd!r}")
-                reply = ("ok", result)
+                reply = ("ok", calls[cmd](arg))
             except (ValueError, TypeError) as exc:
                 kind = "episode_error" if cmd in ("reset", "step") else "bad_request"
                 reply = (kind, f"{type(exc).__name__}: {exc}")
@@ -97,15 +89,8 @@ class _Worker:
 
 
 def _plain_config(env_cfg: Any) -> dict[str, Any]:
-    if not isinstance(env_cfg, Mapping):
-        try:
-            from omegaconf import DictConfig, OmegaConf
-        except ImportError:  # pragma: no cover - omegaconf ships with hydra
-            DictConfig = ()
-        if isinstance(env_cfg, DictConfig):
-            env_cfg = OmegaConf.to_container(env_cfg, resolve=True)
-        else:
-            raise ValueError(f"env_cfg: expected a mapping with '_target_', got {type(env_cfg).__name__}")
+    if not isinstance(env_cfg, Mapping):  # a DictConfig is a Mapping
+        raise ValueError(f"env_cfg: expected a mapping with '_target_', got {type(env_cfg).__name__}")
     cfg = dict(env_cfg)
     if "_target_" not in cfg:
         raise ValueError(f"env_cfg: expected a '_target_' key (the environment class), got keys {sorted(cfg)}")
@@ -151,7 +136,6 @@ class EnvPool:
             raise RuntimeError(f"EnvPool: could not read the system prompt: {payload}")
         self.system_prompt: str = payload
 
-    # ------------------------------------------------------------------ workers
     @property
     def num_workers(self) -> int:
         return len(self._workers)
@@ -169,12 +153,16 @@ class EnvPool:
         child_conn.close()  # so the parent sees EOF when the worker dies
         return _Worker(process, parent_conn)
 
-    @staticmethod
-    def _ask_to_close(worker: _Worker) -> None:
-        try:
-            worker.conn.send(("close", None))
-        except (OSError, ValueError):  # already gone
-            pass
+    @classmethod
+    def _close_workers(cls, workers: list[_Worker]) -> None:
+        """Ask every worker to close its environment, then stop each (10 s each to finish)."""
+        for worker in workers:
+            try:
+                worker.conn.send(("close", None))
+            except (OSError, ValueError):  # already gone
+                pass
+        for worker in workers:
+            cls._stop(worker, wait=10)
 
     @staticmethod
     def _stop(worker: _Worker, wait: float = 0.0) -> None:
@@ -202,12 +190,8 @@ class EnvPool:
             raise ValueError(f"num_workers={num_workers!r}: expected an int ≥ 1")
         if self._closed:
             raise RuntimeError("EnvPool is closed")
-        extra = self._workers[num_workers:]
+        self._close_workers(self._workers[num_workers:])
         del self._workers[num_workers:]
-        for worker in extra:
-            self._ask_to_close(worker)
-        for worker in extra:
-            self._stop(worker, wait=10)
         first_new = len(self._workers)
         self._workers.extend(self._spawn() for _ in range(first_new, num_workers))
         deadline = time.monotonic() + self.start_timeout_s
@@ -225,7 +209,6 @@ class EnvPool:
                                    f"({self.env_cfg['_target_']}):\n{detail}")
             self._workers[i].ready = True
 
-    # ------------------------------------------------------------------ calls
     @staticmethod
     def _recv(worker: _Worker, deadline: float) -> tuple | None:
         """Next message, or None on timeout; raises EOFError/OSError when the worker is gone."""
@@ -318,16 +301,12 @@ class EnvPool:
             raise RuntimeError(f"EnvPool.tasks({split!r}) failed: {payload}")
         return payload
 
-    # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Stop every worker (each closes its environment); idempotent."""
         if self._closed:
             return
         self._closed = True
-        for worker in self._workers:
-            self._ask_to_close(worker)
-        for worker in self._workers:
-            self._stop(worker, wait=10)
+        self._close_workers(self._workers)
         self._workers = []
 
     def __enter__(self) -> EnvPool:

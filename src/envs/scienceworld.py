@@ -4,23 +4,16 @@ The package's own ``ScienceWorldEnv.step`` makes several extra JVM round trips p
 task description and the ~1000-entry valid-action list), so this wrapper talks to the py4j server object
 directly: ``step``/``getScore``/``getCompleted`` per action, and the valid-action list only when action
 correction or ``include_admissible_actions`` needs it.
-
-Task names, paper ids and action caps live in ``src/envs/scienceworld_tasks.py``; gold trajectories (generated,
-verified and cached) in ``src/envs/scienceworld_gold.py``.
 """
 from __future__ import annotations
 
-import logging
 import numbers
 import re
 from typing import Any
 
-from src.envs.base import Environment, jvm_problems, read_action
+from src.envs.base import JvmEnvironment, jvm_problems, launch_jvm, read_action
 from src.envs.scienceworld_demos import scienceworld_tip
 from src.envs.scienceworld_tasks import default_max_steps, resolve_task, settings_problems, task_list
-from src.utils.environ import temporary_environ
-
-logger = logging.getLogger(__name__)
 
 MAX_SCORE = 100.0
 
@@ -43,12 +36,7 @@ def _blocked(action: str) -> bool:
 
 
 def parse_action(response: str) -> str:
-    """Extract the action command from a raw policy response.
-
-    The first ``<action>`` tag's action by the rule of ``src.envs.base.extract_action`` (an unclosed tag, e.g.
-    a generation cut at the token limit, runs to the end of the text); without a tag, the first non-empty line
-    of the whole text, stripped (``src.envs.base.read_action``). Returns "" when there is none.
-    """
+    """The action of a raw policy reply by ``src.envs.base.read_action``; "" when there is none."""
     return read_action(response)[0]
 
 
@@ -64,18 +52,14 @@ def start_jvm(jvm_heap: str):
         raise ValueError("\n".join(problems))
     from scienceworld import ScienceWorldEnv as _PackageEnv
 
-    # Without a heap cap one JVM grows to ~3.5 GB; the serial GC avoids one GC thread per core.
     # hashCode=2 (a constant identity hash): the simulator lists same-named objects in hash-set order, and the
     # default per-thread random hash made that order depend on the episodes the JVM ran before, its flags and the
     # core count; a constant hash leaves creation order (measured: 12 episodes, 4 different texts across 2 orders
     # x 2 flag sets before, 1 after; ~7% slower per step).
-    # Set only while the JVM is launched, so this process's environment is left as it was.
-    with temporary_environ("JAVA_TOOL_OPTIONS", f"-Xmx{jvm_heap} -XX:+UseSerialGC "
-                           "-XX:+UnlockExperimentalVMOptions -XX:hashCode=2"):
-        return _PackageEnv("")
+    return launch_jvm(lambda: _PackageEnv(""), jvm_heap, "-XX:+UnlockExperimentalVMOptions -XX:hashCode=2")
 
 
-class ScienceWorldEnv(Environment):
+class ScienceWorldEnv(JvmEnvironment):
     """One ScienceWorld simulator (one JVM) behind the contract of ``src/envs/base.py``
     (docs/environments.md#scienceworld).
 
@@ -150,8 +134,8 @@ class ScienceWorldEnv(Environment):
         self.include_admissible_actions = include_admissible_actions
         self.seed = seed
 
-        self._sw = start_jvm(jvm_heap)
-        self._server = self._sw.server
+        self._sim = start_jvm(jvm_heap)
+        self._server = self._sim.server
         self._closed = False
         try:
             self._check_simplification()
@@ -175,7 +159,6 @@ class ScienceWorldEnv(Environment):
         simplification preset needs the simulator and is checked when it starts."""
         return settings_problems(env_cfg, training) + jvm_problems(env_cfg, "ScienceWorld")
 
-    # ----------------------------------------------------------------- splits
     def _check_simplification(self) -> None:
         allowed = ["easy"] + str(self._server.getPossibleSimplifications()).split(", ")
         bad = [s for s in self.simplification.split(",") if s and s not in allowed]
@@ -204,7 +187,6 @@ class ScienceWorldEnv(Environment):
         return [{"task_name": name, "variation": int(v)}
                 for name, splits in self._splits.items() for v in splits[split][:limits[split]]]
 
-    # ----------------------------------------------------------------- episode
     def _load(self, name: str, variation: int) -> None:
         max_var = int(self._server.getTaskMaxVariations(name))
         if not 0 <= variation < max_var:
@@ -336,7 +318,6 @@ class ScienceWorldEnv(Environment):
                 "Use 'focus on OBJ' only on the object the task tells you to focus on: focusing on a wrong "
                 "object ends the task as a failure.")
 
-    # ------------------------------------------------------------------ Environment hooks
     @classmethod
     def startup_warnings(cls, env_cfg: dict[str, Any]) -> None:
         """Warn when the action cap cuts a task's gold path short (``scienceworld_gold_lengths``)."""
@@ -375,20 +356,6 @@ class ScienceWorldEnv(Environment):
         return [[f"The solution: {'; '.join(record['actions'])}."] for record in env_gold(tasks, env_cfg, data_dir)]
 
     hindsight_tip = staticmethod(scienceworld_tip)
-
-    def close(self) -> None:
-        """Shut the JVM down (idempotent)."""
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        try:
-            self._sw.close()
-        except Exception as exc:  # the JVM may already be gone; nothing left to release
-            logger.debug("ScienceWorld JVM shutdown: %s", exc)
-        self._sw.close = lambda: None  # the package object's __del__ would call close() again on the dead gateway
-
-    def __del__(self) -> None:
-        self.close()
 
 
 __all__ = ["ScienceWorldEnv", "resolve_task", "default_max_steps", "parse_action", "start_jvm"]

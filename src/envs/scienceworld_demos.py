@@ -1,14 +1,5 @@
-"""ScienceWorld's demonstrations and hindsight tips for the imitation warm start (``ScienceWorldEnv``'s
-``Environment`` hooks; docs/usage.md#imitation-warm-start).
-
-- Demonstrations: the simulator's gold action paths of the *training* variations, cached on disk by
-  ``scripts/cache_gold_trajectories.py`` (docs/environments.md#scienceworld; run in a subprocess when missing,
-  because generating them slows every later reset of the generating JVM), cut to the run's action cap.
-- Reflection trajectories: per training variation the gold path and the gold path after needless ``look around``
-  steps, replayed in the simulator under the run's step cap (so some run out of steps), cached next to the gold
-  paths.
-- ``scienceworld_tip``: the hindsight tip on one of them, from what the agent saw only.
-"""
+"""ScienceWorld's demonstrations (gold paths) and hindsight tips for the imitation warm start (``ScienceWorldEnv``'s
+``Environment`` hooks; docs/usage.md#imitation-warm-start)."""
 from __future__ import annotations
 
 import json

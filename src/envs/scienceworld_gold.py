@@ -1,9 +1,5 @@
-"""ScienceWorld gold trajectories: generated from the simulator, verified by replay, cached as JSON.
-
-Run ``generate_gold`` in a separate process (asking the simulator for a gold path slows every later ``reset`` of
-that JVM); ``save_gold`` caches the records and ``load_gold`` reads them back (see
-``scripts/cache_gold_trajectories.py``). The imitation warm start's demonstrations come from this cache.
-"""
+"""ScienceWorld gold trajectories: generated from the simulator, verified by replay, cached as JSON
+(``scripts/cache_gold_trajectories.py``); the imitation warm start's demonstrations come from this cache."""
 from __future__ import annotations
 
 import json
@@ -12,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from src.envs.base import close_jvm
 from src.envs.scienceworld import ScienceWorldEnv, start_jvm
 from src.envs.scienceworld_demos import gold_file, load_gold  # noqa: F401 - the cache's reader, used here and re-exported
 from src.envs.scienceworld_tasks import resolve_task
@@ -70,11 +67,7 @@ def generate_gold(tasks: list[dict[str, Any]], simplification: str = "easy",
     finally:
         if replay is not None:
             replay.close()
-        try:
-            generator.close()
-        except Exception as exc:  # already gone: nothing to release
-            logger.debug("gold JVM shutdown: %s", exc)
-        generator.close = lambda: None  # keep the package's __del__ off the dead gateway
+        close_jvm(generator, "gold")
     return records
 
 

@@ -51,35 +51,23 @@ GOLD_PATH_LENGTHS: dict[str, tuple[int, int]] = {
 }
 
 
-def _over_cap(tasks: str | int | list, max_steps: int | None) -> list[tuple[str, bool]]:
-    """(message, the cap is below even the task's shortest gold path) per task whose longest gold path exceeds it."""
-    out = []
-    for name in dict.fromkeys(resolve_task(t) for t in task_list(tasks)):
-        shortest, longest = GOLD_PATH_LENGTHS[name]
-        cap = max_steps if max_steps is not None else default_max_steps(name)
-        if longest > cap:
-            span = f"{shortest}" if shortest == longest else f"{shortest}-{longest}"
-            out.append((f"ScienceWorld task {name!r}: the simulator's gold path takes {span} actions (first 5 "
-                        f"train variations) but the action cap is {cap}; episodes that need more are cut off. "
-                        f"Raise env.max_steps if that is not intended.", cap < shortest))
-    return out
-
-
-def gold_cap_warnings(tasks: str | int | list, max_steps: int | None) -> list[str]:
-    """One message per task whose longest gold path (``GOLD_PATH_LENGTHS``) exceeds the action cap: ``max_steps``,
-    or the task's default cap when None. Tasks are given as ``ScienceWorldEnv``'s ``task`` argument."""
-    return [message for message, _ in _over_cap(tasks, max_steps)]
-
-
 def warn_gold_paths_over_cap(env_cfg: Mapping[str, Any] | None) -> list[str]:
-    """Log (and return) a message for each task of a ScienceWorld environment config (the ``env`` group) whose gold
-    path is longer than its action cap (``gold_cap_warnings``); nothing for any other environment. A WARNING when the
-    cap is below every measured gold path of the task (no variation can be solved by its gold path), else INFO (a
-    cap that cuts only the longer variations, as the CPU experiments choose to keep episodes short)."""
+    """Log (and return) a message for each task of a ScienceWorld environment config (the ``env`` group) whose
+    longest gold path (``GOLD_PATH_LENGTHS``) exceeds its action cap (``env.max_steps``, or the task's default when
+    null); nothing for any other environment. A WARNING when the cap is below every measured gold path of the task
+    (no variation can be solved by its gold path), else INFO (a cap that cuts only the longer variations, as the CPU
+    experiments choose to keep episodes short)."""
     env = env_cfg or {}
     if not str(env.get("_target_", "")).endswith("scienceworld.ScienceWorldEnv"):
         return []
-    over = _over_cap(env["task"], env.get("max_steps"))
-    for message, unsolvable in over:
-        log.log(logging.WARNING if unsolvable else logging.INFO, message)
-    return [message for message, _ in over]
+    messages = []
+    for name in dict.fromkeys(resolve_task(t) for t in task_list(env["task"])):
+        shortest, longest = GOLD_PATH_LENGTHS[name]
+        cap = env["max_steps"] if env.get("max_steps") is not None else default_max_steps(name)
+        if longest > cap:
+            span = f"{shortest}" if shortest == longest else f"{shortest}-{longest}"
+            messages.append(f"ScienceWorld task {name!r}: the simulator's gold path takes {span} actions (first 5 "
+                            f"train variations) but the action cap is {cap}; episodes that need more are cut off. "
+                            f"Raise env.max_steps if that is not intended.")
+            log.log(logging.WARNING if cap < shortest else logging.INFO, messages[-1])
+    return messages

@@ -5,26 +5,17 @@ explore until it is found, then ``take coin``) and **CookingWorld** (``cookingwo
 prepare the ingredients, ``prepare meal``, ``eat meal``). Every game instance is a seed; the simulator keeps three
 disjoint seed folds (train 0-999, dev 10000-10999, test 20000-20999): RL trains on training seeds, validation
 and evaluation play test seeds.
-
-Demonstrations for the imitation warm start are gold paths that explore (the agent cannot see where the coin is): for
-Coin Collector a seeded depth-first search of ours, the same on every machine; for CookingWorld the simulator's.
-Reflection examples are the gold path and a seeded random walk that runs out of steps, with a hindsight tip written
-from what the trajectory showed (rooms seen, doors opened, where the coin was or was not: textworld_express_tips.py).
 """
 from __future__ import annotations
 
-import logging
 import numbers
 import random
 import re
 from collections.abc import Mapping
 from typing import Any
 
-from src.envs.base import Environment, count_problem, jvm_problems, read_action, replay
+from src.envs.base import JvmEnvironment, count_problem, jvm_problems, launch_jvm, read_action, replay
 from src.envs.textworld_express_tips import EXIT, ROOM, textworld_express_tip
-from src.utils.environ import temporary_environ
-
-logger = logging.getLogger(__name__)
 
 GAMES = ("coin", "cookingworld")
 FOLDS = {"train": "train", "dev": "dev", "test": "test"}
@@ -37,7 +28,7 @@ def _params(game_params: dict[str, Any]) -> str:
     return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in game_params.items())
 
 
-class TextWorldExpressEnv(Environment):
+class TextWorldExpressEnv(JvmEnvironment):
     """One TextWorldExpress simulator (one JVM) behind the contract of ``src/envs/base.py``.
 
     Args:
@@ -82,8 +73,7 @@ class TextWorldExpressEnv(Environment):
         self.game, self.game_params = game, dict(game_params or {})
         self.num_train_seeds, self.num_test_seeds = num_train_seeds, num_test_seeds
         self.max_steps, self.include_admissible_actions, self.seed = max_steps, include_admissible_actions, seed
-        with temporary_environ("JAVA_TOOL_OPTIONS", f"-Xmx{jvm_heap} -XX:+UseSerialGC"):
-            self._sim = _Simulator(envStepLimit=10 ** 9)  # our own cap (max_steps) ends episodes
+        self._sim = launch_jvm(lambda: _Simulator(envStepLimit=10 ** 9), jvm_heap)  # our cap (max_steps) ends episodes
         self._closed = False
         try:
             self._sim.load(game, _params(self.game_params))
@@ -120,7 +110,6 @@ class TextWorldExpressEnv(Environment):
         problems += count_problem("max_steps", env_cfg.get("max_steps", 20), 1, "actions per episode")
         return problems + jvm_problems(env_cfg, "TextWorldExpress")
 
-    # ----------------------------------------------------------------- splits
     def tasks(self, split: str) -> list[dict[str, Any]]:
         """Task instances ``{"task_name": game, "variation": seed, "fold": split}``: the first
         ``num_train_seeds`` seeds of the train fold, or ``num_test_seeds`` of the dev/test fold.
@@ -131,7 +120,6 @@ class TextWorldExpressEnv(Environment):
         count = self.num_train_seeds if split == "train" else self.num_test_seeds
         return [{"task_name": self.game, "variation": int(s), "fold": split} for s in self._folds[split][:count]]
 
-    # ----------------------------------------------------------------- episode
     def reset(self, task: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Start the game of ``{"variation": seed, "fold": "train"|"dev"|"test"}`` (``task_name``, when given,
         must be this environment's game).
@@ -278,7 +266,6 @@ class TextWorldExpressEnv(Environment):
                 "\nReply with exactly one action command and nothing else, e.g. 'move north', 'open door to "
                 "south', 'take coin', 'look around'. When the valid actions are listed, pick one of them.")
 
-    # ------------------------------------------------------------------ Environment hooks
     @classmethod
     def warm_start_config(cls, env_cfg: dict[str, Any], num_tasks: int | None) -> dict[str, Any]:
         """Every training seed has a gold path, so the warm start may imitate more seeds than RL trains on:
@@ -351,20 +338,6 @@ class TextWorldExpressEnv(Environment):
         return actions
 
     hindsight_tip = staticmethod(textworld_express_tip)
-
-    def close(self) -> None:
-        """Shut the JVM down (idempotent)."""
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        try:
-            self._sim.close()
-        except Exception as exc:  # the JVM may already be gone
-            logger.debug("TextWorldExpress JVM shutdown: %s", exc)
-        self._sim.close = lambda: None  # the package object's __del__ would close the dead gateway again
-
-    def __del__(self) -> None:
-        self.close()
 
 
 __all__ = ["TextWorldExpressEnv", "textworld_express_tip", "GAMES"]

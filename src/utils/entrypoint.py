@@ -28,10 +28,9 @@ def start_run(cfg: DictConfig) -> None:
     """Process-wide settings of a run, then the resolved config in the log.
 
     - tokenizers run single-threaded unless the user says otherwise (they would fight the env workers for cores);
-    - how torch's threads wait (``src/utils/threads.py``, set when this module is imported) is logged, and the
-      load of the other processes is first read (the thread count follows it from the first generation on);
-    - faiss's CPU-feature probing (ModuleNotFoundError lines at INFO, which read like failures), MLflow's database
-      set-up lines and Lightning's deprecation warning about its own pytree use are silenced (not about the command);
+    - how torch's threads wait (``src/utils/threads.py``) is logged, and the load of the other processes first read;
+    - faiss's CPU-feature probing (ModuleNotFoundError lines at INFO, which read like failures) and the lines below
+      about the libraries, not the command, are silenced;
     - Lightning's log lines go through Hydra's handlers only (they were printed twice);
     - the resolved config is written to ``.hydra/resolved.yaml`` in the run directory, not to the console;
     - SIGTERM (a job scheduler, ``kill``) unwinds like Ctrl-C, so environment workers, JVMs and file locks are

@@ -21,21 +21,15 @@ log = logging.getLogger(__name__)
 _TEMP_FILE = re.compile(r"^\..+\.tmp(?P<pid>\d+)$")
 
 
-def temp_path(path: str | os.PathLike) -> Path:
-    """The temporary file this process writes ``path`` through: ``.<name>.tmp<pid>`` in the same directory."""
-    path = Path(path)
-    return path.with_name(f".{path.name}.tmp{os.getpid()}")
-
-
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, mode: str = "w", encoding: str | None = None) -> Iterator[IO]:
-    """Open ``temp_path(path)`` for writing; on a clean exit flush, fsync and rename it onto ``path``.
+    """Open ``.<name>.tmp<pid>`` beside ``path`` for writing; on a clean exit flush, fsync and rename it onto it.
 
     The parent directory is created. On an error the temporary file is removed and ``path`` is untouched.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, mode, encoding=encoding) as f:
             yield f
@@ -86,7 +80,8 @@ def atomic_dir(path: str | os.PathLike, replace: bool = False) -> Iterator[Path]
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (another user's live process counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -110,7 +105,7 @@ def remove_stale_temp_files(directory: str | os.PathLike) -> list[Path]:
     removed = []
     for path in directory.iterdir():
         match = _TEMP_FILE.match(path.name)
-        if match and path.is_file() and not _alive(int(match["pid"])):
+        if match and path.is_file() and not pid_alive(int(match["pid"])):
             size = path.stat().st_size
             path.unlink(missing_ok=True)
             removed.append(path)

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 from src.utils.console import CONSOLE
 from src.utils.entrypoint import received_signal
+from src.utils.io import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +60,10 @@ def resume_command(ckpt_path: str, run_id: str | None = None) -> str:
     return " ".join(["python src/train.py", *kept, *run, shlex.quote(f"ckpt_path={ckpt_path}")])
 
 
-def mlflow_run_id(loggers: list[Any]) -> str | None:
-    """The run id of the first MLflow logger, or None."""
-    from lightning.pytorch.loggers import MLFlowLogger
-
-    return next((logger.run_id for logger in loggers if isinstance(logger, MLFlowLogger)), None)
-
-
 def end_stale_runs(loggers: list[Any]) -> list[str]:
     """Mark as FAILED the runs of each MLflow logger's experiment that are RUNNING although the process that made them
     (tags ``host`` and ``pid``, set at every start) is gone from this host: a run killed with SIGKILL, or a machine
     that went down, never ends its run itself. Says so in the log; returns their ids."""
-    import os
     import socket
 
     from lightning.pytorch.loggers import MLFlowLogger
@@ -85,13 +78,8 @@ def end_stale_runs(loggers: list[Any]) -> list[str]:
             tags = run.data.tags
             if run.info.run_id == logger.run_id or tags.get("host") != host or not tags.get("pid", "").isdigit():
                 continue
-            try:
-                os.kill(int(tags["pid"]), 0)
-                continue  # its process is alive
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue  # alive, another user's
+            if pid_alive(int(tags["pid"])):
+                continue
             reason = f"its process {tags['pid']} on {host} ended without ending the run (SIGKILL, or a machine down)"
             client.set_tag(run.info.run_id, "error", reason)
             client.set_terminated(run.info.run_id, "FAILED")
@@ -105,6 +93,7 @@ def last_checkpoint_message(trainer: Any, resumed_from: str | None) -> str:
     """Where the last checkpoint of the run is (its iteration and global step) and how to resume from it (in the same
     MLflow run, where there is one)."""
     import torch
+    from lightning.pytorch.loggers import MLFlowLogger
 
     callback = getattr(trainer, "checkpoint_callback", None) if trainer is not None else None
     path = getattr(callback, "last_model_path", None) or None
@@ -117,33 +106,27 @@ def last_checkpoint_message(trainer: Any, resumed_from: str | None) -> str:
     if Path(path).is_file():
         head = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         where = f" (iteration {head.get('iteration')}, global step {head.get('global_step')})"
-    run_id = mlflow_run_id(list(getattr(trainer, "loggers", None) or []))
+    loggers = getattr(trainer, "loggers", None) or []
+    run_id = next((logger.run_id for logger in loggers if isinstance(logger, MLFlowLogger)), None)
     return f"The last checkpoint is {path}{where}. Resume with:\n    {resume_command(str(path), run_id)}"
 
 
 @contextlib.contextmanager
 def no_run_dir_on_refusal() -> Iterator[None]:
-    """Around an entry point's work: a ``ConfigError`` (a refusal at start-up) leaves no run directory behind."""
+    """Around an entry point's work: a ``ConfigError`` (a refusal at start-up) leaves no run directory behind: the
+    one Hydra made is removed when it holds nothing but Hydra's own files (``.hydra/`` and the log)."""
+    import shutil
+
+    from hydra.core.hydra_config import HydraConfig
+
     from src.utils.config_error import ConfigError
 
     try:
         yield
     except ConfigError:
-        remove_empty_run_dir()
+        run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+        if run_dir and run_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir()):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            log.info("Removed the run directory %s: the run was refused before it wrote anything.", run_dir,
+                     extra=CONSOLE)
         raise
-
-
-def remove_empty_run_dir() -> None:
-    """Remove the run directory Hydra made for this run when it holds nothing but Hydra's own files (``.hydra/`` and
-    the log): what a run refused at start-up leaves."""
-    import shutil
-
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if run_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir()):
-        shutil.rmtree(run_dir, ignore_errors=True)
-        log.info("Removed the run directory %s: the run was refused before it wrote anything.", run_dir,
-                 extra=CONSOLE)

@@ -8,10 +8,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from src.envs.webshop.pages import SEARCH_PLACEHOLDER
+from src.envs.webshop.pages import BUTTONS, SEARCH_PLACEHOLDER
 from src.envs.webshop.reward import option_matches
 
-_FIXED = {"back to search", "< prev", "next >", "description", "features", "reviews", "buy now"}
 MAX_RESULT_PAGES = 5  # 50 hits / 10 per page
 
 
@@ -45,10 +44,10 @@ class ExpertPolicy:
                 return "<action>click[next >]</action>"
             if self.searches < 2:
                 return self._search(goal)
-            first = next((a for a in admissible if a[6:-1] not in _FIXED), "click[back to search]")
+            first = next((a for a in admissible if a[6:-1] not in BUTTONS), "click[back to search]")
             return f"<action>{first}</action>"
         if page == "item":
-            values = [a[6:-1] for a in admissible if a.startswith("click[") and a[6:-1] not in _FIXED]
+            values = [a[6:-1] for a in admissible if a.startswith("click[") and a[6:-1] not in BUTTONS]
             wanted = goal["goal_options"]
             wanted = list(wanted.values()) if isinstance(wanted, dict) else list(wanted)
             for i, g in enumerate(wanted):
@@ -91,7 +90,7 @@ class FlawedExpertPolicy(ExpertPolicy):
 
     def act(self, obs: str, info: dict[str, Any]) -> str:
         admissible, page = info["admissible_actions"], info["page"]
-        clickable = [a for a in admissible if a.startswith("click[") and a[6:-1] not in _FIXED]
+        clickable = [a for a in admissible if a.startswith("click[") and a[6:-1] not in BUTTONS]
         if page == "search" and self.mistake == "weak_query":
             self.searches += 1
             words = _strip_price(self.env.goal["instruction_text"]).split()

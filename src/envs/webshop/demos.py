@@ -1,19 +1,12 @@
-"""WebShop's demonstrations and hindsight tips for the imitation warm start (``WebShopEnv``'s ``Environment``
-hooks; docs/usage.md#imitation-warm-start).
-
-- Demonstrations: episodes of the scripted oracle expert (``src/envs/webshop/baselines.py``) on *training* goals,
-  run in-process (the original WebShop paper also imitated first, then ran RL).
-- Reflection trajectories: per training goal the expert's and the expert's with one deliberate mistake
-  (``FlawedExpertPolicy``: another option value, a missing option click, a two-word query, another product).
-- ``webshop_tip``: the hindsight tip on one of them, from what the agent saw only (the hidden goal's product id,
-  options and attributes never reach it).
-"""
+"""WebShop's demonstrations (the scripted expert's episodes on training goals), reflection trajectories and hindsight
+tips for the imitation warm start (``WebShopEnv``'s ``Environment`` hooks; docs/usage.md#imitation-warm-start)."""
 from __future__ import annotations
 
 import logging
 import re
 from typing import Any
 
+from src.envs.webshop.pages import BUTTONS
 from src.utils.timing import EtaLog
 
 log = logging.getLogger(__name__)
@@ -52,8 +45,6 @@ def webshop_expert_records(env, tasks: list[dict[str, Any]], expert=None) -> lis
     return out
 
 
-# Buttons of the WebShop pages (the rest of a page's clickables are products or option values).
-WEBSHOP_BUTTONS = {"back to search", "< prev", "next >", "description", "features", "reviews", "buy now"}
 _LEAD_WORDS = {"i", "i'd", "i'm", "im", "need", "want", "looking", "for", "a", "an", "some", "am", "would", "like",
                "to", "buy", "find", "get", "me", "please", "is", "that"}
 
@@ -104,11 +95,11 @@ def webshop_tip(record: dict[str, Any]) -> list[str]:
     for t, action in enumerate(actions):
         page_title, page_price = _item_page(pages[t])
         arg = action[6:-1] if action.startswith("click[") else None
-        if page_title and arg is not None and arg not in WEBSHOP_BUTTONS and arg not in options:
+        if page_title and arg is not None and arg not in BUTTONS and arg not in options:
             # a product opened: its options are the page's clickables other than buttons (next state's list)
             title, price, clicked = page_title, page_price, []
             nxt = admissible[t + 1] if t + 1 < len(admissible) else []
-            options = [a[6:-1] for a in nxt if a.startswith("click[") and a[6:-1] not in WEBSHOP_BUTTONS]
+            options = [a[6:-1] for a in nxt if a.startswith("click[") and a[6:-1] not in BUTTONS]
         elif arg in options:
             clicked.append(arg)
     named = _named_in(options, instruction)

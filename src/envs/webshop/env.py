@@ -1,11 +1,5 @@
-"""WebShop environments: the original text-mode state machine and the agent wrapper (docs/environments.md#webshop).
-
-- ``WebShopTextEnv``: the original ``web_agent_text_env`` surface on raw actions ``search[...]`` /
-  ``click[...]`` (regex ``(.+)\\[(.+)\\]``, argument lower-cased), pages search -> results -> item ->
-  description/features/reviews -> done, reward on Buy Now only; anything not clickable is a no-op.
-- ``WebShopEnv``: the project's env contract (src/envs/base.py): parses ``<action>...</action>`` from the
-  policy's text, applies the step cap and format penalty, shapes the train reward and fills ``info``.
-"""
+"""WebShop environments (docs/environments.md#webshop): ``WebShopTextEnv``, the original text-mode state machine on raw
+actions, and ``WebShopEnv``, the agent wrapper behind the contract of src/envs/base.py."""
 from __future__ import annotations
 
 import functools
@@ -40,7 +34,8 @@ def parse_raw_action(action: str) -> tuple[str, str | None]:
 
 
 class WebShopTextEnv:
-    """One shopping session on a loaded catalog, stepping raw actions like the original text env.
+    """One shopping session on a loaded catalog, stepping raw actions like the original text env: pages search ->
+    results -> item -> description/features/reviews -> done, the reward on Buy Now only.
 
     ``reset(goal_idx)`` starts at the search page of goal ``goal_idx``; ``step(action)`` returns
     (observation, reward in [0, 1], done, valid) where valid is False for a no-op (not clickable, bad syntax).
@@ -54,7 +49,6 @@ class WebShopTextEnv:
         self.goal: dict | None = None
         self._results_cache: dict[str, list[str]] = {}
 
-    # ------------------------------------------------------------------ state
     def reset(self, goal_idx: int) -> str:
         self.goal = self.data.goals[goal_idx]
         self._reset_session()
@@ -89,7 +83,6 @@ class WebShopTextEnv:
         asins = self.results()[start:start + pages.RESULTS_PER_PAGE]
         return [self.data.product_by_asin[a] for a in asins]
 
-    # ------------------------------------------------------------------ rendering
     @property
     def observation(self) -> str:
         ins = self.instruction
@@ -99,12 +92,8 @@ class WebShopTextEnv:
             return pages.results_page(ins, self.page_num, len(self.results()), self.page_items())
         if self.page == "item":
             return pages.item_page(ins, self.product)
-        if self.page == "description":
-            return pages.description_page(ins, self.product)
-        if self.page == "features":
-            return pages.features_page(ins, self.product)
-        if self.page == "reviews":
-            return pages.reviews_page(ins, self.product)
+        if self.page in SUB_PAGES:
+            return pages.sub_page(ins, self.page, self.product)
         return pages.done_page(self.asin, self.options, self.reward)
 
     def option_clickables(self) -> dict[str, str]:
@@ -141,7 +130,6 @@ class WebShopTextEnv:
         acts = [SEARCH_PLACEHOLDER] if avail["has_search_bar"] else []
         return acts + [f"click[{c}]" for c in avail["clickables"] if c != "search"]
 
-    # ------------------------------------------------------------------ transitions
     def step(self, action: str) -> tuple[str, float, bool, bool]:
         """Apply one raw action. ``search[kw]`` works on any page (as in the original, although it is only
         advertised on the search page); ``click[x]`` needs x among the current clickables."""
@@ -279,7 +267,6 @@ class WebShopEnv(Environment):
                                 "of the original files, or null for the generated catalog")
         return problems
 
-    # ------------------------------------------------------------------ contract
     def tasks(self, split: str) -> list[dict[str, Any]]:
         """``[{"task_name": "webshop", "goal_idx": i, "split": split, "variation": i}, ...]`` for the split's goal
         indices (see data.split_goal_indices). Every goal is a variation of the one task ``webshop`` (memory
@@ -287,7 +274,6 @@ class WebShopEnv(Environment):
         idx = split_goal_indices(len(self.data.goals), split, self.num_test_goals, self.num_dev_goals)
         return [{"task_name": TASK_NAME, "goal_idx": i, "split": split, "variation": i} for i in idx]
 
-    # ------------------------------------------------------------------ Environment hooks
     def demonstrations(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[dict]:
         """The scripted expert's episodes on ``tasks`` (``webshop.demos.webshop_expert_records``)."""
         from src.envs.webshop.demos import webshop_expert_records
@@ -362,7 +348,6 @@ class WebShopEnv(Environment):
     def close(self) -> None:
         self._active = False
 
-    # ------------------------------------------------------------------ helpers
     def _shown(self, obs: str) -> str:
         # Every page repeats the instruction; the prompt already shows it as the task, and in a CPU-sized prompt
         # the copy would crowd out the page (and fill the capped history observations).

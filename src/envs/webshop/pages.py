@@ -12,6 +12,8 @@ import json
 # the admissible action that stands for "type a query" on the search page
 SEARCH_PLACEHOLDER = "search[<query>]"
 
+# the pages' buttons (a page's other clickables are products or option values)
+BUTTONS = {"back to search", "< prev", "next >", "description", "features", "reviews", "buy now"}
 SEP = " [SEP] "
 RESULTS_PER_PAGE = 10
 
@@ -54,20 +56,12 @@ def item_page(instruction: str, product: dict) -> str:
     return join_nodes(nodes)
 
 
-def description_page(instruction: str, product: dict) -> str:
-    return join_nodes(_header(instruction) + ["< Prev", product["Description"]])
-
-
-def features_page(instruction: str, product: dict) -> str:
-    return join_nodes(_header(instruction) + ["< Prev"] + list(product["BulletPoints"]))
-
-
-def reviews_page(instruction: str, product: dict) -> str:
-    """Reviews are never loaded by the original (``Reviews = []``), so only the header shows."""
-    nodes = _header(instruction) + ["< Prev"]
-    for r in product["Reviews"]:
-        nodes += [str(r.get("title", "")), str(r.get("score", "")), str(r.get("body", ""))]
-    return join_nodes(nodes)
+def sub_page(instruction: str, page: str, product: dict) -> str:
+    """An item's ``description``, ``features`` (its bullet points) or ``reviews`` page; the original never loads
+    reviews (``Reviews = []``), so only the header shows there."""
+    body = {"description": [product["Description"]], "features": list(product["BulletPoints"]),
+            "reviews": [str(r.get(k, "")) for r in product["Reviews"] for k in ("title", "score", "body")]}[page]
+    return join_nodes(_header(instruction) + ["< Prev"] + body)
 
 
 def _tojson(obj) -> str:

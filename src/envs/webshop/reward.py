@@ -143,27 +143,15 @@ def type_reward(product: dict, goal: dict, noun_tagger: str = "fallback") -> dic
 def attribute_matches(product: dict, goal_attrs: Iterable[str]) -> int:
     """Number of goal attributes matched by a product attribute (fuzzy > 85) or found as a substring of the
     lower-cased Title, joined BulletPoints or Description (original ``get_attribute_reward``)."""
-    title = product['Title'].lower()
-    bullets = ' '.join(product['BulletPoints']).lower()
-    desc = product['Description'].lower()
-    n = 0
-    for g in goal_attrs:
-        if any(fuzz.token_set_ratio(p, g) > FUZZY_THRESHOLD for p in product['Attributes']):
-            n += 1
-        elif g in title or g in bullets or g in desc:
-            n += 1
-    return n
+    texts = (product['Title'].lower(), ' '.join(product['BulletPoints']).lower(), product['Description'].lower())
+    return sum(any(fuzz.token_set_ratio(p, g) > FUZZY_THRESHOLD for p in product['Attributes'])
+               or any(g in text for text in texts) for g in goal_attrs)
 
 
 def option_match_count(purchased_options: Iterable[Any], goal_options: Iterable[Any]) -> int:
     """Goal options (each counted once) matched by any purchased option (original ``get_option_reward``)."""
-    purchased = [normalize_color(o) for o in purchased_options]
-    n = 0
-    for g in goal_options:
-        g = normalize_color(g)
-        if any(fuzz.token_set_ratio(p, g) > FUZZY_THRESHOLD for p in purchased):
-            n += 1
-    return n
+    purchased = list(purchased_options)
+    return sum(any(option_matches(p, g) for p in purchased) for g in goal_options)
 
 
 def get_reward(product: dict, goal: dict, price: float, options: dict[str, str],
