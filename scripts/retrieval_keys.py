@@ -125,14 +125,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    from src.callbacks.memory import KEYS, state_text
+    from src.callbacks.memory import state_text
+    from src.memory.settings import KEYS
     from src.data.reflections import reflection_records
     from src.memory.embedder import Embedder
 
     gold_dir = Path(args.data_dir) / ("scienceworld_gold" if args.env == "scienceworld" else "textworld_express")
     records, _, _ = reflection_records(ENVS[args.env], args.tasks, gold_dir)
     rows = states(args.env, records)
-    embedder = Embedder("embedded:all-MiniLM-L6-v2")
+    embedder = Embedder(name_or_path="embedded:all-MiniLM-L6-v2")
     result = {"env": args.env, "tasks": args.tasks, "trajectories": len(records), "threshold": args.threshold,
               "top_k": args.top_k, "rank_by": args.rank_by, "keys": {}}
     for key in KEYS:

@@ -64,50 +64,13 @@ def trainer_problems(trainer: dict[str, Any]) -> list[str]:
     return problems
 
 
-def data_problems(data: dict[str, Any]) -> list[str]:
-    """Rollout counts, temperatures and the validation settings (``data.*``)."""
-    from src.data.minibatches import mini_batch_count
-    from src.data.rollout_config import RolloutConfig
-
-    problems = []
-    for key in ("tasks_per_iteration", "ppo_epochs", "micro_batch_size", "max_response_tokens"):
-        value = data.get(key)
-        if value is not None and (not _is_int(value) or value < 1):
-            problems.append(f"data.{key}={value!r}: expected an int >= 1")
-    try:  # the mini-batch rule: the datamodule's own check
-        mini_batch_count(0, data.get("num_mini_batches"), data.get("mini_batch_rows"))
-    except ValueError as err:
-        problems.append(str(err))
-    group = data.get("group_size")
-    if group is not None and (not _is_int(group) or group < 2):
-        problems.append(f"data.group_size={group!r}: GRPO's advantage compares the episodes of one task, so a group "
-                        "of fewer than 2 has no learning signal (every advantage is 0); expected an int >= 2 (8 in the "
-                        "paper)")
-    steps = data.get("max_steps")
-    if steps is not None and (not _is_int(steps) or steps < 1):
-        problems.append(f"data.max_steps={steps!r}: the step budget the prompt shows; expected an int >= 1 or null")
-    length = data.get("history_length")
-    if length is not None and (not _is_int(length) or length < 0):
-        problems.append(f"data.history_length={length!r}: expected an int >= 0 (past steps shown in the prompt)")
-    try:  # the rollout settings' own check (history_action), the one evaluation and the warm start meet too
-        RolloutConfig.from_data(data)
+def group_problems(schema, values: Any) -> list[str]:
+    """A group's own rules (its ``Settings`` dataclass), one line each."""
+    try:
+        schema.from_dict(values)
     except (ValueError, TypeError) as err:
-        problems.append(str(err))
-    temperature = _number(data.get("temperature", 1.0))
-    if temperature is None or temperature <= 0:
-        problems.append(f"data.temperature={data.get('temperature')!r}: the rollout sampling temperature; expected a "
-                        "number > 0 (1.0 in the paper)")
-    val = data.get("val")
-    if val is not None:
-        temperature = _number(val.get("temperature", 0.4))
-        if temperature is None or temperature <= 0:
-            problems.append(f"data.val.temperature={val.get('temperature')!r}: validation samples its actions; "
-                            "expected a number > 0 (0.4 in the paper)")
-        for key in ("num_tasks", "episodes_per_task"):
-            value = val.get(key, 1)
-            if value is not None and (not _is_int(value) or value < 1):
-                problems.append(f"data.val.{key}={value!r}: expected an int >= 1 (or data.val=null: no validation)")
-    return problems
+        return str(err).splitlines()
+    return []
 
 
 def rank_problems(trainer: dict[str, Any], data: dict[str, Any]) -> list[str]:
@@ -191,11 +154,11 @@ def model_problems(model: dict[str, Any]) -> list[str]:
     """The optimizer's learning rate and weight decay, gradient clipping, the policy's token limits and LoRA."""
     problems = []
     optimizer = model.get("optimizer") or {}
-    lr = _number(optimizer.get("lr", 1e-6))
+    lr = _number(optimizer.get("lr"))
     if lr is None or lr <= 0:
         problems.append(f"model.optimizer.lr={optimizer.get('lr')!r}: expected a learning rate > 0 (1e-6 in the "
                         "paper)")
-    decay = _number(optimizer.get("weight_decay", 0.0))
+    decay = _number(optimizer.get("weight_decay"))
     if decay is None or decay < 0:
         problems.append(f"model.optimizer.weight_decay={optimizer.get('weight_decay')!r}: expected a number >= 0")
     clip = model.get("gradient_clip_val")
@@ -215,57 +178,28 @@ def model_problems(model: dict[str, Any]) -> list[str]:
     return problems
 
 
-def memory_problems(memory: dict[str, Any]) -> list[str]:
-    """The memory group's settings (checked only when a memory is built)."""
-    from src.callbacks.memory import PARTITIONS
-    from src.memory.novelty import COUNT_MODES
-    from src.memory.tip_memory import RANK_BY
-
-    problems = []
-    choices = {"partition": (memory.get("partition", "variation"), PARTITIONS),
-               "tips_scope": (memory.get("tips_scope", "current"), ("current", "all_steps")),
-               "tip_memory.rank_by": ((memory.get("tip_memory") or {}).get("rank_by", "score"), RANK_BY),
-               "novelty.count": ((memory.get("novelty") or {}).get("count", "visits"), COUNT_MODES)}
-    for key, (value, valid) in choices.items():
-        if value not in valid:
-            problems.append(f"memory.{key}={value!r}: expected one of {tuple(valid)}")
-    tips = memory.get("tip_memory") or {}
-    novelty = memory.get("novelty") or {}
-    for key, value in (("tip_memory.threshold", tips.get("threshold", 0.5)),
-                       ("novelty.threshold", novelty.get("threshold", 0.9))):
-        number = _number(value)
-        if number is None or not -1.0 <= number <= 1.0:
-            problems.append(f"memory.{key}={value!r}: a cosine similarity; expected a number in [-1, 1]")
-    for key, value in (("tip_memory.top_k", tips.get("top_k", 10)), ("tip_memory.capacity", tips.get("capacity", 1)),
-                       ("tip_max_tokens", memory.get("tip_max_tokens", 64))):
-        if not _is_int(value) or value < 1:
-            problems.append(f"memory.{key}={value!r}: expected an int >= 1")
-    if novelty.get("enabled", True) and _number(novelty.get("coef", 1.0)) is None:
-        problems.append(f"memory.novelty.coef={novelty.get('coef')!r}: expected a finite number (the bonus in the "
-                        "environment's reward units)")
-    return problems
-
-
 def check_training_settings(cfg: DictConfig) -> None:
     """Refuse every setting of a training config that cannot work, naming each key, its value and what is expected.
 
     Raises:
         ConfigError: one line per bad setting.
     """
+    from src.data.rollout_config import DataConfig
+    from src.memory.settings import MemoryConfig
     from src.utils.startup_checks import generation_problems
 
     seed = cfg.get("seed")
     problems = [] if _is_int(seed) and seed >= 0 else [
         f"seed={seed!r}: expected an int >= 0 (it seeds every random stream of the run: modes, tasks, tokens)"]
     problems += trainer_problems(_container(cfg.get("trainer")))
-    problems += data_problems(_container(cfg.get("data")))
+    problems += group_problems(DataConfig, _container(cfg.get("data")))
     problems += rank_problems(_container(cfg.get("trainer")), _container(cfg.get("data")))
     problems += env_problems(_container(cfg.get("env")))
     problems += algorithm_problems(cfg)
     problems += model_problems(_container(cfg.get("model")))
     problems += generation_problems(_container(cfg.get("trainer")), _container(cfg.get("model")))
     if uses_memory(cfg):
-        problems += memory_problems(_container(cfg.get("memory")))
+        problems += group_problems(MemoryConfig, _container(cfg.get("memory")))
     for source, follower in (("data.temperature=", "algorithm.temperature="), ("env.max_steps=", "data.max_steps=")):
         if any(p.startswith(source) for p in problems):  # the follower is ${source}: one line for one mistake
             problems = [p for p in problems if not p.startswith(follower)]

@@ -35,6 +35,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     from src.config_checks import resolved_config, uses_memory
+    from src.data.rollout_config import DataConfig
+    from src.data.rollout_datamodule import RolloutDataModule
     from src.models.memory_estimate import check_device_memory
     from src.warm_start import warm_start_model_config
     from src.utils.checkpoint_io import AtomicCheckpointIO
@@ -52,7 +54,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         L.seed_everything(cfg.seed, workers=True)
     model_cfg, warm_start = warm_start_model_config(cfg)  # model.warm_start: built once, then reused
     log.info("Instantiating model <%s> from %s", cfg.model._target_, model_cfg.policy.name_or_path)
-    module = hydra.utils.instantiate(model_cfg)
+    module = hydra.utils.instantiate(model_cfg, algorithm=cfg.algorithm)
     module.run_config = resolved_config(cfg)  # saved with every checkpoint: a resume compares its settings with it
     memory = None
     if uses_memory(cfg):  # algorithm.use_memory, the one switch
@@ -61,10 +63,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
             raise ValueError(f"memory._target_={cfg.memory._target_!r} is a diagnostic arm of src/eval.py (oracle or "
                              "placeholder tips); training uses the policy's own memory "
                              "(src.callbacks.memory.MemoryCallback)")
-        # the retrieval rule follows algorithm.semantics (the authors' ties and threshold: docs/reproducing.md)
-        memory = hydra.utils.instantiate(cfg.memory, tip_memory={"semantics": cfg.algorithm.get("semantics", "paper")})
+        memory = hydra.utils.get_class(cfg.memory._target_).from_config(cfg.memory, cfg.algorithm.semantics)
         memory.use_environment(OmegaConf.to_container(cfg.env, resolve=True))
-    datamodule = hydra.utils.instantiate(cfg.data, env=cfg.env, algorithm=cfg.algorithm, _recursive_=False)
+    datamodule = RolloutDataModule(env=cfg.env, algorithm=cfg.algorithm, data=DataConfig.from_dict(cfg.data))
     # Lightning saves the memory in every checkpoint and logs its tip tables (first: the tables are rollout time)
     callbacks = ([memory] if memory is not None else []) + instantiate_callbacks(cfg.get("callbacks"))
     loggers = instantiate_loggers(cfg.get("logger"))
@@ -143,7 +144,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         raise
     ckpt = getattr(trainer.checkpoint_callback, "last_model_path", None) if trainer.checkpoint_callback else None
     if trainer.is_global_zero:
-        if cfg.get("log_checkpoint_artifact", True):  # a copy of last.ckpt in the MLflow artifact store
+        if cfg.log_checkpoint_artifact:  # a copy of last.ckpt in the MLflow artifact store
             log_checkpoint(ckpt, objs["loggers"])
     objs["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     objs["last_checkpoint"] = ckpt

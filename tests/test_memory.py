@@ -474,7 +474,6 @@ def test_embedder_errors(monkeypatch):
 def test_webshop_memory_is_shared_by_all_goals(embedder):
     """Under experiment=webshop a tip written while shopping for one goal is retrieved for another goal's similar
     state, in training and on test goals (one partition for the task; per-goal partitions almost never retrieve)."""
-    from functools import partial
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
@@ -483,8 +482,7 @@ def test_webshop_memory_is_shared_by_all_goals(embedder):
 
     with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "configs"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["experiment=webshop"]).memory
-    tip_cfg = {k: v for k, v in cfg.tip_memory.items() if not k.startswith("_")}
-    memory = MemoryCallback(embedder, partial(TipMemory, **tip_cfg), partition=cfg.partition)
+    memory = MemoryCallback(embedder, TipMemory(embedder.dim, embedder.name, **cfg.tip_memory), partition=cfg.partition)
     goal = lambda i, split="train": {"task_name": "webshop", "goal_idx": i, "split": split, "variation": i}  # noqa: E731
     page = "WebShop [SEP] Instruction: [SEP] {} [SEP] Search"
     written = page.format("i need a long sleeve red shirt for men, and price lower than 40.00 dollars")

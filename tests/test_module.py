@@ -165,7 +165,7 @@ def _paper_module(tiny_model_dir, experiment: str = "webshop_paper", *overrides:
     model_cfg, warm_start = warm_start_model_config(cfg)  # as src/train.py; the paper runs have no warm start
     assert warm_start is None
     torch.manual_seed(0)
-    return hydra.utils.instantiate(model_cfg), cfg
+    return hydra.utils.instantiate(model_cfg, algorithm=cfg.algorithm), cfg
 
 
 def test_paper_path_trains_fp32_master_weights_under_bf16_mixed(tiny_model_dir):

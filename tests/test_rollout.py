@@ -15,7 +15,7 @@ from src.data.iteration import (Collaborators, IterationSettings, SignalGuard, d
 from src.data.minibatches import mini_batch_count, micro_batches
 from src.data.prompts import AUTHORS_TIPS_HEADER, TIPS_HEADER
 from src.data.rollout import Episode, StepRecord, episode_metrics, run_episodes
-from src.data.rollout_config import RolloutConfig
+from src.data.rollout_config import DataConfig, RolloutConfig
 from src.data.rollout_datamodule import RolloutDataModule
 from src.data.samples import StepSample
 from src.envs.pool import EnvPool
@@ -63,12 +63,9 @@ def pool():
 
 @pytest.fixture(scope="module")
 def memory():
-    import hydra
-    from omegaconf import OmegaConf
+    from src.callbacks.memory import MemoryCallback
 
-    cfg = OmegaConf.load("configs/memory/empo2.yaml")
-    cfg.novelty.coef = 1.0
-    return hydra.utils.instantiate(cfg)
+    return MemoryCallback.from_config({"novelty": {"coef": 1.0}})
 
 
 def _datamodule(mode_algorithm: dict) -> RolloutDataModule:
@@ -417,7 +414,7 @@ def test_off_policy_iteration_old_log_probs_end_to_end(pool, module, memory, old
     algorithm = AlgorithmConfig.from_dict({"memory_rollout_prob": 1.0, "off_policy_prob": 1.0,
                                            "off_policy_old_log_prob": old_log_prob})
     settings = IterationSettings(algorithm=algorithm, rollout=RolloutConfig(max_response_tokens=6, history_length=2),
-                                 tasks_per_iteration=1, group_size=2)
+                                 data=DataConfig(tasks_per_iteration=1, group_size=2))
     parts = Collaborators(policy=module.policy, pool=pool, tasks=[TASK], memory=memory)
     batches = list(run_iteration(settings, parts, 0, 0, SignalGuard(algorithm)))
     assert {b.mode for b in batches} == {"off_policy"}

@@ -235,13 +235,11 @@ def test_a_crash_leaves_the_last_iteration_and_resuming_it_is_exact(empo2_run, t
 
 def test_restored_memory_retrieves_like_the_saved_one(empo2_run):
     """A fresh memory callback restored from the checkpoint holds every entry and retrieves as the saved one."""
-    import hydra
-
     from src.callbacks.memory import MemoryCallback
 
     state = torch.load(empo2_run["objs"]["last_checkpoint"], map_location="cpu", weights_only=False)
     state = state["callbacks"]["MemoryCallback"]
-    fresh: MemoryCallback = hydra.utils.instantiate(empo2_run["cfg"].memory)
+    fresh = MemoryCallback.from_config(empo2_run["cfg"].memory)
     assert len(fresh.tips) == 0
     fresh.load_state_dict(state)
     assert len(fresh.tips) == sum(len(p["entries"]) for p in state["tips"]["partitions"].values())

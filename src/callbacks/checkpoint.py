@@ -20,7 +20,15 @@ class IterationCheckpoint(ModelCheckpoint):
     (``src/utils/checkpoint_io.py``): a save cut short leaves the previous ``last.ckpt`` intact. Nothing is saved
     mid-iteration (an exception or a signal leaves the last completed save): a half-updated iteration cannot be
     resumed exactly.
+
+    What the loop needs is fixed here (``last.ckpt`` always, saved at the iteration's end, ``iter_<n>.ckpt`` names);
+    the config chooses ``dirpath``, ``save_top_k`` and ``every_n_epochs``.
     """
+
+    def __init__(self, dirpath: str | None, save_top_k: int, every_n_epochs: int, **kwargs) -> None:
+        super().__init__(dirpath=dirpath, save_top_k=save_top_k, every_n_epochs=every_n_epochs,
+                         **{"filename": "iter_{epoch:04d}", "save_last": True, "save_on_train_epoch_end": True,
+                            "auto_insert_metric_name": False, **kwargs})
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._should_skip_saving_checkpoint(trainer) or not self._should_save_on_train_epoch_end(trainer):

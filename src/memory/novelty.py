@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from src.memory.embedder import check_unit_rows
+from src.memory.settings import NoveltyConfig
 
 _FORMAT = "empo2.novelty.v2"
 _OLD_FORMAT = "empo2.novelty.v1"  # distinct states without counts (each counts as one visit)
-COUNT_MODES = ("visits", "distinct")
 
 
 class NoveltyMemory:
@@ -34,34 +34,24 @@ class NoveltyMemory:
 
     Args:
         dim: embedding dimension.
-        threshold: cosine at or above which two states count as the same (inclusive), default 0.9.
-        coef: reward for a brand-new state, in environment units (1.0 for ScienceWorld points, 0.01 for
-            WebShop's [0,1] scores: docs/environments.md#units).
-        capacity: optional max stored states per task; the oldest leave first (with their counts). None =
-            unbounded.
-        count: ``visits`` (N = prior visits to similar states) or ``distinct`` (N = similar stored states).
+        settings: ``memory.novelty`` (``NoveltyConfig``, or its keys as keyword arguments): ``threshold``, the cosine
+            at or above which two states count as the same (inclusive); ``coef``, the reward for a brand-new state
+            in environment units (1.0 for ScienceWorld points, 0.01 for WebShop's [0,1] scores:
+            docs/environments.md#units); ``capacity``, max stored states per task, the oldest leave first (with
+            their counts), None = unbounded; ``count``, ``visits`` (N = prior visits to similar states) or
+            ``distinct`` (N = similar stored states).
 
     Raises:
         ValueError: an argument out of range, naming it.
     """
 
-    def __init__(self, dim: int, threshold: float = 0.9, coef: float = 1.0, capacity: int | None = None,
-                 count: str = "visits") -> None:
+    def __init__(self, dim: int, settings: NoveltyConfig | None = None, **values) -> None:
         if int(dim) < 1:
             raise ValueError(f"dim must be >= 1, got {dim!r}")
-        if not -1.0 <= float(threshold) <= 1.0:
-            raise ValueError(f"threshold is a cosine and must be in [-1, 1], got {threshold!r}")
-        if not math.isfinite(float(coef)):
-            raise ValueError(f"coef must be finite, got {coef!r}")
-        if capacity is not None and int(capacity) < 1:
-            raise ValueError(f"capacity must be >= 1 or None, got {capacity!r}")
-        if count not in COUNT_MODES:
-            raise ValueError(f"novelty count must be one of {COUNT_MODES}, got {count!r}")
+        settings = settings or NoveltyConfig.from_dict(values)
         self.dim = int(dim)
-        self.threshold = float(threshold)
-        self.coef = float(coef)
-        self.capacity = None if capacity is None else int(capacity)
-        self.count = count
+        self.threshold, self.coef, self.capacity, self.count = (settings.threshold, float(settings.coef),
+                                                                settings.capacity, settings.count)
         self._states: dict[str, np.ndarray] = {}  # key -> float32 [n, dim]
         self._counts: dict[str, np.ndarray] = {}  # key -> int64 [n] visits per stored state
 

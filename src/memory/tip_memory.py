@@ -22,11 +22,11 @@ import faiss
 import numpy as np
 
 from src.memory.embedder import check_unit_rows
+from src.memory.settings import TipMemoryConfig
 from src.memory.tip_entry import TipEntry
 from src.memory.tip_partition import Partition, float32_below, one_blas_thread, stored_keys
 
 STATE_FORMAT = "empo2.tip_memory.v1"
-RANK_BY = ("score", "similarity")
 
 
 class TipMemory:
@@ -35,12 +35,12 @@ class TipMemory:
     Args:
         dim: key dimension (must equal the embedder's).
         embedder_name: the embedder's name; saved with the memory, and a load with another name is refused.
-        capacity: max entries per partition; the oldest leave first.
-        threshold: a tip is a candidate when cosine(key, query) > threshold (strict; cosines are clamped to
-            [-1, 1] first, so with threshold 1.0 nothing is retrieved even though float32 inner products of
-            identical unit keys can come out as 1.0000002).
-        top_k: max tips returned per query.
-        rank_by: "score" (highest stored episode score first, ties by similarity) or "similarity".
+        settings: ``memory.tip_memory`` (``TipMemoryConfig``, or its keys as keyword arguments): ``capacity``, max
+            entries per partition, the oldest leave first; ``threshold``, a tip is a candidate when cosine(key,
+            query) > threshold (strict; cosines are clamped to [-1, 1] first, so with threshold 1.0 nothing is
+            retrieved even though float32 inner products of identical unit keys can come out as 1.0000002);
+            ``top_k``, max tips returned per query; ``rank_by``, "score" (highest stored episode score first, ties by
+            similarity) or "similarity".
         semantics: "paper" (the above) or "authors", the EMPO² authors' retrieval (docs/reproducing.md, difference
             5): candidates with cosine > threshold computed as their server does (float64, divided by both
             norms), ranked by their score rounded to 0.1, ties by age (oldest first); ``rank_by`` is not read.
@@ -49,37 +49,22 @@ class TipMemory:
         ValueError: any argument out of range, naming it.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        embedder_name: str,
-        capacity: int = 1000,
-        threshold: float = 0.5,
-        top_k: int = 10,
-        rank_by: str = "score",
-        semantics: str = "paper",
-    ) -> None:
+    def __init__(self, dim: int, embedder_name: str, settings: TipMemoryConfig | None = None, semantics: str = "paper",
+                 **values) -> None:
         if int(dim) < 1:
             raise ValueError(f"dim must be >= 1, got {dim!r}")
         if not isinstance(embedder_name, str) or not embedder_name:
             raise ValueError(f"embedder_name must be a non-empty str, got {embedder_name!r}")
-        if int(capacity) < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
-        if not -1.0 <= float(threshold) <= 1.0:
-            raise ValueError(f"threshold is a cosine and must be in [-1, 1], got {threshold!r}")
-        if int(top_k) < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k!r}")
-        if rank_by not in RANK_BY:
-            raise ValueError(f"rank_by must be one of {RANK_BY}, got {rank_by!r}")
         if semantics not in ("paper", "authors"):
             raise ValueError(f"semantics must be 'paper' or 'authors', got {semantics!r}")
+        settings = settings or TipMemoryConfig.from_dict(values)
         self.semantics = semantics
         self.dim = int(dim)
         self.embedder_name = embedder_name
-        self.capacity = int(capacity)
-        self.threshold = float(threshold)
-        self.top_k = int(top_k)
-        self.rank_by = rank_by
+        self.capacity = settings.capacity
+        self.threshold = settings.threshold
+        self.top_k = settings.top_k
+        self.rank_by = settings.rank_by
         self.first_chunk = 1024  # entries per first scan in score order (``_candidates_in_score_order``)
         self._parts: dict[str, Partition] = {}
         self._counters = {"added": 0, "duplicates": 0, "evicted": 0}

@@ -6,24 +6,24 @@ baseline's. A bad value or an unknown key is refused at start-up, before any rol
 """
 from __future__ import annotations
 
-import dataclasses
-import difflib
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import ClassVar
 
-from src.models.core_algos import KL_KINDS, LOSS_AGG_MODES, MASK_LEVELS, ROLLOUT_IS_LEVELS, UPDATE_MODES
+from src.utils.settings import Settings, follows, int_at_least
 
 OFF_POLICY_OLD_LOG_PROB = ("with_tips", "without_tips")  # the prompt π_old of an off-policy step is taken under
 SEMANTICS = ("paper", "authors")  # docs/reproducing.md, "The authors' code, difference by difference"
 
 
 @dataclass
-class AlgorithmConfig:
+class AlgorithmConfig(Settings):
     """EMPO² / GRPO settings (``algorithm.*``).
 
     Raises (on construction):
         ValueError: naming the key, the bad value and what was expected.
     """
+
+    PREFIX: ClassVar[str] = "algorithm"
 
     name: str = "grpo"
     """Label of the algorithm (``empo2`` or ``grpo``), logged with the run."""
@@ -76,8 +76,8 @@ class AlgorithmConfig:
     max_nonfinite_steps: int = 3
     """Stop the run after this many consecutive optimizer steps whose gradient norm is NaN or inf (>= 1); each such
     step is skipped (weights and optimizer state untouched)."""
-    temperature: float = 1.0
-    """Temperature the log-probs are taken at: the rollout temperature (> 0)."""
+    temperature: float = follows("data.temperature", 1.0)
+    """Temperature the log-probs are taken at: the rollout temperature (> 0), ``data.temperature``."""
     rollout_is: str = "none"
     """Rollout importance-sampling correction (TIS): ``none``, ``token`` or ``sequence``. Each token's
     policy-gradient term is weighted by min(π_old / π_rollout, C), per token or per response; the mismatch metrics
@@ -85,56 +85,34 @@ class AlgorithmConfig:
     rollout_is_cap: float = 2.0
     """C, the truncation of the rollout importance weight (>= 1)."""
 
-    @classmethod
-    def from_dict(cls, algorithm: Mapping[str, Any] | AlgorithmConfig | None) -> AlgorithmConfig:
-        """From the config group (a dict or DictConfig; missing keys take their defaults).
+    def problems(self) -> list[str]:
+        from src.models.core_algos import KL_KINDS, LOSS_AGG_MODES, MASK_LEVELS, ROLLOUT_IS_LEVELS, UPDATE_MODES
 
-        Raises:
-            ValueError: an unknown key (a typo would silently fall back to the default), or a bad value.
-        """
-        if isinstance(algorithm, AlgorithmConfig):
-            return algorithm
-        values = dict(algorithm or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            close = [m for k in unknown for m in difflib.get_close_matches(k, known, n=1)]
-            hint = f" (did you mean {', '.join(f'algorithm.{m}' for m in close)}?)" if close else ""
-            raise ValueError(f"{', '.join(f'algorithm.{k}' for k in unknown)}: not an algorithm setting{hint}; "
-                             f"expected keys among {sorted(known)}")
-        if "mask_modes" in values:
-            values["mask_modes"] = list(values["mask_modes"] or [])
-        return cls(**values)
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # YAML writes 0 for 0.0: one type per field downstream
-            if f.type in ("float", "int"):
-                setattr(self, f.name, (float if f.type == "float" else int)(getattr(self, f.name)))
+        problems = []
         choices = {"loss_agg_mode": LOSS_AGG_MODES, "mask_level": MASK_LEVELS, "kl_type": KL_KINDS,
                    "off_policy_old_log_prob": OFF_POLICY_OLD_LOG_PROB, "rollout_is": ROLLOUT_IS_LEVELS,
                    "semantics": SEMANTICS}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
-                raise ValueError(f"algorithm.{key}={getattr(self, key)!r}: expected one of {valid}")
+                problems.append(f"algorithm.{key}={getattr(self, key)!r}: expected one of {valid}")
         bad = [m for m in self.mask_modes if m not in UPDATE_MODES]
         if bad:
-            raise ValueError(f"algorithm.mask_modes has {bad}: expected modes from {UPDATE_MODES}")
+            problems.append(f"algorithm.mask_modes has {bad}: expected modes from {UPDATE_MODES}")
         for key in ("memory_rollout_prob", "off_policy_prob", "gamma"):
             if not 0.0 <= float(getattr(self, key)) <= 1.0:
-                raise ValueError(f"algorithm.{key}={getattr(self, key)!r}: expected a value in [0, 1]")
+                problems.append(f"algorithm.{key}={getattr(self, key)!r}: expected a value in [0, 1]")
         if not 0.0 <= self.clip_ratio_low < 1.0 or self.clip_ratio_high < 0.0 or self.clip_ratio_c <= 1.0:
-            raise ValueError(f"algorithm.clip_ratio_low/high/c={self.clip_ratio_low}/{self.clip_ratio_high}/"
-                             f"{self.clip_ratio_c}: expected 0 <= low < 1, high >= 0, c > 1")
-        if int(self.no_signal_patience) < 1:
-            raise ValueError(f"algorithm.no_signal_patience={self.no_signal_patience!r}: expected an int >= 1")
-        if int(self.max_nonfinite_steps) < 1:
-            raise ValueError(f"algorithm.max_nonfinite_steps={self.max_nonfinite_steps!r}: expected an int >= 1")
+            problems.append(f"algorithm.clip_ratio_low/high/c={float(self.clip_ratio_low)}/"
+                            f"{float(self.clip_ratio_high)}/{float(self.clip_ratio_c)}: expected 0 <= low < 1, high >= 0, c > 1")
+        problems += int_at_least("algorithm.no_signal_patience", self.no_signal_patience, 1)
+        problems += int_at_least("algorithm.max_nonfinite_steps", self.max_nonfinite_steps, 1)
         if not self.rollout_is_cap >= 1.0:
-            raise ValueError(f"algorithm.rollout_is_cap={self.rollout_is_cap!r}: expected a cap >= 1")
+            problems.append(f"algorithm.rollout_is_cap={self.rollout_is_cap!r}: expected a cap >= 1")
         if not float(self.temperature) > 0:
-            raise ValueError(f"algorithm.temperature={self.temperature!r}: expected > 0")
+            problems.append(f"algorithm.temperature={self.temperature!r}: expected > 0")
         # Skipping a zero-advantage step drops its KL term too (the step never reaches the loss), so the KL
         # penalty would silently cover only part of the batch; and keeping those steps for the KL alone saves nothing.
         if self.skip_zero_advantage and float(self.kl_coef) > 0:
-            raise ValueError(f"algorithm.skip_zero_advantage=true with algorithm.kl_coef={self.kl_coef}: "
-                             "skipped steps would lose their KL term; set one of them to false/0")
+            problems.append(f"algorithm.skip_zero_advantage=true with algorithm.kl_coef={self.kl_coef}: "
+                            "skipped steps would lose their KL term; set one of them to false/0")
+        return problems
