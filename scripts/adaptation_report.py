@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from src.envs.base import is_action_reply  # noqa: E402
-from src.evaluation.comparison.adaptation import environment_of_target  # noqa: E402
+from studies.comparison.adaptation import environment_of_target  # noqa: E402
 
 STOP = set("""a an the and or of in on to for with that is it its i i'm i'd im need want looking some be me get
 buy find would like please this my your you which have has also than lower price dollars choose size color style

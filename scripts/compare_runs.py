@@ -5,7 +5,7 @@
     python scripts/compare_runs.py --run-ids <id> <id> ... --no-log           # no comparison run in MLflow
     python scripts/compare_runs.py --tag scienceworld --adaptation logs/eval/a.json logs/eval/b.json
 
-Trains nothing (training is launched by `scripts/run_study.py`); the work is done by `src/evaluation/comparison/`.
+Trains nothing (training is launched by `scripts/run_study.py`); the work is done by `studies/comparison/`.
 It writes to the store only the comparison run and the runs it imports from records (below). Runs are grouped by
 `algorithm/name`; several seeds give the mean and a ± standard-error band (std with Bessel correction / sqrt(n)).
 Writes to `--out-dir`:
@@ -29,7 +29,7 @@ Writes to `--out-dir`:
   (± evaluation noise). `--episodes-dir DIR` recomputes `paired.md` / `paired.json` from such files alone (no
   MLflow store needed): the committed results can be checked from the repository.
 - `runs/<algorithm>-seed<seed>.json`: each run's record (parameters, tags, every metric's history;
-  `src/evaluation/comparison/records.py`). Records in `--out-dir`/runs whose runs the store lacks are imported
+  `studies/comparison/records.py`). Records in `--out-dir`/runs whose runs the store lacks are imported
   before the runs are selected, so a study continued in another session or on another machine compares all its
   runs: commit the study directory, and the next comparison sees the earlier runs.
 
@@ -51,15 +51,15 @@ from mlflow.entities import Run
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `python scripts/compare_runs.py` from anywhere: src.* is importable
 
-from src.evaluation.comparison.adaptation import load_adaptation  # noqa: E402
-from src.evaluation.comparison.figures import plot_adaptation, plot_learning_curves  # noqa: E402
-from src.evaluation.comparison.records import (import_records, original_run_id, record_names,  # noqa: E402
+from studies.comparison.adaptation import load_adaptation  # noqa: E402
+from studies.comparison.figures import plot_adaptation, plot_learning_curves  # noqa: E402
+from studies.comparison.records import (import_records, original_run_id, record_names,  # noqa: E402
                                                write_records)
-from src.evaluation.comparison.runs import (ALGORITHM_LABELS, collect, comparison_title, run_environment,  # noqa: E402
+from studies.comparison.runs import (ALGORITHM_LABELS, collect, comparison_title, run_environment,  # noqa: E402
                                            run_info, select_runs)
-from src.evaluation.comparison.table import iterations_table, paired_table, results_table  # noqa: E402
-from src.evaluation.episode_table import FILE as EPISODE_FILE  # noqa: E402
-from src.evaluation.episode_table import read_rows, read_runs  # noqa: E402
+from studies.comparison.table import iterations_table, paired_table, results_table  # noqa: E402
+from studies.episode_table import FILE as EPISODE_FILE  # noqa: E402
+from studies.episode_table import read_rows, read_runs  # noqa: E402
 from src.utils.io import write_json_atomic, write_text_atomic  # noqa: E402
 
 log = logging.getLogger("compare_runs")
@@ -111,7 +111,7 @@ def copy_episode_files(client: mlflow.MlflowClient, runs: Sequence[Run],
 
 
 def write_paired(episodes: dict[str, dict[int, list[dict]]], out: Path, env=None) -> list[Path]:
-    """``paired.md`` and ``paired.json`` in ``out`` (``src.evaluation.comparison.table.paired_table``)."""
+    """``paired.md`` and ``paired.json`` in ``out`` (``studies.comparison.table.paired_table``)."""
     digits, unit = (3, "") if env is None else (3 if env.max_score <= 1 else 1, env.score_unit)
     text, numbers = paired_table(episodes, digits, unit)
     write_text_atomic(out / "paired.md", text)

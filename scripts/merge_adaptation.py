@@ -8,7 +8,7 @@
 
 Refuses runs that are not the same evaluation (another policy hash, tasks, seeds, trials or temperature) or whose
 trial 0 is other episodes (other sampling streams), naming the first difference; the paired differences to the
-memory-off control are recomputed from the episodes (src/evaluation/merge_arms.py).
+memory-off control are recomputed from the episodes (studies/merge_arms.py).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from src.evaluation.merge_arms import merge_arms  # noqa: E402
+from studies.merge_arms import merge_arms  # noqa: E402
 from src.utils.io import write_text_atomic  # noqa: E402
 
 

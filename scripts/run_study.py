@@ -91,7 +91,7 @@ def measured_minutes_per_iteration(tracking_uri: str, experiment_name: str, algo
     environment and policy, and their number; None if there are none."""
     import mlflow
 
-    from src.evaluation.comparison.runs import run_info
+    from studies.comparison.runs import run_info
 
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     per_iter = [m for run in _matching_runs(tracking_uri, experiment_name, [algorithm], env_target, model)

@@ -52,12 +52,11 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
             not fit the model (see ``load_policy_weights``).
         FileNotFoundError: no checkpoint at ``ckpt_path``.
     """
-    from src.evaluation.runner import read_checkpoint
     from src.models.checkpoint_state import load_policy_weights, rebuild_policy_config
     from src.models.policy import build_policy
+    from src.utils.checkpoint_loading import read_checkpoint
     from src.utils.config_error import refused_settings
     from src.utils.io import atomic_dir
-    from src.warm_start import warm_start_model_config
 
     ex = cfg.export
     with refused_settings():  # one line, before anything is built
@@ -69,8 +68,8 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
             raise ValueError(f"export.out_dir={str(ex.out_dir)!r} exists; choose another or set "
                              "export.overwrite=true")
     ckpt = read_checkpoint(cfg.ckpt_path)
-    model_cfg, _ = warm_start_model_config(cfg, build=False)  # the checkpoint's weights replace the warm start's
-    policy_cfg = rebuild_policy_config(ckpt, OmegaConf.to_container(model_cfg.policy))
+    # the configured policy (the checkpoint's run settings, src/checkpoint_settings.py): its weights replace the base's
+    policy_cfg = rebuild_policy_config(ckpt, OmegaConf.to_container(cfg.model.policy, resolve=True))
     policy = build_policy(**{**policy_cfg, "gradient_checkpointing": False})
     load_policy_weights(policy, ckpt, str(cfg.ckpt_path), policy_cfg["name_or_path"])
     temperature = float(_trained(ckpt, "algorithm", "temperature", float(cfg.algorithm.temperature)))

@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts import compare_runs, run_study  # noqa: E402
-from src.evaluation.comparison import adaptation, curves, table  # noqa: E402
+from studies.comparison import adaptation, curves, table  # noqa: E402
 from src.envs.scienceworld import ScienceWorldEnv  # noqa: E402
-from src.evaluation.comparison import records as run_records  # noqa: E402
-from src.evaluation.comparison import runs as comparison_runs  # noqa: E402
+from studies.comparison import records as run_records  # noqa: E402
+from studies.comparison import runs as comparison_runs  # noqa: E402
 
 T0 = 1_700_000_000_000  # run start (ms since epoch)
 MIN = 60_000           # one minute in ms

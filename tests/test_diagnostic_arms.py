@@ -104,7 +104,7 @@ def test_the_arms_belong_to_the_adaptation_protocol(tmp_path):
 
 
 def test_an_arm_run_alone_repeats_its_episodes_and_merges_into_the_four_arm_summary(summary, oracle_only):
-    from src.evaluation.merge_arms import merge_arms
+    from studies.merge_arms import merge_arms
 
     assert set(oracle_only["episode_rows"]) == {"oracle"} and "trials" not in oracle_only
     assert "paired_vs_off" not in oracle_only  # no control in this run
@@ -120,7 +120,7 @@ def test_an_arm_run_alone_repeats_its_episodes_and_merges_into_the_four_arm_summ
 def test_merging_refuses_runs_that_are_not_the_same_evaluation(summary, oracle_only):
     import copy
 
-    from src.evaluation.merge_arms import merge_arms
+    from studies.merge_arms import merge_arms
 
     base = _without(summary, "oracle")
     other = copy.deepcopy(oracle_only)

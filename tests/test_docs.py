@@ -106,10 +106,10 @@ DOC_REF = re.compile(r"\bdocs/[\w./-]*\.md(?:#[\w\-²]+)?")
 
 
 def broken_doc_references() -> list[str]:
-    """``file:line: reference`` for every ``docs/<page>.md[#anchor]`` in src/, scripts/, configs/ and tests/ whose
-    page or heading does not exist."""
+    """``file:line: reference`` for every ``docs/<page>.md[#anchor]`` in src/, studies/, scripts/, configs/ and
+    tests/ whose page or heading does not exist."""
     bad = []
-    for folder in ("src", "scripts", "configs", "tests"):
+    for folder in ("src", "studies", "scripts", "configs", "tests"):
         for path in sorted((ROOT / folder).rglob("*")):
             if path.suffix not in (".py", ".yaml", ".sh"):
                 continue
@@ -128,7 +128,7 @@ def test_docs_named_in_code_exist():
 def test_no_reference_to_documents_readers_do_not_have():
     spec = "SPEC" + " §"  # spelled apart so this file does not match itself
     hits = []
-    for folder in ("src", "scripts", "configs", "tests", "docs"):
+    for folder in ("src", "studies", "scripts", "configs", "tests", "docs"):
         for path in sorted((ROOT / folder).rglob("*")):
             if path.suffix in (".py", ".yaml", ".md", ".sh") and path != Path(__file__).resolve():
                 text = path.read_text()

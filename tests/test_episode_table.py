@@ -1,11 +1,11 @@
-"""Per-episode held-out files and the paired differences recomputed from them (src/evaluation/episode_table.py,
+"""Per-episode held-out files and the paired differences recomputed from them (studies/episode_table.py,
 scripts/compare_runs.py --episodes-dir): known answers computed by hand."""
 import json
 import math
 
 import pytest
 
-from src.evaluation.episode_table import (COLUMNS, append_rows, paired_differences, read_rows, read_runs)
+from studies.episode_table import (COLUMNS, append_rows, paired_differences, read_rows, read_runs)
 
 
 def _rows(iteration, scores, failed=()):

@@ -87,8 +87,8 @@ def test_the_iteration_without_a_trainer_gives_what_the_trainer_trains_on(iterat
     assert [(b.mode, b.iteration, b.mini_batch, b.last_micro, b.loss_scale) for b in direct] == \
         [(b.mode, b.iteration, b.mini_batch, b.last_micro, b.loss_scale) for b in through]
     assert [_sample_view(b) for b in direct] == [_sample_view(b) for b in through]
-    # the same rollout metrics, and the tip tables' time that the memory's Lightning hook adds as the update starts
-    assert set(through[0].metrics) == set(direct[0].metrics) | {"rollout/tip_tables_s"}
+    # the same rollout metrics (the memory logs its own timings from its Lightning hook, not through the batch)
+    assert set(through[0].metrics) == set(direct[0].metrics)
     assert len(iteration_pair["memory"].tips) == iteration_pair["written"]  # the same tips written both times
 
 

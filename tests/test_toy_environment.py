@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
 from src.envs.base import Environment, replay
-from src.evaluation.episode_table import read_rows
+from studies.episode_table import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = 4

@@ -14,6 +14,8 @@ from src.utils.console import CONSOLE
 
 log = logging.getLogger(__name__)
 
+MEMORY_KEYS = ("rollout/tip_write_s",)  # logged by the memory callback (MemoryCallback.on_train_batch_start)
+
 
 class IterationLog(L.Callback):
     """Logs, at each iteration's end (rank 0): mode, rollout score / return / success, tips written and retrieved,
@@ -43,7 +45,8 @@ class IterationLog(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero or not self._rollout:
             return
-        r = self._rollout
+        # the memory callback logs its own timings (rollout/tip_write_s), beside the rollout metrics of the batch
+        r = {**self._rollout, **{k: float(v) for k, v in trainer.callback_metrics.items() if k in MEMORY_KEYS}}
         memory = ""
         if "rollout/tips_written" in r:
             memory = f"; {r['rollout/tips_written']:g} tips written"

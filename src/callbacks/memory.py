@@ -6,7 +6,8 @@ explicit arguments: embed states and retrieve tips while the episodes play, then
 policy*, handed in, reflects on every finished episode in one batched generation; one entry per step is stored) and
 ``add_novelty_bonus`` (the count-based bonus of every state reached). Lightning calls its hooks: ``state_dict`` /
 ``load_state_dict`` (every checkpoint holds the memory, and evaluation reads it from there: the memory's one
-persistence path) and, as an iteration's update starts, the logging of its tip tables. It keeps no Trainer.
+persistence path) and, as an iteration's update starts, the logging of its tip tables and of its own timings.
+It keeps no Trainer.
 
 Under DDP/FSDP there is one memory, held whole by every rank: the tips and the novelty visits of all ranks'
 episodes are added on every rank in the same order, so every rank holds the same tips and novelty counts, and
@@ -14,7 +15,6 @@ the checkpoint (written by rank 0) holds them whole. ``state_dict`` checks it (`
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
@@ -31,6 +31,7 @@ from src.memory.novelty import NoveltyMemory
 from src.memory.tip_entry import format_entry
 from src.memory.tip_memory import TipMemory
 from src.utils.distributed import all_reduce, check_same_on_every_rank, combine_over_ranks, gather_lists
+from src.utils.logging import task_text
 from src.utils.rng import row_seeds
 from src.utils.timing import timed
 
@@ -68,11 +69,6 @@ def partition_key(task: dict[str, Any], partition: str) -> str:
         raise ValueError(f"task {task!r} has no 'variation' for memory.partition=variation (an environment's task "
                          "dicts name their variation: docs/extending.md)")
     return f"{task_name(task)}/{variation}"
-
-
-def task_text(task: dict[str, Any]) -> str:
-    """A task dict as one JSON line (the tip tables' ``task`` column)."""
-    return json.dumps(task, sort_keys=True, default=str)
 
 
 KEYS = ("instruction_observation", "observation")  # memory.key: what a state's key embeds
@@ -139,6 +135,7 @@ class MemoryCallback(L.Callback):
         self._record_tables = False  # set in setup(): a fit logs each iteration's tip tables
         self._retrieved: list[dict[str, Any]] = []  # this rank's rows of the retrieved-tips table (training only)
         self._written: list[dict[str, Any]] = []  # all ranks' rows of the written-tips table (training only)
+        self._write_s = 0.0  # the last write_tips' seconds (slowest rank's), logged by on_train_batch_start
         self.bare_command = None  # the environment's bare-command pattern (is_action_reply), set by use_environment
         self._reset_counters()
 
@@ -150,8 +147,9 @@ class MemoryCallback(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         """On an iteration's first micro-batch (the one carrying its rollout metrics: the rollout and the tips are
         done), log the iteration's tip tables (``log_tip_tables``: the entries written and the tips retrieved, every
-        rank's rows; a collective under DDP/FSDP). The seconds it took join the batch's rollout metrics, which the
-        module logs next: ``rollout/tip_tables_s``, also counted in ``rollout/tip_write_s``."""
+        rank's rows; a collective under DDP/FSDP), then the memory's two timings, with the iteration as their step
+        as the module logs the rollout's: ``rollout/tip_tables_s`` (the tables) and ``rollout/tip_write_s`` (the
+        tips written, ``write_tips``, and the tables). They also go to the callback metrics (``IterationLog``)."""
         if not getattr(batch, "metrics", None) or not (self._record_tables and self.tips_enabled):
             return
         tic = time.perf_counter()
@@ -161,8 +159,11 @@ class MemoryCallback(L.Callback):
         self._written = []
         log_tip_tables(trainer, batch.iteration, tables)
         seconds = all_reduce([time.perf_counter() - tic], op="max")[0]
-        batch.metrics["rollout/tip_tables_s"] = seconds
-        batch.metrics["rollout/tip_write_s"] = batch.metrics.get("rollout/tip_write_s", 0.0) + seconds
+        metrics = {"rollout/tip_tables_s": seconds, "rollout/tip_write_s": self._write_s + seconds}
+        self._write_s = 0.0
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=batch.iteration)
+        pl_module.log_dict(metrics, logger=False, on_step=True, on_epoch=False, batch_size=1)
 
     def use_environment(self, env_cfg: dict[str, Any]) -> None:
         """Read the environment's facts the memory needs: what a bare command looks like (``tip_action_frac``)."""
@@ -240,7 +241,8 @@ class MemoryCallback(L.Callback):
         advice; above one half it is warned about once. The kept rollout keys/values (``Episode.reflection_prefix``)
         are released. With ``sample_seed`` each reflection draws from its episode's own stream (``row_seeds``).
         ``iteration`` is stored with every entry; in a fit the rows of the entries written are kept for the
-        iteration's tip tables (``on_train_batch_start``).
+        iteration's tip tables (``on_train_batch_start``). The whole write's time is not returned: it is the memory's
+        own metric, which ``on_train_batch_start`` logs (``rollout/tip_write_s``).
 
         Under DDP/FSDP a collective: every rank adds every rank's entries (in rank order), and the numbers returned
         are over all ranks' reflections (counts summed, durations the slowest rank's).
@@ -296,7 +298,9 @@ class MemoryCallback(L.Callback):
                  "tip_prompt_cached_tokens": float(sum(p.length for p in prefixes if p is not None)),
                  "tip_prompts_continued": float(sum(p is not None for p in prefixes)),
                  "tip_observations_shortened": float(shortened)}
-        return {"tips_written": float(written), **combine_over_ranks(local), **action_frac}
+        combined = combine_over_ranks(local)
+        self._write_s = combined.pop("tip_write_s")  # the memory's own metric (on_train_batch_start logs it)
+        return {"tips_written": float(written), **combined, **action_frac}
 
     def _check_reflections(self, texts: list[str]) -> dict[str, float]:
         """``{"tip_action_frac": share of all ranks' replies that are actions (an <action> tag or one bare

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from src.callbacks.memory import task_text as task_key  # a task dict as one string, the memory's own
+from src.utils.logging import task_text as task_key  # a task dict as one string, as the memory's tables hold it
 
 PLACEHOLDER = " -"  # one token in the tokenizers we use (SmolLM2, Qwen2.5): a line of n of them is n tokens
 

@@ -13,24 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.evaluation.protocols import check_eval_config, run_adaptation, run_standard
 from src.evaluation.stats import weights_sha256
+from src.utils.checkpoint_loading import read_checkpoint
 
 log = logging.getLogger(__name__)
-
-
-def read_checkpoint(ckpt_path: str) -> dict[str, Any]:
-    """The contents of a ``src/train.py`` checkpoint as one dict, as ``torch.load`` of a single file gives them: a
-    ``.ckpt`` file (one process, DDP) or a ``trainer=fsdp`` distributed-checkpoint directory
-    (``load_training_checkpoint``). The one place that reads a checkpoint for evaluation and export.
-
-    Raises:
-        FileNotFoundError: nothing at ``ckpt_path``, or a directory that is not a checkpoint.
-    """
-    from src.utils.checkpoint_loading import load_training_checkpoint
-
-    path = Path(hydra.utils.to_absolute_path(str(ckpt_path)))  # relative to the launch dir (hydra.job.chdir)
-    if not path.exists():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file or directory")
-    return load_training_checkpoint(path, optimizer=False)
 
 
 def load_checkpoint(module, ckpt: dict[str, Any], ckpt_path: str) -> dict[str, Any] | None:

@@ -94,3 +94,19 @@ def optimizer_state_by_index(state: dict[str, Any]) -> dict[str, Any]:
     index = {name: i for i, name in enumerate(names)}
     return {"state": {index[name]: v for name, v in state.get("state", {}).items()},
             "param_groups": [{**g, "params": [index[p] for p in g["params"]]} for g in groups]}
+
+
+def read_checkpoint(ckpt_path: str) -> dict[str, Any]:
+    """The contents of a ``src/train.py`` checkpoint as one dict, as ``torch.load`` of a single file gives them: a
+    ``.ckpt`` file (one process, DDP) or a ``trainer=fsdp`` distributed-checkpoint directory
+    (``load_training_checkpoint``). The one place that reads a checkpoint for evaluation and export.
+
+    Raises:
+        FileNotFoundError: nothing at ``ckpt_path``, or a directory that is not a checkpoint.
+    """
+    import hydra
+
+    path = Path(hydra.utils.to_absolute_path(str(ckpt_path)))  # relative to the launch dir (hydra.job.chdir)
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file or directory")
+    return load_training_checkpoint(path, optimizer=False)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import json
 import logging
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import hydra
 from filelock import FileLock
@@ -146,6 +147,18 @@ EPISODES_FILE = "validation_episodes.csv"
 EPISODE_COLUMNS = ("iteration", "task", "episode", "score", "success", "steps", "failed")
 
 
+def task_text(task: dict[str, Any]) -> str:
+    """A task dict as one JSON line (the tip tables' and the validation episodes' ``task`` column)."""
+    return json.dumps(task, sort_keys=True, default=str)
+
+
+def episode_rows(episodes: Iterable, iteration: int) -> list[dict[str, Any]]:
+    """One row per ``src.data.rollout.Episode``: the task as one JSON line (``task_text``, as in the tip tables),
+    the episode's id (its number among all ranks' episodes of the evaluation), score, success, steps, failed."""
+    return [{"iteration": int(iteration), "task": task_text(e.task), "episode": int(e.id), "score": float(e.score),
+             "success": int(bool(e.success)), "steps": len(e.steps), "failed": int(bool(e.failed))} for e in episodes]
+
+
 def append_rows(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
     """Add ``rows`` to the CSV at ``path`` (created with its header when missing), rewriting it atomically."""
     path = Path(path)
@@ -161,7 +174,7 @@ def append_rows(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
 def log_validation_episodes(trainer, rows: Sequence[dict[str, Any]]) -> None:
     """Add a validation's rows (all ranks', ``episode_rows``) to ``<run dir>/validation_episodes.csv`` and, with the
     MLflow logger, log the file as the run's artifact; rank 0 only, nothing during the sanity check. The file's
-    columns and readers: ``src/evaluation/episode_table.py``."""
+    readers: ``studies/episode_table.py``."""
     if not trainer.is_global_zero or trainer.sanity_checking:
         return
     path = Path(trainer.default_root_dir) / EPISODES_FILE

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import mlflow
 from mlflow.entities import Metric, Param, Run, RunTag, ViewType
 
-from src.evaluation.episode_table import FILE as EPISODE_FILE
+from studies.episode_table import FILE as EPISODE_FILE
 from src.utils.io import write_text_atomic
 
 RECORD_VERSION = 1

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from src.evaluation.comparison.runs import ALGORITHM_LABELS
+from studies.comparison.runs import ALGORITHM_LABELS
 
 ROOT = Path(__file__).resolve().parents[3]
 

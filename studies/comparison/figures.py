@@ -10,9 +10,9 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from src.evaluation.comparison.adaptation import environment_of_target  # noqa: E402
-from src.evaluation.comparison.curves import Aggregate, Curve, aggregate  # noqa: E402
-from src.evaluation.comparison.runs import ALGORITHM_LABELS, ROLLOUT_KEYS, VAL_KEYS, algorithm_rank  # noqa: E402
+from studies.comparison.adaptation import environment_of_target  # noqa: E402
+from studies.comparison.curves import Aggregate, Curve, aggregate  # noqa: E402
+from studies.comparison.runs import ALGORITHM_LABELS, ROLLOUT_KEYS, VAL_KEYS, algorithm_rank  # noqa: E402
 from src.evaluation.stats import best_relative_gain  # noqa: E402
 from src.utils.io import atomic_file  # noqa: E402
 

@@ -7,7 +7,7 @@ import mlflow
 import numpy as np
 from mlflow.entities import Run
 
-from src.evaluation.comparison.runs import (ALGORITHM_LABELS, VAL_KEYS, algorithm_rank, iteration_times,
+from studies.comparison.runs import (ALGORITHM_LABELS, VAL_KEYS, algorithm_rank, iteration_times,
                                             per_iteration_sum, per_iteration_values, run_info)
 from src.evaluation.stats import mean_stderr
 
@@ -114,11 +114,11 @@ def iterations_table(client: mlflow.MlflowClient, runs: Sequence[Run], env) -> s
 def paired_table(runs: dict[str, dict[int, list[dict]]], digits: int = 3, unit: str = "") -> tuple[str, dict]:
     """Markdown table (``paired.md``) and numbers of every later algorithm minus every earlier one (order:
     ``algorithm_rank``; EMPO² − GRPO, EMPO² − GRPO + novelty, GRPO + novelty − GRPO), from per-episode files
-    (``runs``: ``{algorithm: {seed: rows}}``, ``src.evaluation.episode_table.read_runs``).
+    (``runs``: ``{algorithm: {seed: rows}}``, ``studies.episode_table.read_runs``).
 
     Columns: the seed-level difference (mean over training seeds of each run's held-out mean, ± its s.e. from the
     spread between seeds), the paired-by-episode difference (± evaluation noise only), and each run's mean."""
-    from src.evaluation.episode_table import paired_differences
+    from studies.episode_table import paired_differences
 
     algos = sorted(runs, key=algorithm_rank)
     label = lambda a: ALGORITHM_LABELS.get(a, a)  # noqa: E731

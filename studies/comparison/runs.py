@@ -11,7 +11,7 @@ import mlflow
 import numpy as np
 from mlflow.entities import Run
 
-from src.evaluation.comparison.curves import Curve, curve_from_points
+from studies.comparison.curves import Curve, curve_from_points
 
 ALGORITHM_LABELS = {"grpo": "GRPO", "grpo_novelty": "GRPO + novelty", "empo2": "EMPO²",
                     "empo2_authors": "EMPO² (authors' code)"}
@@ -43,7 +43,7 @@ def _run_by_id(client: mlflow.MlflowClient, run_id: str) -> Run:
     """
     from mlflow.exceptions import MlflowException
 
-    from src.evaluation.comparison.records import RECORD_SOURCE_TAG
+    from studies.comparison.records import RECORD_SOURCE_TAG
 
     try:
         return client.get_run(run_id)
@@ -180,7 +180,7 @@ def collect(client: mlflow.MlflowClient, runs: Sequence[Run]) -> dict[str, dict[
 def run_info(client: mlflow.MlflowClient, run: Run) -> dict[str, Any]:
     """Name, algorithm, seed, status, wall-clock minutes, iterations logged and minutes per iteration of a run
     (``run_id``: the id it was first logged under, also for a run imported from a record)."""
-    from src.evaluation.comparison.records import original_run_id
+    from studies.comparison.records import original_run_id
 
     iterations = len(client.get_metric_history(run.info.run_id, "iteration"))
     minutes = (run.info.end_time - run.info.start_time) / 60_000.0 if run.info.end_time else None

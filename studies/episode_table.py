@@ -16,22 +16,13 @@ import math
 import re
 import statistics
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Sequence
 
 from src.evaluation.stats import mean_stderr
-# the writer sits with the tracking helpers, where the LightningModule's validation step reaches it
+# the writer (episode_rows, append_rows) sits with the tracking helpers, where the validation step reaches it
 from src.utils.logging import EPISODE_COLUMNS as COLUMNS, EPISODES_FILE as FILE, append_rows  # noqa: F401
 
 RUN_FILE = re.compile(r"^(?P<algorithm>.+)-seed(?P<seed>-?\d+)\.csv$")
-
-
-def episode_rows(episodes: Iterable, iteration: int) -> list[dict[str, Any]]:
-    """One row per ``src.data.rollout.Episode``: the task as one JSON line (``task_text``, as in the tip tables),
-    the episode's id (its number among all ranks' episodes of the evaluation), score, success, steps, failed."""
-    from src.callbacks.memory import task_text
-
-    return [{"iteration": int(iteration), "task": task_text(e.task), "episode": int(e.id), "score": float(e.score),
-             "success": int(bool(e.success)), "steps": len(e.steps), "failed": int(bool(e.failed))} for e in episodes]
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
