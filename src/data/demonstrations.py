@@ -1,11 +1,8 @@
 """Demonstrations for the imitation warm start, as supervised examples in the RL agent's own format.
 
-The environment supplies them (``Environment.demonstrations``: ScienceWorld — the simulator's gold paths of the
-*training* variations; WebShop — its scripted expert on *training* goals; src/envs/base.py): demonstration records,
-the states an agent passes through and the reply that led on from each. Every step of a record becomes one
-``SFTExample``: the prompt rendered by the rollout runner's own ``step_prompt`` for that state (same history length,
-past-observation cap, admissible actions, step budget and prompt fitting as RL), the reply's token ids + EOS as the
-target.
+The environment supplies demonstration records (``Environment.demonstrations``): the states an agent passes
+through and the reply that led on from each. Every step of a record becomes one ``SFTExample``: the prompt the
+rollout runner's own ``step_prompt`` renders for that state, the reply's token ids + EOS as the target.
 """
 from __future__ import annotations
 
@@ -25,9 +22,7 @@ log = logging.getLogger(__name__)
 
 def training_tasks(env_cfg: dict[str, Any], num_tasks: int | None) -> tuple[dict[str, Any], Any, list[dict]]:
     """(the env config, the environment it builds, its *training* tasks the warm start uses), as the environment
-    says (``Environment.warm_start_config`` / ``warm_start_tasks``: WebShop — the first ``num_tasks`` training
-    goals, None: all; ScienceWorld — the first ``num_tasks`` training variations of each task, None: those RL trains
-    on). The caller closes the environment."""
+    says (``Environment.warm_start_config`` / ``warm_start_tasks``). The caller closes the environment."""
     import hydra
 
     from src.envs.base import environment_class
@@ -64,13 +59,9 @@ def demonstration_records(env_cfg: dict[str, Any], num_tasks: int | None, gold_d
     return good, system_prompt
 
 
-# --------------------------------------------------------------------------- examples
 def response_ids(policy: Policy, text: str) -> list[int]:
-    """Target ids of one reply: its tokens (no special tokens added) + the tokenizer's EOS.
-
-    The chat template closes an assistant turn with that EOS (``<|im_end|>`` for SmolLM2 and Qwen2.5), so the
-    prompt + target is exactly the template's rendering of the conversation with the reply as the answer.
-    """
+    """Target ids of one reply: its tokens (no special tokens added) + the tokenizer's EOS, which closes an assistant
+    turn in the chat template (``<|im_end|>`` for SmolLM2 and Qwen2.5): prompt + target is the template's rendering."""
     tokenizer = policy.tokenizer
     # the reply's text as text, even where it spells a control marker (src/models/chat_encoding.py)
     ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
@@ -82,11 +73,9 @@ def build_examples(policy: Policy, records: list[dict[str, Any]], system_prompt:
     """One example per step of each demonstration record.
 
     Args:
-        policy: renders prompts (``Policy.encode``, its ``max_prompt_tokens``) and tokenizes replies.
         records: ``{"task", "instruction", "initial_observation", "actions", "observations"}`` and optionally
             ``responses`` (the reply texts; default: the actions), ``admissible_actions`` (per state) and ``tips``
             (per step, the memory entries shown when ``cfg.use_tips``; ``tipped_demonstrations``).
-        system_prompt: the environment's ``system_prompt``.
         cfg: the RL run's rollout settings (``RolloutConfig.from_data`` of its ``data`` group).
         max_steps: the step budget shown in the prompt (``data.max_steps`` of the RL run; None shows none).
 
@@ -115,8 +104,8 @@ class LengthGroupedBatches(torch.utils.data.Sampler):
 
     Each epoch shuffles the examples, cuts them into windows of ``window`` batches, sorts each window by length
     (prompt + response tokens) and splits it into batches; the batches are then shuffled. Every example is in
-    exactly one batch per epoch. Left-padded prompts are most of the compute, so this cuts the padded tokens
-    from ~1.36× to ~1.06× the real ones (batch 8 of WebShop demonstrations) without changing what is learned.
+    exactly one batch per epoch. Left-padded prompts are most of the compute, so this cuts the padding without
+    changing what is learned.
     """
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, window: int = 16):

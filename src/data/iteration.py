@@ -3,10 +3,8 @@
 ``run_iteration`` reads top to bottom in the paper's order and only calls downward: draw the update mode and the
 tasks → play the groups (generation, environment pool, tip retrieval) → write the tips → novelty bonus, returns and
 GRPO advantages → one sample per step (tips stripped where the mode says) → old log-probs → mini-batches. What it
-uses but does not own (the policy that generates and scores, the KL reference, the memory, the environment pool and
-its tasks, the precision context) comes in as ``Collaborators``, built where the objects are built
-(``src/train.py``); the iteration number and the global step come per call. Nothing here knows of a Trainer, so an
-iteration runs the same inside Lightning (``RolloutDataModule``) and outside it (``tests/test_iteration.py``).
+uses but does not own comes in as ``Collaborators``. Nothing here knows of a Trainer, so an iteration runs the same
+inside Lightning (``RolloutDataModule``) and outside it (``tests/test_iteration.py``).
 """
 from __future__ import annotations
 
@@ -100,11 +98,7 @@ def run_iteration(s: IterationSettings, c: Collaborators, iteration: int, global
 
 def draw_mode(seed: int, iteration: int, memory_rollout_prob: float, off_policy_prob: float) -> str:
     """The update mode of an iteration (docs/method.md#one-iteration, step 1): on_policy w.p. 1−p, else off_policy w.p.
-    q, else with tips.
-
-    Drawn from a generator seeded by (seed, iteration), so it is the same on every rank and after a resume
-    without storing RNG state.
-    """
+    q, else with tips; seeded by (seed, iteration), so the same on every rank and after a resume."""
     rng = np.random.default_rng([seed, iteration, MODE])
     if rng.random() >= memory_rollout_prob:
         return "on_policy"
@@ -137,9 +131,9 @@ def play(s: IterationSettings, c: Collaborators, tasks: list[dict], mode: str, i
 def group_advantages(episodes: list[Episode], algorithm: AlgorithmConfig,
                      rank: int) -> tuple[torch.Tensor, dict[str, float]]:
     """This rank's episodes' GRPO advantages ``[E]`` (float64, dimensionless) from their discounted returns, bonus
-    included (not under ``algorithm.semantics=authors``: their bonus reaches the logged rewards only), normalised within each group over all ranks' episodes (group ids are unique over ranks; a collective
-    under DDP/FSDP), and the advantage metrics (``compute_grpo_advantages``; failed episodes are counted once, as
-    ``rollout/failed_episodes``)."""
+    included (not under ``algorithm.semantics=authors``: their bonus reaches the logged rewards only), normalised
+    within each group over all ranks' episodes (a collective under DDP/FSDP), and the advantage metrics
+    (``compute_grpo_advantages``; failed episodes are counted once, as ``rollout/failed_episodes``)."""
     gamma, bonus = algorithm.gamma, algorithm.semantics == "paper"  # the authors' advantage reads no bonus
     per_rank = gather_objects([(e.discounted_return(gamma, bonus=bonus), e.discounted_return(gamma, bonus=False),
                                 e.group) for e in episodes])
@@ -256,9 +250,7 @@ class SignalGuard:
     def warn_bonus_only(self, frac: float) -> None:
         """Warn (once per process) when a share ``frac`` of the groups, whose episodes earned the same environment
         return, are ranked by the novelty bonus alone under std-normalised advantages: a bonus difference of 1e-3 then
-        weighs as much as a success. Where every episode failed that is the bonus's purpose (exploration); where every
-        episode succeeded the update follows whatever the bonus favours, e.g. longer episodes, which collect more of it
-        (measured on Coin Collector: docs/results/coin-dfs)."""
+        weighs as much as a success (the message says when that matters; docs/results/coin-dfs)."""
         if frac == 0.0 or not self.algorithm.norm_adv_by_std or self.warned_bonus_only:
             return
         self.warned_bonus_only = True

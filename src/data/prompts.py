@@ -46,11 +46,8 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
     """Messages for the policy at one step.
 
     Args:
-        system_prompt: the environment's instructions (``env.system_prompt``).
-        instruction: the task text.
         history: past steps of this episode, oldest first; only the last ``history_length`` are shown
             (keeps CPU prompts short; the paper's 4k-token prompts fit the whole episode).
-        observation: the current observation.
         tips: retrieved tips for the current step, or ``None``/``[]`` for a tip-free prompt.
         admissible_actions: listed in the prompt when given (WebShop; ScienceWorld with
             ``include_admissible_actions``).
@@ -63,8 +60,7 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
             CPU. ``None`` keeps them whole.
         observation_chars: cut the current observation to its first this many characters (last resort of
             ``fit_prompt`` when the system prompt, task and observation alone exceed the budget; ``None``: whole).
-        tips_header: the line above the tips inside the ``<memory>`` block (``TIPS_HEADER``, or the authors'
-            ``AUTHORS_TIPS_HEADER`` in the paper configs).
+        tips_header: the line above the tips inside the ``<memory>`` block (``TIPS_HEADER`` above).
 
     Raises:
         ValueError: unknown ``tips_scope``.
@@ -149,10 +145,8 @@ def fit_tip_history(history: list[HistoryItem], render, tokenizer,
     """The whole trajectory shortened until the reflection prompt has at most ``budget`` ids, where possible.
 
     Args:
-        history: every step of the episode, oldest first.
         render: ``history -> prompt ids`` (e.g. ``build_tip_messages`` then ``Policy.encode(truncate=False)``).
         tokenizer: the policy's tokenizer, to cut observations at token boundaries.
-        budget: max prompt tokens.
 
     Returns:
         (history, its prompt ids, number of shortened observations). Observations are cut from their end,

@@ -16,7 +16,6 @@ def reflection_prompt_ids(policy, system_prompt: str, episode: Any, continue_las
     ``episode``'s whole trajectory, at most ``policy.max_prompt_tokens`` ids.
 
     Args:
-        policy: renders (``encode``, ``encode_next_turn``) and bounds (``max_prompt_tokens``) the prompt.
         episode: an ``Episode`` (``src/data/rollout.py``): its steps' observations, executed actions, the last
             step's rollout prompt and response ids and ``history_shown``, the final observation and score.
         continue_last: continue the episode's last rollout prompt (last prompt + last response + a user turn with

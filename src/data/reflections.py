@@ -13,9 +13,6 @@ therefore trains on reflection examples:
 - the target: a tip written in hindsight from what the trajectory shows the agent and nothing else
   (``Environment.hindsight_tip``): what the task asked for, what the episode did, what was missing, what to do next
   time; the hidden goal (product id, goal options and attributes, gold path) never reaches it.
-
-Targets are at most ``max_tokens`` tokens with EOS (``memory.tip_max_tokens``): the tip is built from sentences in
-order of importance and stops before the one that would not fit.
 """
 from __future__ import annotations
 
@@ -57,7 +54,6 @@ def reflection_records(env_cfg: dict[str, Any], num_tasks: int | None, gold_dir:
     return records, write, system_prompt
 
 
-# --------------------------------------------------------------------------- examples
 def fit_tip(policy, sentences: list[str], max_tokens: int) -> str:
     """The sentences joined, as many as fit ``max_tokens`` tokens with EOS; the first one cut at a word boundary
     when it alone does not fit."""
@@ -84,7 +80,6 @@ def reflection_examples(policy, records: list[dict[str, Any]], system_prompt: st
     """One example per record: the memory's reflection prompt on the record's trajectory → its hindsight tip.
 
     Args:
-        policy: renders the prompts and tokenizes the tips.
         records: trajectory records (``src.envs.base.replay``'s format) with ``score`` and
             ``max_score``; optionally ``response_ids`` per step (the replies' ids as sampled; default: each reply's
             text tokenized + EOS).

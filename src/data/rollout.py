@@ -3,9 +3,8 @@
 
 All active episodes advance together: one batched policy call per step for all of them, one parallel
 environment step, one batched embedding call (memory keys) — never one call per episode.
-The same runner serves training rollouts, in-training validation and evaluation (no second loop). The novelty
-bonus is added after the episodes, over all ranks' episodes (``MemoryCallback.add_novelty_bonus``), from the
-keys of the states each step reached (``StepRecord.reached_key``).
+The same runner serves training rollouts, in-training validation and evaluation. The novelty bonus is added
+afterwards, over all ranks' episodes (``MemoryCallback.add_novelty_bonus``).
 """
 from __future__ import annotations
 
@@ -119,10 +118,7 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
 
     Args:
         pool: an ``EnvPool`` with at least ``len(tasks)`` workers.
-        policy: the current policy.
-        tasks: task dicts accepted by the environment's ``reset``.
         groups: group id of each episode (episodes of the same task instance share one).
-        cfg: see ``RolloutConfig``.
         memory: needed when ``cfg.use_tips``; when given, every step's state key and reached-state key are stored
             on the step so tips and the novelty bonus can be written afterwards.
         max_steps: only shown in the prompt (the environment enforces its own cap).
@@ -308,10 +304,8 @@ def log_episodes(episodes: list[Episode], what: str) -> None:
 
 
 def episode_metrics(episodes: list[Episode] | list[dict], prefix: str = "") -> dict[str, float]:
-    """Mean return, score (env units), success rate, episode length and invalid-action rate of finished episodes.
-
-    Accepts episodes or their ``Episode.summary()`` dicts (e.g. gathered from all ranks).
-    """
+    """Mean return, score (env units), success rate, episode length and invalid-action rate of finished episodes
+    (``Episode`` objects or their ``summary()`` dicts, e.g. gathered from all ranks)."""
     rows = [e.summary() if isinstance(e, Episode) else e for e in episodes]
     done = [r for r in rows if not r["failed"]]
     out = {"episodes": float(len(rows)), "failed_episodes": float(len(rows) - len(done))}
@@ -359,14 +353,9 @@ def inference(policy: Policy, precision: Callable[[], ContextManager] | None = N
 def evaluate(pool, policy: Policy, tasks: list[dict], episodes_per_task: int, cfg: RolloutConfig,
              max_steps: int | None, memory=None, return_episodes: bool = False,
              precision: Callable[[], ContextManager] | None = None):
-    """Run ``episodes_per_task`` episodes on each task (this rank's shard) with ``cfg`` (its temperature, tips), under
-    ``inference(policy, precision)``.
-
-    Without ``memory`` and ``cfg.use_tips``: the paper's protocol (docs/evaluation.md#evaluating-a-policy). Returns
-    episode metrics (``score``, ``success_rate``, ...) and the rollout time; with ``return_episodes`` the pair
-    ``(metrics, episodes)``, episodes task-major (all episodes of task 0 first), for per-episode statistics
-    (``src/evaluation/``).
-    """
+    """Run ``episodes_per_task`` episodes on each task (this rank's shard) with ``cfg`` under ``inference``; without
+    ``memory`` and ``cfg.use_tips``, the paper's protocol (docs/evaluation.md#evaluating-a-policy). Returns episode
+    metrics and the rollout time; with ``return_episodes`` the pair ``(metrics, episodes)``, episodes task-major."""
     with inference(policy, precision):
         episodes, timing = play_groups(pool, policy, tasks, episodes_per_task, cfg, memory, max_steps)
     # every rank summarises all ranks' episodes, so the numbers (and the logged keys) agree everywhere

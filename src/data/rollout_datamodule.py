@@ -8,12 +8,9 @@ forward/backward each). Validation is one batch holding a no-memory evaluation's
 
 Why epoch = iteration: Lightning re-creates the iterator at the start of every epoch, after the previous
 epoch's last optimizer step, so every rollout is generated with the latest weights (Lightning prefetches one
-batch ahead *within* an epoch, where all batches already exist). ``tests/test_training.py`` checks it: each
-batch carries the ``global_step`` at which its rollout was generated. Checkpoints and validation fall on
-iteration boundaries, and resuming continues at the next iteration.
-
-The stream reaches nothing through the Trainer: what it plays with (the policy, the KL reference, the memory, the
-precision context and the global step) is handed to it by ``attach`` where the objects are built (``src/train.py``).
+batch ahead *within* an epoch, where all batches already exist). Checkpoints and validation fall on iteration
+boundaries, and resuming continues at the next iteration. The stream reaches nothing through the Trainer: what it
+plays with is handed to it by ``attach``.
 """
 from __future__ import annotations
 
@@ -68,9 +65,7 @@ class RolloutDataModule(L.LightningDataModule):
     Under DDP/FSDP every logged number is over all ranks' episodes and samples (counts summed, durations the
     slowest rank's, means over all episodes).
 
-    Exact resume: nothing random depends on the generators' state at a checkpoint; ``state_dict`` also saves every
-    rank's global generators, the next iteration's number and the no-signal guard's counter (the same on every rank:
-    it counts over all ranks).
+    Exact resume: nothing random depends on the generators' state at a checkpoint (``state_dict`` saves them too).
     """
 
     def __init__(self, env: DictConfig | dict, algorithm: DictConfig | dict, data: DataConfig | None = None,
@@ -99,7 +94,6 @@ class RolloutDataModule(L.LightningDataModule):
         if memory is not None:
             self.settings.rollout = replace(self.settings.rollout, tips_scope=memory.tips_scope)
 
-    # ------------------------------------------------------------------ setup
     def setup(self, stage: str | None = None) -> None:
         if self.pool is not None:
             return
@@ -129,7 +123,6 @@ class RolloutDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(_Stream(self._validate), batch_size=None, num_workers=0)
 
-    # ------------------------------------------------------------------ one iteration
     def _iterate(self) -> Iterator[MicroBatch]:
         """One training iteration (``run_iteration``); Lightning runs the update (``training_step``) on the
         micro-batches it yields."""
@@ -164,7 +157,6 @@ class RolloutDataModule(L.LightningDataModule):
             self.iteration = global_step // (self.data.ppo_epochs * (self.data.num_mini_batches or 1))
         return self.iteration
 
-    # ------------------------------------------------------------------ validation
     def _validate(self) -> Iterator[dict[str, Any]]:
         """One batch: the metrics of a no-memory evaluation on the validation tasks
         (docs/evaluation.md#evaluating-a-policy), every rank's episodes as ``validation_episodes.csv`` rows, and
@@ -184,7 +176,6 @@ class RolloutDataModule(L.LightningDataModule):
         log_episodes(episodes, f"validation after {step} optimizer steps")
         yield {"metrics": metrics, "iteration": done, "episode_rows": gather_lists(episode_rows(episodes, done))}
 
-    # ------------------------------------------------------------------ checkpointing (exact resume)
     def state_dict(self) -> dict[str, Any]:
         """Every rank's global generators (rank order; a collective under DDP/FSDP), the next iteration and the
         no-signal counter."""

@@ -1,12 +1,6 @@
-"""The shapes the training data takes between the data layer that makes it and the model layer that trains on it.
-
-``StepSample``: one agent step as a training sample (made by ``make_samples`` of ``src/data/iteration.py``, scored by
-``src/models/old_log_probs.py``). ``MicroBatch``: what one ``training_step`` receives (made by
-``src/data/minibatches.py``; the counts and flags the loss needs ride along with the samples). In verl
-both are one ``DataProto``; here token ids stay unpadded lists until the policy packs them for a forward pass.
-``SFTExample``: one demonstrated step of the imitation warm start (made by ``src/data/demonstrations.py``, trained
-on by ``src/models/sft_module.py``). They live here, apart from the code that makes them, so that the model layer
-never imports the data layer's machinery.
+"""The shapes the training data takes between the data layer that makes it and the model layer that trains on it,
+kept here so that the model layer never imports the data layer's machinery. In verl a step sample and a micro-batch
+are one ``DataProto``; here token ids stay unpadded lists until the policy packs them for a forward pass.
 """
 from __future__ import annotations
 
@@ -22,9 +16,7 @@ class StepSample:
     """One step of a valid episode, with its episode's GRPO advantage.
 
     Attributes:
-        rollout_prompt_ids: the prompt the policy sampled from (with tips in memory rollouts).
-        update_prompt_ids: the prompt the update trains under: tips stripped in ``off_policy`` iterations,
-            otherwise the rollout prompt (the same list).
+        rollout_prompt_ids, update_prompt_ids: as in ``src.data.rollout.StepRecord``.
         old_prompt_ids: the prompt π_old is taken under: the rollout prompt, or the update prompt under
             ``algorithm.off_policy_old_log_prob: without_tips`` in ``off_policy`` iterations.
         response_ids: the sampled response tokens, ``[T_i]``.

@@ -1,8 +1,8 @@
 """The prompt of one agent step: rendered, fitted to the token budget, and tip-stripped for the off-policy update.
 
-The one place a step's prompt is made (``step_prompt``): training rollouts, validation, evaluation and the
-imitation warm start's demonstrations all call it, so a prompt is rendered one way only (docs/method.md#one-iteration,
-step 2; docs/method.md#tip-stripping-for-the-off-policy-update).
+The one place a step's prompt is made (``step_prompt``): rollouts, validation, evaluation and the imitation warm start
+all call it, so a demonstration's prompt is token for token the prompt RL samples from (docs/method.md#one-iteration,
+step 2).
 """
 from __future__ import annotations
 
@@ -37,9 +37,6 @@ def step_prompt(policy: Policy, cfg: RolloutConfig, system_prompt: str, instruct
                 cuts: dict[str, float] | None = None) -> StepPrompt:
     """The prompt ids of one agent step, fitted to ``policy.max_prompt_tokens`` (what is cut first:
     docs/usage.md#prompts).
-
-    The one place a step's prompt is rendered: rollouts, validation and the imitation warm start
-    (``src/warm_start.py``) all call it, so a demonstration's prompt is token for token the prompt RL samples from.
 
     Args:
         cfg: history length, past-observation cap, tips scope, ``use_tips`` / ``strip_tips_for_update``.
@@ -93,8 +90,7 @@ def fit_prompt(policy: Policy, common: dict, tips: list[str] | None,
     Args:
         common: the keyword arguments of ``build_step_messages`` except ``tips`` (not changed).
         tips: the retrieved tips, best first.
-        cuts: when given, accumulates ``prompts_fitted``, ``admissible_actions_cut``, ``history_steps_cut``,
-            ``tips_cut`` and ``observation_chars_cut``.
+        cuts: when given, accumulates the ``PROMPT_CUT_KEYS`` counts.
 
     Returns:
         (the tips that fit, the changed ``build_step_messages`` arguments: ``history_length`` — the past steps

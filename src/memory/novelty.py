@@ -36,10 +36,8 @@ class NoveltyMemory:
         dim: embedding dimension.
         settings: ``memory.novelty`` (``NoveltyConfig``, or its keys as keyword arguments): ``threshold``, the cosine
             at or above which two states count as the same (inclusive); ``coef``, the reward for a brand-new state
-            in environment units (1.0 for ScienceWorld points, 0.01 for WebShop's [0,1] scores:
-            docs/environments.md#units); ``capacity``, max stored states per task, the oldest leave first (with
-            their counts), None = unbounded; ``count``, ``visits`` (N = prior visits to similar states) or
-            ``distinct`` (N = similar stored states).
+            in environment units (``Environment.novelty_coef``); ``capacity``, max stored states per task, the oldest
+            leave first (with their counts), None = unbounded; ``count``, ``visits`` or ``distinct`` (above).
 
     Raises:
         ValueError: an argument out of range, naming it.
@@ -59,7 +57,6 @@ class NoveltyMemory:
         """Intrinsic rewards for the N states reached in one environment step, then record the visits.
 
         Args:
-            task_keys: N task keys (str).
             embeddings: float [N, dim], L2-normalised.
 
         Returns:
@@ -136,9 +133,8 @@ class NoveltyMemory:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace the stored states and counts (this instance's threshold / coef / capacity / count are kept).
-
-        A v1 state (distinct states, no counts) loads with one visit per stored state.
+        """Replace the stored states and counts (this instance's threshold / coef / capacity / count are kept); a v1
+        state (no counts) loads with one visit per stored state.
 
         Raises:
             ValueError: wrong format or a dim different from this memory's.

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 class TipEntry:
     """One stored tip.
 
-    content: the full formatted line (see ``format_entry``); score: the episode's final return R in environment
-    units (points for ScienceWorld, [0,1] for WebShop); step: the step index k in its episode; created_at: unix
-    time of the write; iteration: training iteration of the write, if the caller gives it.
+    content: the full formatted line (``format_entry``); score: the episode's final return R in environment units;
+    step: the step index k in its episode; created_at: unix time of the write; iteration: that of the write, if given.
     """
 
     content: str
@@ -32,8 +31,7 @@ def _fmt_number(x: float) -> str:
 
 
 def format_entry(tip: str, action: str, final_score: float, max_score: float) -> str:
-    """The stored tip line:
-    ``"<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>."``
+    """The stored tip line, ``"<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>."``
 
     Whitespace runs (including newlines) in ``tip`` and ``action`` are collapsed to single spaces so each entry is
     one line in the prompt. Scores are in environment units and printed without trailing zeros (100 → "100").

@@ -1,15 +1,10 @@
 """Tip memory: partitioned FAISS store of self-generated tips (docs/method.md#memory).
 
 Each partition (a str chosen by the caller: per task variation, per task, or one global key) holds a
-``faiss.IndexFlatIP`` over L2-normalised state keys, so inner product = cosine, plus one ``TipEntry`` per
-vector in the same order (row i of the index is entry i). Writes deduplicate by content and keep at most
-``capacity`` entries per partition (FIFO). Reads keep entries with cosine > ``threshold`` and return the
-``top_k`` with the highest stored score (the authors' choice) or highest similarity.
-
-Reads take all queries of a partition at once: in score order in growing chunks (``_candidates_in_score_order``),
-or by similarity in one product with every stored key, read from the FAISS index's own storage (exact inner
-products, as a FAISS range search would give, which took 2-3x longer). ``scripts/bench_memory.py`` compares this
-with a list scan.
+``faiss.IndexFlatIP`` over L2-normalised state keys (inner product = cosine) plus one ``TipEntry`` per row, in
+order. Reads take all queries of a partition at once: in score order in growing chunks
+(``_candidates_in_score_order``), or in one product with every stored key of the FAISS index's own storage (exact,
+and 2-3x faster than a FAISS range search; ``scripts/bench_memory.py``).
 """
 from __future__ import annotations
 
@@ -86,11 +81,9 @@ class TipMemory:
         """Store N tips in one partition.
 
         Args:
-            partition: partition key (str).
             keys: float [N, dim], L2-normalised state embeddings (norm within 1e-3 of 1).
             contents: N formatted tip lines (``format_entry``).
-            scores: N episode final scores R (environment units).
-            steps: N step indices.
+            scores, steps: N episode final scores R (environment units) and step indices.
             iteration: optional training iteration stored on every entry.
 
         Returns:
@@ -302,11 +295,8 @@ class TipMemory:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain objects for a Lightning checkpoint.
-
-        Keys are stored as CPU ``torch.Tensor`` float32 [n, dim] rather than numpy: Lightning 2.6 resumes with
-        ``torch.load(weights_only=True)``, which refuses numpy arrays.
-        """
+        """Plain objects for a Lightning checkpoint; keys as CPU float32 ``torch.Tensor`` [n, dim], since Lightning 2.6
+        resumes with ``torch.load(weights_only=True)``, which refuses numpy arrays."""
         import torch
 
         return {

@@ -36,10 +36,8 @@ _BLAS: ThreadpoolController | None = None
 
 
 def one_blas_thread():
-    """Context in which numpy's BLAS runs on one thread. A read's products are small (16 queries x 1,000 keys:
-    6 M multiply-adds): on the 2-core machine shared with other jobs, OpenBLAS's two threads took 8 ms for it,
-    one thread 0.3 ms (waiting for a descheduled second thread costs more than it saves); a 100,000-key full
-    scan is at most ~2x slower on one thread of an idle machine."""
+    """Context in which numpy's BLAS runs on one thread: a read's products are small (16 queries x 1,000 keys), and
+    waiting for a descheduled second thread costs more than it saves."""
     global _BLAS
     if _BLAS is None:
         _BLAS = ThreadpoolController()
