@@ -31,7 +31,8 @@ def _fmt_number(x: float) -> str:
 
 
 def format_entry(tip: str, action: str, final_score: float, max_score: float) -> str:
-    """The stored tip line, ``"<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>."``
+    """The stored tip line:
+    ``"<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>."``
 
     Whitespace runs (including newlines) in ``tip`` and ``action`` are collapsed to single spaces so each entry is
     one line in the prompt. Scores are in environment units and printed without trailing zeros (100 → "100").
