@@ -10,7 +10,7 @@ streams, tests/hf_reference.py), the engine (``Policy.generate``) and the engine
 same prompts and seeds, best of
 ``--repeats`` taken in turns, all inside the context a training run gives its rollouts here (bf16 autocast where
 ``trainer.precision=auto`` picks ``bf16-mixed``, as ``--trainer-precision`` says); the engine then computes each phase
-in ``--rollout-precision`` (``auto``: the dtype this machine runs faster, ``src/models/rollout_precision.py``).
+in ``--rollout-precision`` (``auto``: the dtype this machine runs faster, ``src/models/rollout_engine.py``).
 Per path: wall time of the whole generation, of the prefill alone (one new token), prefill tokens/s,
 decoding ms per step ((whole - prefill) / decoding steps of the longest reply), the tokens generated. ``bound_ms``:
 the bytes one of the engine's decoding steps must read at least (the weights, plus the keys/values of the mean context
