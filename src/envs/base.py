@@ -1,6 +1,5 @@
 """The environment contract shared by every text environment (docs/environments.md#the-contract), and
-``Environment``, the class every environment derives from: the contract's calls plus what the rest of the code needs
-to know of an environment (docs/extending.md: a new environment in one file and one config).
+``Environment``, the class every environment derives from (docs/extending.md).
 
 Every environment is a plain Python object (not a gymnasium subclass, to keep workers light) with:
 
@@ -16,12 +15,10 @@ Every environment is a plain Python object (not a gymnasium subclass, to keep wo
 ``info`` always carries: ``score`` (float, environment units: points for ScienceWorld, [0,1] for WebShop),
 ``success`` (bool), ``won`` (bool, same as success), ``valid_action`` (bool), ``action`` (the parsed action
 actually executed, str), ``task_id`` (str), ``variation`` (int or str), ``instruction`` (the task text the agent
-sees), ``max_score`` (float), and ``admissible_actions`` (list[str]) when the environment can list them.
+sees), ``max_score`` (float), ``admissible_actions`` (list[str]) when the environment can list them, and after a
+step ``format_ok`` (bool: ``extract_action``'s ``well_formed``, the one rule every environment reads actions by).
 An invalid action is a no-op with ``valid_action=False``, never an exception. ``truncated`` is True when the
 environment's own action cap is reached.
-
-Every environment (ScienceWorld, WebShop, TextWorldExpress) reads the action with one rule, ``extract_action``: the
-first ``<action>`` tag wins, and ``info['format_ok']`` is False when a reply holds several tags or an unclosed one.
 """
 from __future__ import annotations
 
@@ -113,12 +110,10 @@ def is_action_reply(text: str, bare_command: re.Pattern | None = None) -> bool:
 
 def replay(env, task: dict[str, Any], replies: list[str]) -> dict[str, Any]:
     """Run ``replies`` in ``env`` from ``task``'s reset until the episode ends: a trajectory record (the format
-    ``Environment.demonstrations`` returns).
-
-    A record holds ``task``, ``instruction``, ``initial_observation``, per step ``responses`` (the reply as
-    written), ``actions`` (the action the environment executed), ``observations`` (the observation after it) and
-    ``admissible_actions`` (the valid actions listed in the prompt at that state, or None for the whole record
-    when the environment lists none), and ``success``, ``score`` and ``max_score`` (environment units)."""
+    ``Environment.demonstrations`` returns): ``task``, ``instruction``, ``initial_observation``, per step
+    ``responses`` (the reply as written), ``actions`` (the action executed), ``observations`` (the one after it) and
+    ``admissible_actions`` (those listed in the prompt at that state; None for the whole record when the environment
+    lists none), and ``success``, ``score`` and ``max_score`` (environment units)."""
     observation, info = env.reset(task)
     record = {"task": task, "instruction": info["instruction"], "initial_observation": observation,
               "responses": [], "actions": [], "observations": [], "admissible_actions": [],
@@ -138,9 +133,8 @@ def replay(env, task: dict[str, Any], replies: list[str]) -> dict[str, Any]:
 
 
 class Environment:
-    """What every environment is: the contract above (``reset``, ``step``, ``tasks``, ``close``, ``system_prompt``)
-    and the facts and hooks the trainer, the memory, the warm start and the comparisons read from it. A new
-    environment subclasses this in one file and sets what differs (docs/extending.md).
+    """The contract above and the facts and hooks the trainer, the memory, the warm start and the comparisons read
+    from an environment; a new one subclasses this and sets what differs (docs/extending.md).
 
     Class attributes:
         display_name: the environment's name in tables and figures.
@@ -154,8 +148,7 @@ class Environment:
     Task dicts (``tasks(split)``) carry ``task_name`` and ``variation``: the memory's per-variation partition is
     ``<task_name>/<variation>``.
 
-    The hooks of the imitation warm start (``src/warm_start.py``) follow; an environment without demonstrations
-    leaves them as they are (the warm start then says what is missing).
+    An environment without demonstrations leaves the warm start's hooks as they are (the warm start says so).
     """
 
     display_name = "environment"
@@ -235,19 +228,15 @@ class Environment:
                                   "reflection_records; set model.warm_start.reflections=null)")
 
     def oracle_tips(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[list[str]]:
-        """Tips written from privileged information (the solution: a gold path, the goal's attributes, where the
-        coin is), one list of lines per task. A **diagnostic** of the adaptation protocol (``eval.oracle_tips``: can
-        the policy use a tip at all?), never shown in training (``src/train.py`` refuses them).
-
-        Raises:
-            NotImplementedError: the environment has none.
-        """
+        """Tips written from privileged information (a gold path, the goal's attributes), one list of lines per task:
+        a **diagnostic** of the adaptation protocol (``eval.oracle_tips``), never shown in training. Raises
+        NotImplementedError when the environment has none."""
         raise NotImplementedError(f"{type(self).__name__} has no oracle tips (Environment.oracle_tips)")
 
     @staticmethod
     def hindsight_tip(record: dict[str, Any]) -> list[str]:
         """The tip on a trajectory record, as sentences in order of importance, from what the agent saw
-        (instruction, observations, actions, score), never from hidden task data. A staticmethod.
+        (instruction, observations, actions, score), never from hidden task data.
 
         Raises:
             NotImplementedError: the environment writes no hindsight tips (no reflection examples).

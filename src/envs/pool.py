@@ -103,15 +103,13 @@ class EnvPool:
     Args:
         env_cfg: Hydra-instantiable environment config, e.g. ``{"_target_":
             "src.envs.scienceworld.ScienceWorldEnv", "task": "4-2"}``; must be picklable once resolved.
-        num_workers: number of worker processes (≥ 1).
         timeout_s: seconds a call may take per worker before that worker is killed and restarted.
         start_timeout_s: extra seconds allowed for a worker that is still building its environment (JVM start).
 
     Calls take ``(worker_index, argument)`` pairs (each index at most once per call) and return results in the
-    same order. Error results: reset → ``("", {"error": msg, "worker": i})``; step → ``("", nan, True, False,
-    {"error": msg, "worker": i, "score": nan, "success": False, "won": False, "valid_action": False})``.
-    A ValueError/TypeError inside an environment (bad task, bad argument) is re-raised here as ValueError
-    after all answers of the call are read; the worker is kept.
+    same order; a failed call gives an error result (``info["error"]``, an ended step with reward NaN: ``step``). A
+    ValueError/TypeError inside an environment is re-raised here as ValueError after all answers of the call are
+    read; the worker is kept.
 
     Raises:
         ValueError: bad config, worker count, or request list.
@@ -182,10 +180,8 @@ class EnvPool:
         self.num_restarts += 1
 
     def resize(self, num_workers: int) -> None:
-        """Grow (start workers and wait until their environments are built) or shrink (close the last ones).
-
-        Raises RuntimeError, leaving the pool as it was, if a new worker cannot build its environment.
-        """
+        """Grow (start workers and wait until their environments are built) or shrink (close the last ones). Raises
+        RuntimeError, leaving the pool as it was, if a new worker cannot build its environment."""
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers={num_workers!r}: expected an int ≥ 1")
         if self._closed:

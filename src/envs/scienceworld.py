@@ -52,16 +52,13 @@ def start_jvm(jvm_heap: str):
         raise ValueError("\n".join(problems))
     from scienceworld import ScienceWorldEnv as _PackageEnv
 
-    # hashCode=2 (a constant identity hash): the simulator lists same-named objects in hash-set order, and the
-    # default per-thread random hash made that order depend on the episodes the JVM ran before, its flags and the
-    # core count; a constant hash leaves creation order (measured: 12 episodes, 4 different texts across 2 orders
-    # x 2 flag sets before, 1 after; ~7% slower per step).
+    # hashCode=2 (a constant identity hash): the simulator lists same-named objects in hash-set order, which under
+    # the default random hash depends on what the JVM ran before; a constant hash leaves creation order.
     return launch_jvm(lambda: _PackageEnv(""), jvm_heap, "-XX:+UnlockExperimentalVMOptions -XX:hashCode=2")
 
 
 class ScienceWorldEnv(JvmEnvironment):
-    """One ScienceWorld simulator (one JVM) behind the contract of ``src/envs/base.py``
-    (docs/environments.md#scienceworld).
+    """One ScienceWorld simulator (one JVM) behind the contract of ``src/envs/base.py``.
 
     Args:
         task: one task or a list of tasks, each an alphabetical index (0..29; power-component = 25), a paper id
@@ -71,36 +68,24 @@ class ScienceWorldEnv(JvmEnvironment):
         num_train_variations: train split = the first this many of ``get_variations_train()`` (paper: 5).
         num_test_variations: test and dev splits = the first up to this many of ``get_variations_test()`` /
             ``get_variations_dev()`` (paper: 20; some tasks have fewer).
-        max_steps: action cap per episode; None = per-task default (30; 60 chemistry-mix*, 120
-            measure-melting-point-known-substance, 100 boil, 80 melt/freeze). Every step call counts,
-            invalid ones included. The simulator's own envStepLimit counts ticks and is not used.
+        max_steps: action cap per episode; None = per-task default (``default_max_steps``). Every step call
+            counts, invalid ones included. The simulator's own envStepLimit counts ticks and is not used.
         action_correction: repair actions the simulator's parser rejects. The action always runs as written
-            first (the valid-action list omits many actions the parser accepts, e.g. ``examine OBJ``, so it is
-            no test of validity); only when the parser rejects it (a no-op) is it replaced by the most similar
-            entry of the valid-action list (thefuzz ratio) scoring at least ``correction_min_similarity``, and
-            that one runs. Below the threshold it stays an invalid no-op. ``info['corrected']`` says whether
-            a replacement ran; the raw response stays in ``info['raw_action']``.
-        correction_min_similarity: 0..100 thefuzz ratio a replacement needs (85: "go to the kitchen" ->
-            "go to kitchen" (87) is repaired, "focus on the water" -> "focus on sewer" (81) is not).
+            first (the valid-action list omits many actions the parser accepts, e.g. ``examine OBJ``); only when
+            the parser rejects it is it replaced by the most similar valid action (thefuzz ratio) scoring at least
+            ``correction_min_similarity`` (85: "go to the kitchen" -> "go to kitchen" (87) is repaired, "focus on
+            the water" -> "focus on sewer" (81) is not). ``info['corrected']`` says whether a replacement ran.
         include_admissible_actions: put the sorted valid-action list (~1000 strings, ~50-500 ms) in ``info``.
-        jvm_heap: JVM max heap (``-Xmx``), e.g. "768m".
-        seed: accepted so every environment takes the same config keys; the simulator is deterministic given
-            (task, variation) and exposes no seed.
+        seed: accepted so every environment takes the same config keys; the simulator exposes no seed.
 
-    Scores are in points, −100..100. Reward = score delta since the previous step, the first step's baseline
-    being the score right after reset (as in the package's own step/reset), so the rewards of an episode sum to
-    final score − initial score (the initial score is 0 in most tasks; 8 in find-*). A wrong ``focus on`` makes
-    the simulator score −1.0 (= −100 points) without setting "completed"; it ends the episode (terminated) as
-    in the package. So one step's reward lies in −200..100, not −100..100: a wrong focus after s points gives
-    −(100 + s), e.g. −125 after 25 points; an episode's rewards sum to −108..100. Nothing downstream assumes
-    a range: GRPO normalises returns by their group's mean and std. success = completed and score ≥ 100.
+    Scores are in points, −100..100. Reward = score delta since the previous step (from the score right after
+    reset, as in the package), so an episode's rewards sum to final − initial score (initial 0 in most tasks, 8 in
+    find-*). A wrong ``focus on`` scores −100 points and ends the episode (terminated) as in the package, so one
+    step's reward lies in −200..100 (−(100 + s) after s points); nothing downstream assumes a range. success =
+    completed and score ≥ 100. ``info`` adds ``corrected``, ``raw_action``, ``steps`` and ``max_steps``.
 
-    ``info`` adds ``format_ok`` (False for several ``<action>`` tags or an unclosed one; the first runs),
-    ``corrected``, ``raw_action``, ``steps`` and ``max_steps`` to the contract's keys.
-
-    When the simulator asks which of several objects an action meant ("Ambiguous request: Please enter the
-    number..."), the option whose text sorts first is chosen at once (the listed order varies between JVM
-    runs), so the episode never sits in that numbered-answer state; ``info['action']`` names the option run.
+    When the simulator asks which of several objects an action meant, the option whose text sorts first is chosen
+    at once (the listed order varies between JVM runs); ``info['action']`` names the option run.
 
     Raises:
         ValueError: a setting ``config_problems`` refuses (an unknown task lists the valid ones; no ``java`` on PATH
@@ -174,12 +159,9 @@ class ScienceWorldEnv(JvmEnvironment):
                 "test": list(self._server.getVariationsTest())}
 
     def tasks(self, split: str) -> list[dict[str, Any]]:
-        """Task instances ``{"task_name": str, "variation": int}`` of every configured task (the splits of
-        docs/environments.md#scienceworld).
-
-        train: first ``num_train_variations`` train variations; dev/test: first up to ``num_test_variations``.
-        Raises ValueError for another split.
-        """
+        """Task instances ``{"task_name": str, "variation": int}`` of every configured task: train, the first
+        ``num_train_variations`` train variations; dev/test, the first up to ``num_test_variations``. Raises ValueError
+        for another split."""
         limits = {"train": self.num_train_variations, "dev": self.num_test_variations,
                   "test": self.num_test_variations}
         if split not in limits:
@@ -224,11 +206,8 @@ class ScienceWorldEnv(JvmEnvironment):
         return observation, info
 
     def step(self, response: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        """Run one action parsed from the policy's raw text.
-
-        Returns (observation, reward in points, terminated, truncated, info). Invalid or empty actions are
-        no-ops with ``valid_action=False``. Raises RuntimeError before ``reset`` or after the episode ended.
-        """
+        """Run one action parsed from the policy's raw text: (observation, reward in points, terminated, truncated,
+        info). Raises RuntimeError before ``reset`` or after the episode ended."""
         if self._task_name is None:
             raise RuntimeError("ScienceWorldEnv.step() called before reset()")
         if self._done:

@@ -10,7 +10,7 @@ from typing import Any
 
 from src.envs.base import close_jvm
 from src.envs.scienceworld import ScienceWorldEnv, start_jvm
-from src.envs.scienceworld_demos import gold_file, load_gold  # noqa: F401 - the cache's reader, used here and re-exported
+from src.envs.scienceworld_demos import gold_file, load_gold  # noqa: F401 - load_gold is re-exported
 from src.envs.scienceworld_tasks import resolve_task
 from src.utils.io import write_json_atomic
 from src.utils.timing import EtaLog
@@ -22,10 +22,9 @@ def generate_gold(tasks: list[dict[str, Any]], simplification: str = "easy",
                   jvm_heap: str = "768m") -> list[dict[str, Any]]:
     """Generate and verify the simulator's gold action path for each ``{"task_name", "variation"}`` in ``tasks``.
 
-    Starts two JVMs in this process: one asks the simulator for the gold paths (which slows that JVM's later
-    resets, so run this offline, e.g. via scripts/cache_gold_trajectories.py), the other replays each path
-    through ``ScienceWorldEnv`` (no action cap) to record what an agent would see. The simulator picks among
-    equivalent paths at random (e.g. which non-living thing to fetch), so repeated runs may differ.
+    Starts two JVMs: one asks the simulator for the gold paths (which slows that JVM's later resets, so run this
+    offline), the other replays each path through ``ScienceWorldEnv`` (no action cap) to record what an agent would
+    see. The simulator picks among equivalent paths at random, so repeated runs may differ.
 
     Returns one record per task, in order: {task_name, variation, simplification, instruction,
     initial_observation, initial_score, actions: [str], observations: [str], rewards: [points],
@@ -72,11 +71,9 @@ def generate_gold(tasks: list[dict[str, Any]], simplification: str = "easy",
 
 
 def save_gold(out_dir: str | os.PathLike, records: list[dict[str, Any]]) -> list[Path]:
-    """Merge gold records (from ``generate_gold``) into ``<out_dir>/<task_name>.json``, one file per task.
-
-    File format: {"task_name", "simplification", "variations": {"<variation>": record}}; each file is written
-    atomically. Returns the paths written. Raises ValueError if a file holds another simplification.
-    """
+    """Merge gold records (from ``generate_gold``) into ``<out_dir>/<task_name>.json``, written atomically as
+    {"task_name", "simplification", "variations": {"<variation>": record}}. Returns the paths written. Raises
+    ValueError if a file holds another simplification."""
     by_task: dict[str, list[dict[str, Any]]] = {}
     for record in records:
         by_task.setdefault(record["task_name"], []).append(record)

@@ -1,9 +1,8 @@
 """How long the simulator's own gold paths are, against the action caps (docs/environments.md#scienceworld).
 
 For 12 of the 30 tasks the gold path is longer than the default cap of 30 actions, so even a perfect copy of it is
-cut off (mendelian-genetics ~130 actions, inclined-plane-friction-unnamed-surfaces 177-205). The gold path is one
-solution, not always the shortest, but a cap below it is a warning sign; ``warn_gold_paths_over_cap`` says so when
-training starts (``src/train.py``).
+cut off. The gold path is one solution, not always the shortest, but a cap below it is a warning sign
+(``warn_gold_paths_over_cap``, when training starts).
 """
 from __future__ import annotations
 
@@ -54,9 +53,8 @@ GOLD_PATH_LENGTHS: dict[str, tuple[int, int]] = {
 def warn_gold_paths_over_cap(env_cfg: Mapping[str, Any] | None) -> list[str]:
     """Log (and return) a message for each task of a ScienceWorld environment config (the ``env`` group) whose
     longest gold path (``GOLD_PATH_LENGTHS``) exceeds its action cap (``env.max_steps``, or the task's default when
-    null); nothing for any other environment. A WARNING when the cap is below every measured gold path of the task
-    (no variation can be solved by its gold path), else INFO (a cap that cuts only the longer variations, as the CPU
-    experiments choose to keep episodes short)."""
+    null); nothing for any other environment. A WARNING when the cap is below every measured gold path of the task,
+    else INFO (a cap that cuts only the longer variations, as the CPU experiments choose)."""
     env = env_cfg or {}
     if not str(env.get("_target_", "")).endswith("scienceworld.ScienceWorldEnv"):
         return []

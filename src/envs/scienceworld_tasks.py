@@ -1,7 +1,5 @@
 """ScienceWorld's 30 tasks by name, alphabetical index and paper id, their action caps and the checks of the
-settings that need no simulator (``settings_problems``).
-
-docs/environments.md#scienceworld.
+settings that need no simulator (``settings_problems``); docs/environments.md#scienceworld.
 """
 from __future__ import annotations
 
@@ -35,9 +33,7 @@ MAX_STEPS_OVERRIDES: dict[str, int] = {
 
 def resolve_task(task: str | int) -> str:
     """Map a task given as alphabetical index (int or digit string, 0..29), paper id ("3-1") or name to its name.
-
-    Raises ValueError naming the bad value and listing the valid names (with index and paper id).
-    """
+    Raises ValueError naming the bad value and listing the valid names (with index and paper id)."""
     if isinstance(task, bool):  # bool is an int subclass; True would silently mean task 1
         raise ValueError(_unknown_task_message(task))
     if isinstance(task, int) or (isinstance(task, str) and task.strip().isdigit()):
@@ -67,11 +63,8 @@ def default_max_steps(task_name: str) -> int:
 
 
 def task_list(task: Any) -> list[Any]:
-    """``env.task`` as a list: one task, or any sequence (list, tuple, OmegaConf's ListConfig).
-
-    Raises:
-        ValueError: neither (e.g. null or a float).
-    """
+    """``env.task`` as a list: one task, or any sequence (list, tuple, OmegaConf's ListConfig). Raises ValueError
+    for neither (e.g. null or a float)."""
     if isinstance(task, (str, int)):
         return [task]
     if isinstance(task, Sequence):

@@ -32,22 +32,17 @@ class TextWorldExpressEnv(JvmEnvironment):
     """One TextWorldExpress simulator (one JVM) behind the contract of ``src/envs/base.py``.
 
     Args:
-        game: "coin" (Coin Collector) or "cookingworld".
         game_params: the game's generation parameters (the simulator's names), e.g. ``{"numLocations": 4,
             "includeDoors": 1, "numDistractorItems": 0}`` for coin; a parameter the game does not know raises.
         num_train_seeds: train split = the first this many seeds of the train fold (0, 1, ...).
-        num_test_seeds: test split = the first this many seeds of the test fold (20000, ...); dev the same of the
-            dev fold.
+        num_test_seeds: the same for the test fold (20000, ...) and the dev fold.
         max_steps: actions per episode (every step call counts, invalid ones included); reaching it truncates.
-        include_admissible_actions: list the simulator's valid actions (sorted; ~5-15 short strings) in ``info``,
-            and so in the prompt.
-        jvm_heap: JVM max heap (``-Xmx``), e.g. "256m".
+        include_admissible_actions: list the simulator's valid actions (sorted; ~5-15 short strings) in ``info``.
         seed: accepted so every environment takes the same config keys; a game is fixed by its task's seed.
 
     Scores are the simulator's, in [0, 1] (coin: 0 or 1; cookingworld: the share of the recipe's steps done).
     Reward = score delta. success = the simulator's task success; a task failure (e.g. eating an ingredient
-    raw) ends the episode (terminated) with success False. Invalid actions ("Unknown action") are no-ops with
-    ``valid_action=False``. Replies are read as in ScienceWorld: the first ``<action>`` tag, else the first line.
+    raw) ends the episode (terminated) with success False. Replies are read by ``read_action``, as in ScienceWorld.
 
     Raises:
         ValueError: a setting ``config_problems`` refuses (also no ``java`` on PATH), a game parameter or seed count
@@ -111,10 +106,8 @@ class TextWorldExpressEnv(JvmEnvironment):
         return problems + jvm_problems(env_cfg, "TextWorldExpress")
 
     def tasks(self, split: str) -> list[dict[str, Any]]:
-        """Task instances ``{"task_name": game, "variation": seed, "fold": split}``: the first
-        ``num_train_seeds`` seeds of the train fold, or ``num_test_seeds`` of the dev/test fold.
-
-        Raises ValueError for another split."""
+        """Task instances ``{"task_name": game, "variation": seed, "fold": split}``: the first ``num_train_seeds``
+        seeds of the train fold, or ``num_test_seeds`` of the dev/test fold. Raises ValueError for another split."""
         if split not in FOLDS:
             raise ValueError(f"split={split!r}: expected one of {sorted(FOLDS)}")
         count = self.num_train_seeds if split == "train" else self.num_test_seeds
@@ -122,9 +115,8 @@ class TextWorldExpressEnv(JvmEnvironment):
 
     def reset(self, task: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Start the game of ``{"variation": seed, "fold": "train"|"dev"|"test"}`` (``task_name``, when given,
-        must be this environment's game).
-
-        Returns the task description followed by the first room's description, and ``info``."""
+        must be this environment's game): the task description followed by the first room's description, and
+        ``info``."""
         seed, fold = self._check_task(task)
         observation, raw = self._sim.reset(seed=seed, gameFold=fold)
         self._task = {"task_name": self.game, "variation": seed, "fold": fold}
@@ -153,7 +145,6 @@ class TextWorldExpressEnv(JvmEnvironment):
 
     def step(self, response: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Run one action parsed from the policy's raw text: (observation, reward, terminated, truncated, info).
-
         Raises RuntimeError before ``reset`` or after the episode ended."""
         if self._task is None:
             raise RuntimeError("TextWorldExpressEnv.step() called before reset()")
@@ -187,12 +178,9 @@ class TextWorldExpressEnv(JvmEnvironment):
         return info
 
     def gold_actions(self, task: dict[str, Any]) -> list[str]:
-        """A gold action path of ``task``, the same in every run and on every machine.
-
-        Coin Collector: ``explore`` (the simulator's own gold path is drawn at random on every call by an unseeded
-        JVM generator, so warm starts built from it differed from machine to machine: held-out 0.30, 0.46 and 0.64
-        on the same 50 test games). CookingWorld: the simulator's gold path (the same on every call), without its
-        leading ``look around``, which ``reset`` already shows."""
+        """A gold action path of ``task``, the same in every run and on every machine. Coin Collector: ``explore``
+        (the simulator's own is drawn at random by an unseeded JVM generator). CookingWorld: the simulator's gold path
+        (the same on every call), without its leading ``look around``, which ``reset`` already shows."""
         seed, fold = self._check_task(task)
         if self.game == "coin":
             return self.explore(task)

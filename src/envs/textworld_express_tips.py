@@ -13,11 +13,9 @@ _RECIPE = re.compile(r"Directions:\s*(.+)", re.DOTALL)
 
 
 def textworld_express_tip(record: dict[str, Any]) -> list[str]:
-    """The hindsight tip on a TextWorldExpress trajectory, as sentences in order of importance.
-
-    Reads only ``instruction``, ``initial_observation``, ``actions`` (executed), ``observations`` and ``score``
-    (in [0, 1]): the rooms seen, where the coin was seen (or that it was not), the exits never taken; for
-    CookingWorld the recipe's directions when the cookbook was read."""
+    """The hindsight tip on a TextWorldExpress trajectory (``Environment.hindsight_tip``): the rooms seen, where the
+    coin was seen (or that it was not), the exits never taken; for CookingWorld the recipe's directions when the
+    cookbook was read."""
     actions, observations, score = record["actions"], record["observations"], float(record["score"])
     top = float(record.get("max_score", 1.0))
     views = [record["initial_observation"], *observations]

@@ -44,7 +44,6 @@ class WebShopData:
     products: normalised product dicts in file order (keys asin, name, Title, Description, BulletPoints,
         Price (display tag), pricing (list of 1-2 floats), options {name: [values]}, Attributes, query,
         category, product_category, Rating, Reviews, MainImage).
-    product_by_asin: asin -> product.
     prices: asin -> the price (dollars) used by the reward.
     goals: shuffled goal list; index i is task ``goal_idx`` i (test = the first ``num_test`` goals).
     """
@@ -56,12 +55,8 @@ class WebShopData:
 
 
 def find_data_files(data_dir: str | os.PathLike, human_goals: bool = True) -> dict[str, Path]:
-    """Locate the product, attribute and human-instruction files in ``data_dir``.
-
-    The 1000-product files are preferred when present (the original's small setting), else the full-size
-    ones. Returns {"products", "attributes", "human"} (the last only when ``human_goals``).
-    Raises WebShopDataError naming the missing file(s).
-    """
+    """{"products", "attributes", "human" (only with ``human_goals``)}: the files in ``data_dir``, the 1000-product
+    ones (the original's small setting) when present. Raises WebShopDataError naming the missing file(s)."""
     d = Path(data_dir)
     if not d.is_dir():
         raise WebShopDataError(f"WebShop data dir {str(d)!r} does not exist (expected a directory with "
@@ -178,11 +173,8 @@ def normalize_product(p: dict, idx: int, file_name: str, ins: dict, human_ins: d
 
 def load_products(files: dict[str, Path], num_products: int | None = None,
                   human_goals: bool = True) -> list[dict]:
-    """Read and normalise products like the original ``load_products``.
-
-    Keeps the first ``num_products`` raw entries (None = all), skips asin 'nan' or longer than 10 characters
-    and duplicate asins. Raises WebShopDataError for a malformed file or product.
-    """
+    """Read and normalise products like the original ``load_products``: the first ``num_products`` raw entries (None
+    = all), without asin 'nan', asins over 10 characters and duplicates. Raises WebShopDataError for a bad file."""
     raw = _read_json(files["products"], list)
     ins = _read_json(files["attributes"], dict)
     human = _read_json(files["human"], dict) if human_goals else None
@@ -278,11 +270,8 @@ def synthetic_goals_from(products: list[dict], prices: dict[str, float], rng: ra
 
 def load_webshop_data(data_dir: str | os.PathLike, *, num_products: int | None = None, human_goals: bool = True,
                       price_seed: int = 0) -> WebShopData:
-    """Load products, draw prices and caps with ``random.Random(price_seed)``, build and shuffle the goals.
-
-    Raises WebShopDataError (missing/malformed file, naming the file and field) or a ValueError when no goal
-    could be built.
-    """
+    """Load products, draw prices and caps with ``random.Random(price_seed)``, build and shuffle the goals. Raises
+    WebShopDataError for a missing/malformed file (naming the file and field) or when no goal could be built."""
     files = find_data_files(data_dir, human_goals)
     products = load_products(files, num_products, human_goals)
     if not products:

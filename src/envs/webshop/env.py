@@ -35,12 +35,8 @@ def parse_raw_action(action: str) -> tuple[str, str | None]:
 
 class WebShopTextEnv:
     """One shopping session on a loaded catalog, stepping raw actions like the original text env: pages search ->
-    results -> item -> description/features/reviews -> done, the reward on Buy Now only.
-
-    ``reset(goal_idx)`` starts at the search page of goal ``goal_idx``; ``step(action)`` returns
-    (observation, reward in [0, 1], done, valid) where valid is False for a no-op (not clickable, bad syntax).
-    ``noun_tagger``: the reward's product-name noun tagger, "fallback" or "spacy" (src/envs/webshop/reward.py).
-    """
+    results -> item -> description/features/reviews -> done, the reward on Buy Now only. ``step(action)`` returns
+    (observation, reward in [0, 1], done, valid), valid False for a no-op (not clickable, bad syntax)."""
 
     def __init__(self, data: WebShopData, engine: SearchEngine, noun_tagger: str = "fallback"):
         self.data = data
@@ -189,24 +185,18 @@ class WebShopEnv(Environment):
     ``data_dir`` on first use. The BM25 index is cached in ``data_dir``.
 
     Args:
-        data_dir: writable directory for the generated catalog and the search index cache.
-        real_data_dir: directory with the original items_shuffle / items_ins_v2 / items_human_ins files.
         num_products: keep only the first N products of the file (the original's option; None = all).
         human_goals: human instructions (True) or synthetic option-combination goals (False).
-        catalog_size, catalog_seed: size and seed of the generated catalog.
         price_seed: seed of the price and price-cap draws (unseeded in the original).
         max_steps: action cap per episode (verl-agent: 15); reaching it truncates.
         format_penalty: reward subtracted when the response has no ``<action>...</action>``, several, or an
             unclosed one.
         reward_mode: "score" (train reward = score in [0, 1]) or "success" (10 × (score == 1)).
         num_test_goals, num_dev_goals: split sizes (test = goals[:500], dev next, train = the rest).
-        stemmer: search analyzer stemming, "porter" (original) or "none".
-        noun_tagger: product-name noun tagger of the reward's type factor: "fallback" (default) or "spacy"
-            (the original's en_core_web_sm, opt-in install: requirements-spacy.txt); see reward.py.
+        noun_tagger: product-name noun tagger of the reward's type factor (``reward.NOUN_TAGGERS``).
         observation_instruction: keep the instruction the original repeats at the top of every page (True) or
             drop it from the observation (False; the prompt shows it once as the task).
-        seed: accepted so every environment takes the same config keys; unused (episodes are deterministic
-            given the goal; the catalog and prices have their own seeds).
+        seed: accepted so every environment takes the same config keys; unused.
     Raises ValueError for a bad setting, WebShopDataError for missing/malformed data files.
     """
 
@@ -269,8 +259,7 @@ class WebShopEnv(Environment):
 
     def tasks(self, split: str) -> list[dict[str, Any]]:
         """``[{"task_name": "webshop", "goal_idx": i, "split": split, "variation": i}, ...]`` for the split's goal
-        indices (see data.split_goal_indices). Every goal is a variation of the one task ``webshop`` (memory
-        partitions)."""
+        indices (``split_goal_indices``): every goal is a variation of the one task ``webshop``."""
         idx = split_goal_indices(len(self.data.goals), split, self.num_test_goals, self.num_dev_goals)
         return [{"task_name": TASK_NAME, "goal_idx": i, "split": split, "variation": i} for i in idx]
 
@@ -322,10 +311,9 @@ class WebShopEnv(Environment):
         return obs, self._info(action="", valid=True, format_ok=True)
 
     def step(self, response: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        """Apply the action of the first ``<action>...</action>`` of ``response`` (``src.envs.base.extract_action``,
-        the rule ScienceWorld uses too). ``format_ok`` is False without a tag, with several tags or an unclosed
-        one; then ``format_penalty`` is subtracted from the step's reward. No tag (or an empty one): no-op.
-        Invalid action: no-op, reward 0 (minus the penalty). Raises RuntimeError after the episode ended."""
+        """Apply the action of ``response`` (``extract_action``); ``format_ok`` is also False without a tag, and then
+        ``format_penalty`` is subtracted from the step's reward. No tag, an empty one or an invalid action: no-op,
+        reward 0 (minus the penalty). Raises RuntimeError after the episode ended."""
         if not self._active:
             raise RuntimeError("WebShopEnv.step called before reset or after the episode ended")
         self.steps += 1

