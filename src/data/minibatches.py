@@ -57,8 +57,7 @@ def mini_batch_count(rows: int, num_mini_batches: int | None = None, mini_batch_
 def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict[str, float], *, seed: int,
                   iteration: int, ppo_epochs: int, micro_batch_size: int, padding: Callable[[], StepSample],
                   num_mini_batches: int | None = None, mini_batch_rows: int | None = None) -> Iterator[MicroBatch]:
-    """Yield ``ppo_epochs`` passes of ``mini_batch_count`` mini-batches, each as micro-batches (a collective under
-    DDP/FSDP).
+    """Yield ``ppo_epochs`` passes of ``mini_batch_count`` mini-batches, each as micro-batches (a collective).
 
     The mini-batches are drawn (from ``(seed, iteration)``) over all ranks' samples, ordered by ``StepSample.key``,
     each rank training on its own samples of each: a mini-batch holds the same samples whether 1 process or N ranks
@@ -67,8 +66,7 @@ def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict
     is divided by its own token (or row) count, so a smaller mini-batch is not a smaller step.
 
     Args:
-        info: ``mode``, ``iteration`` and ``rollout_global_step`` of the iteration (copied into every micro-batch).
-        metrics: the iteration's rollout metrics, carried by its first micro-batch.
+        info: ``mode``, ``iteration`` and ``rollout_global_step`` (``MicroBatch``), copied into every micro-batch.
         padding: a throw-away sample, for a rank without any sample of its own.
         num_mini_batches, mini_batch_rows: see ``mini_batch_count``.
     """

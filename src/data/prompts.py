@@ -49,17 +49,14 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
         history: past steps of this episode, oldest first; only the last ``history_length`` are shown
             (keeps CPU prompts short; the paper's 4k-token prompts fit the whole episode).
         tips: retrieved tips for the current step, or ``None``/``[]`` for a tip-free prompt.
-        admissible_actions: listed in the prompt when given (WebShop; ScienceWorld with
-            ``include_admissible_actions``).
-        admissible_shown: show only this many of them, evenly spaced over the list so every kind of action
-            keeps examples, with a note of how many there are (``None``: all). Set by ``fit_prompt``.
+        admissible_shown: show only this many of ``admissible_actions``, evenly spaced so every kind of action keeps
+            examples, with a note of how many there are (``None``: all). Set by ``fit_prompt``.
         tips_scope: ``current`` — only the current step's tips; ``all_steps`` — also each shown past step's
             tips (the authors' code). A tip-free prompt (``tips=None``) drops all of them.
         step, max_steps: shown so the agent knows its budget.
-        history_obs_chars: past observations longer than this are cut (with " ...") to keep prompts short on
-            CPU. ``None`` keeps them whole.
-        observation_chars: cut the current observation to its first this many characters (last resort of
-            ``fit_prompt`` when the system prompt, task and observation alone exceed the budget; ``None``: whole).
+        history_obs_chars: past observations longer than this are cut (with " ..."); ``None`` keeps them whole.
+        observation_chars: cut the current observation to its first this many characters (``fit_prompt``'s last
+            resort; ``None``: whole).
         tips_header: the line above the tips inside the ``<memory>`` block (``TIPS_HEADER`` above).
 
     Raises:

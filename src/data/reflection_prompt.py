@@ -1,8 +1,7 @@
 """The prompt that asks the policy for its reflection on a finished episode (docs/method.md#memory, "Entries").
 
-The one place a reflection prompt is made: the memory's tip writing (``src/callbacks/memory.py``) and the imitation
-warm start's reflection examples (``src/data/reflections.py``) both call ``reflection_prompt_ids``, so the policy
-is taught to reflect under token for token the prompt it reflects under at run time.
+The memory's tip writing and the warm start's reflection examples both call ``reflection_prompt_ids``, so the
+policy is taught to reflect under token for token the prompt it reflects under at run time.
 """
 from __future__ import annotations
 
@@ -16,13 +15,10 @@ def reflection_prompt_ids(policy, system_prompt: str, episode: Any, continue_las
     ``episode``'s whole trajectory, at most ``policy.max_prompt_tokens`` ids.
 
     Args:
-        episode: an ``Episode`` (``src/data/rollout.py``): its steps' observations, executed actions, the last
-            step's rollout prompt and response ids and ``history_shown``, the final observation and score.
-        continue_last: continue the episode's last rollout prompt (last prompt + last response + a user turn with
-            the steps that prompt did not show, the final observation and score and the tip instruction,
-            ``build_reflection_turn``) — what the memory does when it kept that prompt's keys/values. Falls back to
-            a fresh prompt of the whole trajectory (``build_tip_messages``) when the chat template cannot be
-            continued by ids or the continuation does not fit.
+        episode: an ``Episode`` (``src/data/rollout.py``).
+        continue_last: continue the episode's last rollout prompt and response with a user turn
+            (``build_reflection_turn``), as the memory does when it kept that prompt's keys/values; falls back to a
+            fresh prompt (``build_tip_messages``) when the template cannot be continued by ids or it does not fit.
 
     The oldest observations are shortened first to fit (``fit_tip_history``); a fresh prompt still over budget gets
     the policy's counted cut.

@@ -6,13 +6,12 @@ holds nothing to learn from (``rollout/tip_action_frac``). Next to the action de
 therefore trains on reflection examples:
 
 - trajectories that go right and wrong on the *training* tasks, from the environment
-  (``Environment.reflection_records``: WebShop — the scripted expert, and the expert making one deliberate mistake;
-  ScienceWorld — the gold paths and the gold paths after needless ``look around`` steps);
+  (``Environment.reflection_records``);
 - the prompt: the memory's own reflection prompt (``reflection_prompt_ids``) over the trajectory as the rollout
   runner renders it (``step_prompt``), token for token;
 - the target: a tip written in hindsight from what the trajectory shows the agent and nothing else
-  (``Environment.hindsight_tip``): what the task asked for, what the episode did, what was missing, what to do next
-  time; the hidden goal (product id, goal options and attributes, gold path) never reaches it.
+  (``Environment.hindsight_tip``); the hidden goal (product id, goal options and attributes, gold path) never
+  reaches it.
 """
 from __future__ import annotations
 
@@ -80,17 +79,14 @@ def reflection_examples(policy, records: list[dict[str, Any]], system_prompt: st
     """One example per record: the memory's reflection prompt on the record's trajectory → its hindsight tip.
 
     Args:
-        records: trajectory records (``src.envs.base.replay``'s format) with ``score`` and
-            ``max_score``; optionally ``response_ids`` per step (the replies' ids as sampled; default: each reply's
-            text tokenized + EOS).
+        records: trajectory records (``src.envs.base.replay``'s format); optionally ``response_ids`` per step (the
+            replies' ids as sampled; default: each reply's text tokenized + EOS).
         cfg, max_steps: the RL run's rollout settings and step budget (``step_prompt``); tip-free prompts.
-        write_tip: the environment's ``hindsight_tip``.
         max_tokens: the tip's token budget with EOS (``memory.tip_max_tokens``).
         continue_last: as ``memory.reuse_rollout_cache`` (the reflection continues the last rollout prompt).
 
-    The episode is rebuilt exactly as the rollout runner records it (each step's rollout prompt from
-    ``step_prompt``, the reply's ids + EOS, the executed action, the past steps the prompt showed), then
-    ``reflection_prompt_ids`` renders the prompt; the target is the tip's ids + EOS (``response_ids``).
+    The episode is rebuilt exactly as the rollout runner records it, then ``reflection_prompt_ids`` renders the
+    prompt; the target is the tip's ids + EOS.
     """
     from src.data.demonstrations import response_ids
 

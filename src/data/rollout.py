@@ -47,11 +47,9 @@ class StepRecord:
     """One agent step = one training sample (docs/method.md#one-iteration, step 5).
 
     ``rollout_prompt_ids``: the prompt the policy sampled from (with tips in memory rollouts).
-    ``update_prompt_ids``: the prompt used for the update; tips removed in ``off_policy`` iterations
-    (docs/method.md#tip-stripping-for-the-off-policy-update), otherwise the same list. ``response_ids`` /
-    ``rollout_log_probs``: exactly what the policy generated and the log-probs it sampled them with. ``response_text``:
-    the decoded response (the model's raw output); ``action``: the action the environment executed (after parsing /
-    action correction). ``reward``: extrinsic reward (environment units); ``intrinsic``: novelty bonus.
+    ``update_prompt_ids``: the prompt used for the update; tips removed in ``off_policy`` iterations, otherwise the
+    same list. ``response_ids`` / ``rollout_log_probs``: what the policy generated and their log-probs as sampled.
+    ``action``: the action the environment executed. ``reward``: extrinsic (environment units); ``intrinsic``: bonus.
     ``key``: the embedding of the state the step was taken in (with a memory); ``reached_key``: of the state
     it reached (the novelty bonus is scored on it).
     """
@@ -119,8 +117,7 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
     Args:
         pool: an ``EnvPool`` with at least ``len(tasks)`` workers.
         groups: group id of each episode (episodes of the same task instance share one).
-        memory: needed when ``cfg.use_tips``; when given, every step's state key and reached-state key are stored
-            on the step so tips and the novelty bonus can be written afterwards.
+        memory: needed when ``cfg.use_tips``; when given, the steps carry their state keys (``StepRecord.key``).
         max_steps: only shown in the prompt (the environment enforces its own cap).
         episode_ids: each episode's id among all ranks' episodes (default 0, 1, ...); with
             ``cfg.sample_seed`` episode e draws its tokens at step t from ``row_seeds(sample_seed, [e], t)``.

@@ -61,9 +61,7 @@ def prompt_order(sample: StepSample) -> tuple[list[int], int]:
 
 @dataclass
 class MicroBatch:
-    """One forward/backward of the update.
-
-    Attributes:
+    """One forward/backward of the update. Attributes:
         samples: the micro-batch's samples (a padding sample when the rank has none of its own).
         loss_scale: 1.0, or 0.0 for a padding micro-batch (DDP/FSDP alignment, not data).
         batch_num_tokens, global_batch_size: the mini-batch's response tokens and sequences over all ranks, the

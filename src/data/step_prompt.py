@@ -81,11 +81,9 @@ def fit_prompt(policy: Policy, common: dict, tips: list[str] | None,
                cuts: dict[str, float] | None = None) -> tuple[list[str] | None, dict[str, int]]:
     """Fit a step prompt to ``policy.max_prompt_tokens`` before it is encoded, keeping what the agent needs most.
 
-    The head (system prompt, task) and the current observation always stay. Over budget, the prompt is
-    shortened in this order, each only as far as needed: the admissible-action list (to the evenly spaced
-    subset that fits), the oldest history steps, the lowest-ranked tips; only if the head and the whole
-    observation alone are too long is the observation's end cut (a warning, and a count). Only a head longer
-    than the budget is left to ``Policy.encode``'s left cut (counted in ``policy.num_prompts_truncated``).
+    The head (system prompt, task) always stays. Over budget, the prompt is shortened in this order, each only as
+    far as needed: the admissible-action list, the oldest history steps, the lowest-ranked tips, then the current
+    observation's end (a warning). Only a head longer than the budget is left to ``Policy.encode``'s left cut.
 
     Args:
         common: the keyword arguments of ``build_step_messages`` except ``tips`` (not changed).
@@ -93,9 +91,8 @@ def fit_prompt(policy: Policy, common: dict, tips: list[str] | None,
         cuts: when given, accumulates the ``PROMPT_CUT_KEYS`` counts.
 
     Returns:
-        (the tips that fit, the changed ``build_step_messages`` arguments: ``history_length`` — the past steps
-        shown —, and when cut ``admissible_shown`` and ``observation_chars``). Render with
-        ``{**common, **fitted}``.
+        (the tips that fit, ``fitted``: the changed ``build_step_messages`` arguments ``history_length`` and, when
+        cut, ``admissible_shown`` and ``observation_chars``). Render with ``{**common, **fitted}``.
     """
     fitted: dict[str, int] = {}
 
