@@ -66,7 +66,7 @@ def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict
     is divided by its own token (or row) count, so a smaller mini-batch is not a smaller step.
 
     Args:
-        info: ``mode``, ``iteration`` and ``rollout_global_step`` (``MicroBatch``), copied into every micro-batch.
+        info: ``mode``, ``iteration`` and ``rollout_global_step`` (``MicroBatch``), copied into each micro-batch.
         padding: a throw-away sample, for a rank without any sample of its own.
         num_mini_batches, mini_batch_rows: see ``mini_batch_count``.
     """

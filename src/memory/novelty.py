@@ -4,16 +4,13 @@ Per task key, a store of representative states, each with a visit count. A visit
 nearest stored state with cosine(e, s) >= threshold, or creates a new stored state with count 1. The reward of
 a visit is r_int = coef / (N + 1), where N measures familiarity with e before this environment step:
 
-- ``count="visits"`` (default): N = the visits to all stored states similar to e (Σ counts). A state seen
-  once, twice, three times pays coef, coef/2, coef/3 …: the bonus decays with familiarity, as in
-  count-based exploration, and the intrinsic return of an episode that loops stays bounded.
+- ``count="visits"`` (default): N = the visits to all stored states similar to e (Σ counts): coef, coef/2,
+  coef/3 … as in count-based exploration, so the intrinsic return of an episode that loops stays bounded.
 - ``count="distinct"``: N = the number of distinct stored states similar to e (the other reading of the
   paper's "number of similar past states"). A revisited state keeps paying coef/2 for ever.
 
 All states of one call (one environment step of all episodes) are scored against the store as it was before
-the call, then added, in a canonical order (sorted by embedding): the rewards and the store after the call do
-not depend on the order of the episodes. Eight episodes reaching the same new state in the same step all get
-coef.
+the call, then added in a canonical order (sorted by embedding), so nothing depends on the episodes' order.
 """
 from __future__ import annotations
 
@@ -33,7 +30,6 @@ class NoveltyMemory:
     """Per-task store of visited states giving r_int = coef / (N + 1).
 
     Args:
-        dim: embedding dimension.
         settings: ``memory.novelty`` (``NoveltyConfig``, or its keys as keyword arguments): ``threshold``, the cosine
             at or above which two states count as the same (inclusive); ``coef``, the reward for a brand-new state
             in environment units (``Environment.novelty_coef``); ``capacity``, max stored states per task, the oldest

@@ -28,14 +28,11 @@ class TipMemory:
     """Partitioned tip store (docs/method.md#memory, "Partitions", "Retrieval").
 
     Args:
-        dim: key dimension (must equal the embedder's).
-        embedder_name: the embedder's name; saved with the memory, and a load with another name is refused.
+        embedder_name: saved with the memory; a load with another name is refused.
         settings: ``memory.tip_memory`` (``TipMemoryConfig``, or its keys as keyword arguments): ``capacity``, max
             entries per partition, the oldest leave first; ``threshold``, a tip is a candidate when cosine(key,
-            query) > threshold (strict; cosines are clamped to [-1, 1] first, so with threshold 1.0 nothing is
-            retrieved even though float32 inner products of identical unit keys can come out as 1.0000002);
-            ``top_k``, max tips returned per query; ``rank_by``, "score" (highest stored episode score first, ties by
-            similarity) or "similarity".
+            query) > threshold (strict, on cosines clamped to [-1, 1], so threshold 1.0 retrieves nothing);
+            ``top_k``, max tips per query; ``rank_by``, "score" or "similarity" (order: ``retrieve``).
         semantics: "paper" (the above) or "authors", the EMPO² authors' retrieval (docs/reproducing.md, difference
             5): candidates with cosine > threshold computed as their server does (float64, divided by both
             norms), ranked by their score rounded to 0.1, ties by age (oldest first); ``rank_by`` is not read.
@@ -159,11 +156,10 @@ class TipMemory:
         Args:
             partitions: B partition keys, one per query.
             queries: float [B, dim], L2-normalised state embeddings.
-            with_similarity: return ``(entry, cosine)`` pairs instead of entries (what the tip tables log).
+            with_similarity: return ``(entry, cosine)`` pairs instead of entries.
 
         Returns:
-            B lists of at most ``top_k`` ``TipEntry``: entries of the query's partition with cosine > threshold
-            (cosine clamped to [-1, 1]), in this order —
+            B lists of at most ``top_k`` ``TipEntry`` of the query's partition with cosine > threshold, in order —
             rank_by "score": highest stored score first, ties by higher cosine, then older entry first;
             rank_by "similarity": highest cosine first, ties by higher score, then older entry first.
             An unknown or empty partition gives [].
