@@ -145,8 +145,7 @@ class Environment:
         bare_command: one action of this environment written without ``<action>`` tags (``is_action_reply``), or
             None when the environment reads tagged actions only.
 
-    Task dicts (``tasks(split)``) carry ``task_name`` and ``variation``: the memory's per-variation partition is
-    ``<task_name>/<variation>``.
+    Task dicts carry ``task_name`` and ``variation`` (the memory's partition ``<task_name>/<variation>``).
 
     An environment without demonstrations leaves the warm start's hooks as they are (the warm start says so).
     """

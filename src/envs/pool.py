@@ -30,9 +30,7 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "N
 
 
 def _worker_main(conn: Connection, env_cfg: dict[str, Any]) -> None:
-    """Worker process: build one environment, then answer (command, argument) messages until "close"/EOF.
-
-    Replies: ("ready", pid) once built, or ("init_error", traceback); then per request ("ok", result); for an
+    """Worker process: build one environment, then answer (command, argument) messages until "close"/EOF. Replies: ("ready", pid) once built, or ("init_error", traceback); then per request ("ok", result); for an
     exception: ("bad_request", message) for a ValueError/TypeError of ``tasks``/``system_prompt`` (a caller mistake,
     raised to the caller), ("episode_error", message) for one of ``reset``/``step`` (that episode fails; the worker
     stays healthy), or ("error", traceback) for anything else (the worker is restarted).
@@ -104,7 +102,7 @@ class EnvPool:
         env_cfg: Hydra-instantiable environment config, e.g. ``{"_target_":
             "src.envs.scienceworld.ScienceWorldEnv", "task": "4-2"}``; must be picklable once resolved.
         timeout_s: seconds a call may take per worker before that worker is killed and restarted.
-        start_timeout_s: extra seconds allowed for a worker that is still building its environment (JVM start).
+        start_timeout_s: extra seconds for a worker still building its environment (JVM start).
 
     Calls take ``(worker_index, argument)`` pairs (each index at most once per call) and return results in the
     same order; a failed call gives an error result (``info["error"]``, an ended step with reward NaN: ``step``). A

@@ -7,11 +7,9 @@ Files in a data directory (the original names):
 - ``items_human_ins.json``: asin -> list of {instruction, instruction_attributes, instruction_options, ...}
   (needed only for human goals).
 
-Reproduces the original ``engine.load_products`` + ``goal.get_goals`` + ``random.seed(233); random.shuffle``.
-One deliberate difference: the original draws each range-priced product's price (``uniform(lo, hi)``) and each
-goal's price cap (``random.sample``) from the *unseeded* global RNG, so they differ between processes; here both
-come from ``random.Random(price_seed)`` in the original's call order (prices in product order, then caps in goal
-order), so every worker and every run sees the same prices and goals.
+Reproduces the original ``engine.load_products`` + ``goal.get_goals`` + ``random.seed(233); random.shuffle``,
+except that prices and price caps, drawn by the original from the *unseeded* global RNG, come from
+``random.Random(price_seed)`` in the original's call order, so every worker and every run sees the same goals.
 """
 from __future__ import annotations
 

@@ -14,12 +14,7 @@ log = logging.getLogger(__name__)
 
 def webshop_expert_records(env, tasks: list[dict[str, Any]], expert=None) -> list[dict]:
     """Episodes of the scripted expert (or ``expert``, e.g. a ``FlawedExpertPolicy``) on WebShop ``tasks``
-    (``{"goal_idx", "split"}``) in ``env``.
-
-    Each record holds per step the state (observation, admissible actions) and the expert's full reply text
-    (``responses``) plus the action the environment parsed from it (``actions``, what the rollout's history
-    shows). Episodes run under the environment's own step cap.
-    """
+    (``{"goal_idx", "split"}``) in ``env``, under its step cap: records in ``replay``'s format, without ``max_score``."""
     from src.envs.webshop.baselines import ExpertPolicy
 
     expert = expert or ExpertPolicy(env)
@@ -80,12 +75,8 @@ def webshop_query(instruction: str, n_words: int = 8) -> str:
 
 
 def webshop_tip(record: dict[str, Any]) -> list[str]:
-    """The hindsight tip on a WebShop trajectory, as sentences in order of importance.
-
-    Reads only what the agent saw: ``instruction``, ``actions`` (executed), ``observations`` (the page after each
-    action), ``admissible_actions`` (per state, listed in the prompt) and ``score`` ([0, 1], shown in the reflection
-    prompt). Option values count as required when the instruction names them; the price limit is the instruction's.
-    """
+    """The hindsight tip on a WebShop trajectory (``Environment.hindsight_tip``). Option values count as required
+    when the instruction names them; the price limit is the instruction's."""
     instruction, actions, pages = record["instruction"], record["actions"], record["observations"]
     admissible = record.get("admissible_actions") or []
     limit = re.search(r"price lower than ([\d.]+) dollars", instruction)
@@ -107,7 +98,7 @@ def webshop_tip(record: dict[str, Any]) -> list[str]:
     extra = [v for v in clicked if v not in named]
     short = _words(title, 5)
     # plain words, not the action syntax: a tip full of "click[...]" teaches the policy that "click[" is followed by an
-    # option (its buy-now step lost 5 nats of log-prob), and a tip should read as advice, not as an action
+    # option, and a tip should read as advice, not as an action
     need = "choose " + " and ".join(named) if named else ""
     bought = "click[buy now]" in actions
     if not bought:
