@@ -30,7 +30,8 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "N
 
 
 def _worker_main(conn: Connection, env_cfg: dict[str, Any]) -> None:
-    """Worker process: build one environment, then answer (command, argument) messages until "close"/EOF. Replies: ("ready", pid) once built, or ("init_error", traceback); then per request ("ok", result); for an
+    """Worker process: build one environment, then answer (command, argument) messages until "close"/EOF.
+    Replies: ("ready", pid) once built, or ("init_error", traceback); then per request ("ok", result); for an
     exception: ("bad_request", message) for a ValueError/TypeError of ``tasks``/``system_prompt`` (a caller mistake,
     raised to the caller), ("episode_error", message) for one of ``reset``/``step`` (that episode fails; the worker
     stays healthy), or ("error", traceback) for anything else (the worker is restarted).

@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 def webshop_expert_records(env, tasks: list[dict[str, Any]], expert=None) -> list[dict]:
     """Episodes of the scripted expert (or ``expert``, e.g. a ``FlawedExpertPolicy``) on WebShop ``tasks``
-    (``{"goal_idx", "split"}``) in ``env``, under its step cap: records in ``replay``'s format, without ``max_score``."""
+    (``{"goal_idx", "split"}``) in ``env``, under its step cap: records in ``replay``'s format without ``max_score``."""
     from src.envs.webshop.baselines import ExpertPolicy
 
     expert = expert or ExpertPolicy(env)
