@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -18,17 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from src.utils.config_error import ConfigError
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(value: Any) -> float | None:
-    """``value`` as a finite float, or None when it is not a number (a string, a list, NaN)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-        return None
-    return float(value)
+from src.utils.settings import is_int, number
 
 
 def _container(node: Any) -> dict[str, Any]:
@@ -52,13 +41,13 @@ def trainer_problems(trainer: dict[str, Any]) -> list[str]:
         hint = f"; did you mean trainer.{close[0]}?" if close else ""
         problems.append(f"trainer.{key}: not an argument of Lightning's Trainer{hint}")
     epochs = trainer.get("max_epochs")
-    if epochs is not None and (not _is_int(epochs) or (epochs < 1 and epochs != -1)):
+    if epochs is not None and (not is_int(epochs) or (epochs < 1 and epochs != -1)):
         problems.append(f"trainer.max_epochs={epochs!r}: the number of training iterations (one epoch = one "
                         "iteration); expected an int >= 1 (or -1: no limit)")
     problems += precision_problems(trainer)  # src/utils/precision_choice.py
     problems += hardware_problems(trainer)  # src/utils/startup_checks.py
     every = trainer.get("check_val_every_n_epoch")
-    if every is not None and (not _is_int(every) or every < 1):
+    if every is not None and (not is_int(every) or every < 1):
         problems.append(f"trainer.check_val_every_n_epoch={every!r}: expected an int >= 1 (validate every N "
                         "iterations), or null with data.val=null")
     return problems
@@ -77,7 +66,7 @@ def rank_problems(trainer: dict[str, Any], data: dict[str, Any]) -> list[str]:
     """Ranks with nothing to play: task k of an iteration runs on rank k mod world (``play_groups``), so with fewer
     tasks than ranks some ranks would play no episode, every iteration, while the run looks normal."""
     devices, nodes, tasks = trainer.get("devices"), trainer.get("num_nodes", 1), data.get("tasks_per_iteration")
-    if not (_is_int(devices) and _is_int(nodes) and _is_int(tasks)) or tasks < 1:
+    if not (is_int(devices) and is_int(nodes) and is_int(tasks)) or tasks < 1:
         return []
     world = devices * nodes
     if world > 1 and tasks < world:
@@ -151,31 +140,22 @@ def algorithm_problems(cfg: DictConfig) -> list[str]:
 
 
 def model_problems(model: dict[str, Any]) -> list[str]:
-    """The optimizer's learning rate and weight decay, gradient clipping, the policy's token limits and LoRA."""
+    """The optimizer's learning rate and weight decay, gradient clipping and the policy's own rules."""
     problems = []
     optimizer = model.get("optimizer") or {}
-    lr = _number(optimizer.get("lr"))
+    lr = number(optimizer.get("lr"))
     if lr is None or lr <= 0:
         problems.append(f"model.optimizer.lr={optimizer.get('lr')!r}: expected a learning rate > 0 (1e-6 in the "
                         "paper)")
-    decay = _number(optimizer.get("weight_decay"))
+    decay = number(optimizer.get("weight_decay"))
     if decay is None or decay < 0:
         problems.append(f"model.optimizer.weight_decay={optimizer.get('weight_decay')!r}: expected a number >= 0")
     clip = model.get("gradient_clip_val")
-    if clip is not None and (_number(clip) is None or _number(clip) <= 0):
+    if clip is not None and (number(clip) is None or number(clip) <= 0):
         problems.append(f"model.gradient_clip_val={clip!r}: expected a max gradient norm > 0, or null (no clipping)")
-    policy = model.get("policy") or {}
-    for key in ("max_prompt_tokens", "max_response_tokens"):
-        value = policy.get(key)
-        if value is not None and (not _is_int(value) or value < 1):
-            problems.append(f"model.policy.{key}={value!r}: expected an int >= 1")
-    lora = policy.get("lora") or {}
-    if lora.get("enabled"):
-        for key in ("r", "alpha"):
-            value = lora.get(key)
-            if not _is_int(value) or value < 1:
-                problems.append(f"model.policy.lora.{key}={value!r}: expected an int >= 1")
-    return problems
+    from src.models.policy_config import PolicyConfig
+
+    return problems + group_problems(PolicyConfig, model.get("policy"))
 
 
 def check_training_settings(cfg: DictConfig) -> None:
@@ -189,7 +169,7 @@ def check_training_settings(cfg: DictConfig) -> None:
     from src.utils.startup_checks import generation_problems
 
     seed = cfg.get("seed")
-    problems = [] if _is_int(seed) and seed >= 0 else [
+    problems = [] if is_int(seed) and seed >= 0 else [
         f"seed={seed!r}: expected an int >= 0 (it seeds every random stream of the run: modes, tasks, tokens)"]
     problems += trainer_problems(_container(cfg.get("trainer")))
     problems += group_problems(DataConfig, _container(cfg.get("data")))

@@ -173,7 +173,7 @@ def _write_memory(cfg: DictConfig, ckpt: dict[str, Any], out: Path) -> dict[str,
     state = ((ckpt.get("callbacks") or {}).get("MemoryCallback") or {}).get("tips")
     if state is None:
         return None
-    partition = str((cfg.get("memory") or {}).get("partition", "variation"))
+    partition = str(cfg.memory.partition)
     write_memory_files(state, out / MEMORY_DIR, partition)
     return json.loads((out / MEMORY_DIR / "memory.json").read_text())
 
@@ -187,7 +187,7 @@ def _info(cfg: DictConfig, ckpt: dict[str, Any], policy_cfg: dict[str, Any], tem
             "global_step": ckpt.get("global_step"), "validation": ckpt.get("validation"),
             "algorithm": algorithm.get("name", cfg.algorithm.get("name")),
             "env": cfg.env.get("_target_"), "task": cfg.env.get("task"), "base_model": policy_cfg["name_or_path"],
-            "lora": (policy_cfg.get("lora") or {}).get("enabled", False), "rollout_temperature": temperature,
+            "lora": bool(policy_cfg["lora"]["enabled"]), "rollout_temperature": temperature,
             "adapter_only_checkpoint": "policy_base" in ckpt}
 
 

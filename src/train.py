@@ -54,7 +54,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         L.seed_everything(cfg.seed, workers=True)
     model_cfg, warm_start = warm_start_model_config(cfg)  # model.warm_start: built once, then reused
     log.info("Instantiating model <%s> from %s", cfg.model._target_, model_cfg.policy.name_or_path)
-    module = hydra.utils.instantiate(model_cfg, algorithm=cfg.algorithm)
+    module = hydra.utils.instantiate(model_cfg, algorithm=OmegaConf.to_container(cfg.algorithm, resolve=True))
     module.run_config = resolved_config(cfg)  # saved with every checkpoint: a resume compares its settings with it
     memory = None
     if uses_memory(cfg):  # algorithm.use_memory, the one switch

@@ -81,7 +81,7 @@ def _prepare(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
     protocol = {**val, "seed": int(ws["seed"]), "max_steps": data.get("max_steps"), "env": env_cfg,
                 "rollout": asdict(held_out)}
     prep = {"policy": policy, "policy_cfg": policy_cfg, "env_cfg": env_cfg, "rollout": rollout,
-            "pool_timeout_s": float(data.get("pool_timeout_s", 300.0)),
+            "pool_timeout_s": float(data["pool_timeout_s"]),
             "records": records, "examples": examples, "reflections": [], "tipped": [], "key": key,
             "out_dir": Path(ws["cache_dir"]) / f"{env_name}-{base_name}-{json_digest(key)}", "protocol": protocol}
     if not ws.get("reflections"):

@@ -154,6 +154,7 @@ def _paper_module(tiny_model_dir, experiment: str = "webshop_paper", *overrides:
     like src/train.py does, with the tiny model's weights."""
     import hydra
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
 
     root = Path(__file__).resolve().parents[1]
     with initialize_config_dir(config_dir=str(root / "configs"), version_base="1.3"):
@@ -165,7 +166,7 @@ def _paper_module(tiny_model_dir, experiment: str = "webshop_paper", *overrides:
     model_cfg, warm_start = warm_start_model_config(cfg)  # as src/train.py; the paper runs have no warm start
     assert warm_start is None
     torch.manual_seed(0)
-    return hydra.utils.instantiate(model_cfg, algorithm=cfg.algorithm), cfg
+    return hydra.utils.instantiate(model_cfg, algorithm=OmegaConf.to_container(cfg.algorithm, resolve=True)), cfg
 
 
 def test_paper_path_trains_fp32_master_weights_under_bf16_mixed(tiny_model_dir):

@@ -28,6 +28,7 @@ from src.data.reflection_prompt import reflection_prompt_ids
 from src.envs.base import is_action_reply
 from src.memory.embedder import Embedder
 from src.memory.novelty import NoveltyMemory
+from src.memory.settings import PARTITIONS, MemoryConfig
 from src.memory.tip_entry import format_entry
 from src.memory.tip_memory import TipMemory
 from src.utils.distributed import all_reduce, check_same_on_every_rank, combine_over_ranks, gather_lists
@@ -36,8 +37,6 @@ from src.utils.rng import row_seeds
 from src.utils.timing import timed
 
 log = logging.getLogger(__name__)
-
-PARTITIONS = ("variation", "task", "global")
 
 
 def task_name(task: dict[str, Any]) -> str:
@@ -71,9 +70,6 @@ def partition_key(task: dict[str, Any], partition: str) -> str:
     return f"{task_name(task)}/{variation}"
 
 
-KEYS = ("instruction_observation", "observation")  # memory.key: what a state's key embeds
-
-
 def state_text(key: str, instruction: str, observation: str) -> str:
     """The memory key text of a state under ``memory.key``: task instruction + latest observation
     (``instruction_observation``, not the whole chat), or the observation alone (``observation``: every key of a
@@ -86,50 +82,33 @@ class MemoryCallback(L.Callback):
 
     Args:
         embedder: an ``Embedder`` (all-MiniLM-L6-v2 by default, 384-d).
-        tip_memory: a function ``(dim, embedder_name) -> TipMemory`` (a Hydra partial), so the memory always
-            matches the embedder, or a built ``TipMemory``.
-        partition: ``variation`` (one memory per task variation, the authors' default), ``task`` or ``global``.
-        tips_scope: ``current`` or ``all_steps`` (see ``build_step_messages``).
-        tip_max_tokens: token budget of one reflection (64 on CPU, 512 in the paper config). The reflection
-            prompt shows the whole trajectory within the policy's ``max_prompt_tokens`` (``fit_tip_history``).
-        reuse_rollout_cache: let training rollouts keep each episode's last prompt keys/values so that the
-            reflection continues that prompt instead of computing a new one from scratch (see
-            ``reflection_prompt``); costs memory until the tips are written (~46 KB per prompt token for SmolLM2
-            in fp32, ~57 KB for Qwen2.5-7B in bf16).
-        novelty: ``{"enabled": bool, "threshold": 0.9, "coef": 1.0, "count": "visits"}`` (coef in environment
-            units; ``count``: ``visits`` or ``distinct``, see ``NoveltyMemory``;
-            docs/method.md#count-based-novelty-bonus).
+        tip_memory: a built ``TipMemory`` of that embedder's keys.
+        settings: the ``memory`` group (``MemoryConfig``, or its keys as keyword arguments): ``partition``,
+            ``variation`` (one memory per task variation, the authors' default), ``task`` or ``global``;
+            ``tips_scope``, ``current`` or ``all_steps`` (see ``build_step_messages``); ``tip_max_tokens``, the token
+            budget of one reflection (the reflection prompt shows the whole trajectory within the policy's
+            ``max_prompt_tokens``: ``fit_tip_history``); ``reuse_rollout_cache``, let training rollouts keep each
+            episode's last prompt keys/values so that the reflection continues that prompt instead of computing a
+            new one (``reflection_prompt``; costs memory until the tips are written, ~46 KB per prompt token for
+            SmolLM2 in fp32, ~57 KB for Qwen2.5-7B in bf16); ``novelty`` (``NoveltyMemory``,
+            docs/method.md#count-based-novelty-bonus); ``key`` and ``write_tips``.
 
     Raises:
         ValueError: unknown partition, or embedder/tip-memory dimension mismatch.
     """
 
-    def __init__(self, embedder: Embedder, tip_memory, partition: str = "variation",
-                 tips_scope: str = "current", tip_max_tokens: int = 64, reuse_rollout_cache: bool = True,
-                 novelty: dict[str, Any] | None = None, key: str = "instruction_observation",
-                 write_tips: bool = True):
+    def __init__(self, embedder: Embedder, tip_memory: TipMemory, settings: MemoryConfig | None = None, **values):
         super().__init__()
-        if partition not in PARTITIONS:
-            raise ValueError(f"memory partition must be one of {PARTITIONS}, got {partition!r}")
-        if key not in KEYS:
-            raise ValueError(f"memory.key={key!r}: expected one of {KEYS}")
-        self.key = key
-        self.tips_enabled = bool(write_tips)  # False: the novelty bonus alone (algorithm=grpo_novelty)
-        if not isinstance(tip_memory, TipMemory):
-            tip_memory = tip_memory(dim=embedder.dim, embedder_name=embedder.name)
+        s = self.settings = settings or MemoryConfig.from_dict(values)
         if embedder.dim != tip_memory.dim or embedder.name != tip_memory.embedder_name:
             raise ValueError(f"embedder ({embedder.name}, {embedder.dim}-d) does not match the tip memory "
                              f"({tip_memory.embedder_name}, {tip_memory.dim}-d)")
-        self.embedder = embedder
-        self.tips = tip_memory
-        self.partition = partition
-        self.tips_scope = tips_scope
-        self.tip_max_tokens = tip_max_tokens
-        self.reuse_rollout_cache = bool(reuse_rollout_cache)
-        novelty = dict(novelty or {})
-        self.novelty_enabled = bool(novelty.get("enabled", False))
-        self.novelty = NoveltyMemory(dim=embedder.dim, threshold=float(novelty.get("threshold", 0.9)),
-                                     coef=float(novelty.get("coef", 1.0)), count=novelty.get("count", "visits"))
+        self.embedder, self.tips, self.key, self.partition = embedder, tip_memory, s.key, s.partition
+        self.tips_enabled = s.write_tips  # False: the novelty bonus alone (algorithm=grpo_novelty)
+        self.tips_scope, self.tip_max_tokens, self.reuse_rollout_cache = (s.tips_scope, s.tip_max_tokens,
+                                                                         s.reuse_rollout_cache)
+        self.novelty_enabled = s.novelty.enabled
+        self.novelty = NoveltyMemory(embedder.dim, s.novelty)
         self._warned_action_tips = False
         self.last_reflections: list[dict[str, Any]] = []
         self._record_tables = False  # set in setup(): a fit logs each iteration's tip tables
@@ -138,6 +117,18 @@ class MemoryCallback(L.Callback):
         self._write_s = 0.0  # the last write_tips' seconds (slowest rank's), logged by on_train_batch_start
         self.bare_command = None  # the environment's bare-command pattern (is_action_reply), set by use_environment
         self._reset_counters()
+
+    @classmethod
+    def from_config(cls, memory: Any, semantics: str = "paper") -> MemoryCallback:
+        """The memory of the ``memory`` group (a dict or DictConfig; ``_target_`` names this class) with the
+        retrieval rule of ``algorithm.semantics`` (the authors' ties and threshold: docs/reproducing.md).
+
+        Raises:
+            ValueError: a bad ``memory`` setting (``MemoryConfig``).
+        """
+        settings = MemoryConfig.from_dict(memory)
+        embedder = Embedder(settings.embedder)
+        return cls(embedder, TipMemory(embedder.dim, embedder.name, settings.tip_memory, semantics), settings)
 
     # ------------------------------------------------------------------ Lightning
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -181,6 +181,15 @@ class Environment:
         return count_problem("max_steps", env_cfg["max_steps"], 1, "actions per episode")
 
     @classmethod
+    def with_defaults(cls, env_cfg: dict[str, Any]) -> dict[str, Any]:
+        """``env_cfg`` completed with the constructor's defaults: the one place an environment's defaults are
+        written (the ``env`` group's schema, ``src/config_schema.py``)."""
+        import inspect
+
+        params = inspect.signature(cls.__init__).parameters.values()
+        return {**{p.name: p.default for p in params if p.default is not p.empty}, **env_cfg}
+
+    @classmethod
     def check_config(cls, env_cfg: dict[str, Any]) -> None:
         """Raise on what ``config_problems`` finds: the constructor's checks are the start-up ones.
 

@@ -142,7 +142,7 @@ class ScienceWorldEnv(JvmEnvironment):
     def config_problems(cls, env_cfg: dict[str, Any], training: bool = False) -> list[str]:
         """``scienceworld_tasks.settings_problems`` and the JVM's needs (Java on PATH, the heap size); the
         simplification preset needs the simulator and is checked when it starts."""
-        return settings_problems(env_cfg, training) + jvm_problems(env_cfg, "ScienceWorld")
+        return settings_problems(cls.with_defaults(env_cfg), training) + jvm_problems(env_cfg, "ScienceWorld")
 
     def _check_simplification(self) -> None:
         allowed = ["easy"] + str(self._server.getPossibleSimplifications()).split(", ")

@@ -82,7 +82,10 @@ def ensure_gold(tasks: list[dict[str, Any]], gold_dir: str | os.PathLike, simpli
 
 def env_gold(tasks: list[dict[str, Any]], env_cfg: dict[str, Any], gold_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """``ensure_gold`` of ``tasks`` with the simplification and JVM heap of the environment config ``env_cfg``."""
-    return ensure_gold(tasks, gold_dir, env_cfg.get("simplification", "easy"), env_cfg.get("jvm_heap", "768m"))
+    from src.envs.scienceworld import ScienceWorldEnv
+
+    env_cfg = ScienceWorldEnv.with_defaults(env_cfg)
+    return ensure_gold(tasks, gold_dir, env_cfg["simplification"], env_cfg["jvm_heap"])
 
 
 def _run_logged(cmd: list[str], timeout_s: float) -> tuple[int, str]:

@@ -74,29 +74,29 @@ def task_list(task: Any) -> list[Any]:
 
 
 def settings_problems(env_cfg: dict[str, Any], training: bool = False) -> list[str]:
-    """What ``ScienceWorldEnv`` cannot run in ``env_cfg`` without asking the simulator: the task list, the
-    variation counts (training needs a training variation), the action cap and the correction threshold, one line
-    per bad ``env.<key>``."""
+    """What ``ScienceWorldEnv`` cannot run in ``env_cfg`` (every key: ``Environment.with_defaults``) without asking
+    the simulator: the task list, the variation counts (training needs a training variation), the action cap and the
+    correction threshold, one line per bad ``env.<key>``."""
     problems = []
     try:
-        tasks = task_list(env_cfg.get("task", "find-non-living-thing"))
+        tasks = task_list(env_cfg["task"])
     except ValueError as err:
-        problems, tasks = [str(err)], ["find-non-living-thing"]
-    if not tasks:
+        problems, tasks = [str(err)], None
+    if tasks == []:
         problems.append("env.task=[]: expected a task or a list of tasks (a name, a paper id like '4-2' or an "
                         "index)")
-    for task in tasks:
+    for task in tasks or []:
         try:
             resolve_task(task)
         except ValueError as err:
             problems.append(f"env.task={task!r}: {err}")
-    problems += count_problem("num_train_variations", env_cfg.get("num_train_variations", 5), int(training),
+    problems += count_problem("num_train_variations", env_cfg["num_train_variations"], int(training),
                               "training variations per task")
-    problems += count_problem("num_test_variations", env_cfg.get("num_test_variations", 20), 0,
+    problems += count_problem("num_test_variations", env_cfg["num_test_variations"], 0,
                               "held-out variations per task")
-    problems += count_problem("max_steps", env_cfg.get("max_steps"), 1, "actions per episode; null: the per-task cap",
+    problems += count_problem("max_steps", env_cfg["max_steps"], 1, "actions per episode; null: the per-task cap",
                               allow_none=True)
-    similarity = env_cfg.get("correction_min_similarity", 85)
+    similarity = env_cfg["correction_min_similarity"]
     if isinstance(similarity, bool) or not isinstance(similarity, (int, float)) or not 0 <= similarity <= 100:
         problems.append(f"env.correction_min_similarity={similarity!r}: expected a number in 0..100 (the thefuzz "
                         "ratio a corrected action needs)")

@@ -67,7 +67,7 @@ def _build(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _build_memory(cfg: DictConfig):
-    memory = hydra.utils.instantiate(cfg.memory, tip_memory={"semantics": cfg.algorithm.get("semantics", "paper")})
+    memory = hydra.utils.get_class(cfg.memory._target_).from_config(cfg.memory, cfg.algorithm.semantics)
     memory.use_environment(OmegaConf.to_container(cfg.env, resolve=True))
     return memory
 

@@ -44,7 +44,8 @@ def frozen_weights_sha256(policy: nn.Module, stored: set[str]) -> tuple[str, int
 
 
 def lora_enabled(policy_cfg: dict[str, Any]) -> bool:
-    return bool((policy_cfg.get("lora") or {}).get("enabled", False))
+    lora = policy_cfg.get("lora")  # None for the frozen KL reference
+    return bool(lora and lora["enabled"])
 
 
 def base_record(policy: nn.Module, policy_cfg: dict[str, Any], stored: set[str]) -> dict[str, Any]:
@@ -52,7 +53,7 @@ def base_record(policy: nn.Module, policy_cfg: dict[str, Any], stored: set[str])
     settings, and ``sha256`` / ``num_elements`` of the weights not in ``stored``."""
     sha, n = frozen_weights_sha256(policy, stored)
     return {"name_or_path": str(policy_cfg["name_or_path"]), "lora": dict(policy_cfg.get("lora") or {}),
-            "dtype": str(policy_cfg.get("dtype", "float32")), "sha256": sha, "num_elements": n}
+            "dtype": str(policy_cfg["dtype"]), "sha256": sha, "num_elements": n}
 
 
 def keep_trainable(checkpoint: dict[str, Any], policy: nn.Module) -> set[str]:

@@ -20,11 +20,11 @@ import lightning as L
 import torch
 
 from src.models.algorithm_config import AlgorithmConfig
-from src.models.checkpoint_state import (BASE_KEY, RUN_CONFIG_KEY, VALIDATION_KEY, base_record, check_adapter_checkpoint, check_finite,
-                                         keep_trainable, lora_enabled)
+from src.models.checkpoint_state import (BASE_KEY, RUN_CONFIG_KEY, VALIDATION_KEY, base_record,
+                                         check_adapter_checkpoint, check_finite, keep_trainable, lora_enabled)
 from src.models.core_algos import (UPDATE_MODES, aggregate_loss, authors_low_prob_mask, compute_kl_loss,
                                    compute_policy_loss, low_prob_token_mask, rollout_is_weights)
-from src.models.policy import build_policy, reference_is_a_copy
+from src.models.policy import PolicyConfig, build_policy, reference_is_a_copy
 from src.models.precision import check_trainable_dtype, fsdp_mixed_precision, torch_dtype
 from src.models.update_metrics import MiniBatchMetrics
 from src.utils.distributed import all_reduce, combine_over_ranks
@@ -115,7 +115,7 @@ class EMPO2Module(L.LightningModule):
 
     def on_fit_start(self) -> None:
         """Refuse trainable parameters that are not master weights of ``master_dtype``; log the precision layout."""
-        expected = torch_dtype(self.hparams.policy.get("master_dtype", "float32"))
+        expected = torch_dtype(PolicyConfig.from_dict(self.hparams.policy).master_dtype)
         summary = check_trainable_dtype(self.policy, expected, self.trainer.precision)
         if self.ref_policy is not None:
             summary += f"; frozen reference in {next(self.ref_policy.parameters()).dtype}"

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from src.models.policy_config import LoraConfig as PolicyLora, PolicyConfig
+
 log = logging.getLogger(__name__)
 GIB = 2**30
 
@@ -55,7 +57,7 @@ def _count_parameters(path: str, lora_json: str) -> ParamCounts:
 
     from src.models.hub import adapter_base_model, base_model_setting, load_config
 
-    lora = json.loads(lora_json)
+    lora = PolicyLora.from_dict(json.loads(lora_json))
     base = adapter_base_model(path)
     config = load_config(base, base_model_setting(path)) if base else load_config(path)
     with torch.device("meta"):
@@ -65,15 +67,15 @@ def _count_parameters(path: str, lora_json: str) -> ParamCounts:
     layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     gathered = total - sum(layer_sizes) + 2 * max(layer_sizes, default=0)
     adapters = 0
-    if lora.get("enabled"):
+    if lora.enabled:
         from peft import LoraConfig, get_peft_model
 
         if base is not None:  # the loaded adapter is trained, with its own shape
             lora_config = LoraConfig.from_pretrained(path)
             lora_config.inference_mode = False  # saved as True, which would freeze the adapters counted here
         else:
-            lora_config = LoraConfig(r=int(lora.get("r", 16)), lora_alpha=int(lora.get("alpha", 32)),
-                                     target_modules=lora.get("target_modules", "all-linear"), task_type="CAUSAL_LM")
+            lora_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=lora.target_modules,
+                                     task_type="CAUSAL_LM")
         peft_model = get_peft_model(model, lora_config)
         adapters = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     return ParamCounts(total, adapters, gathered)
@@ -110,7 +112,7 @@ def estimate_per_device(counts: ParamCounts, *, world: int, sharded: bool, refer
 
 
 def _world_size(trainer: dict[str, Any]) -> int:
-    devices = trainer.get("devices", 1)
+    devices = trainer["devices"]
     if isinstance(devices, (list, tuple)):
         n = len(devices)
     elif isinstance(devices, str) and "," in devices:
@@ -154,10 +156,11 @@ def check_device_memory(cfg) -> dict[str, float] | None:
     from src.utils.startup_checks import BF16_DECODE
     from src.utils.startup_checks import sharded as strategy_sharded, strategy_name
 
-    check = OmegaConf.to_container(cfg.memory_check, resolve=True) if cfg.get("memory_check") else {}
-    if not check.get("enabled", True):
+    check = cfg.memory_check
+    if not check.enabled:
         return None
     policy = OmegaConf.to_container(cfg.model.policy, resolve=True)
+    settings = PolicyConfig.from_dict(policy)
     trainer = {k: OmegaConf.select(cfg, f"trainer.{k}") for k in ("strategy", "devices", "num_nodes", "precision",
                                                                      "accelerator")}
     if OmegaConf.is_config(trainer["strategy"]):
@@ -165,18 +168,18 @@ def check_device_memory(cfg) -> dict[str, float] | None:
     lora = dict(policy.get("lora") or {})
     path = resolve_name_or_path(policy["name_or_path"], policy["cache_dir"])
     world, sharded = _world_size(trainer), bool(strategy_sharded(trainer))
-    sizes = dict(weight_bytes=torch_dtype(policy.get("dtype", "float32")).itemsize,
-                 master_bytes=torch_dtype(policy.get("master_dtype", "float32")).itemsize,
+    sizes = dict(weight_bytes=torch_dtype(settings.dtype).itemsize,
+                 master_bytes=torch_dtype(settings.master_dtype).itemsize,
                  compute_bytes=2 if "16" in str(trainer.get("precision")) else 4, world=world)
-    kl = float(cfg.algorithm.get("kl_coef", 0.0)) > 0
+    kl = float(cfg.algorithm.kl_coef) > 0
     counts = count_parameters(path, lora)
     reference = kl and reference_is_a_copy(policy)
     parts = estimate_per_device(counts, sharded=sharded, reference=reference, **sizes,
-                                inference_copy=policy.get("rollout_precision") in BF16_DECODE)
-    memory, source = device_memory_bytes(trainer.get("accelerator", "cpu"), check.get("device_memory_gib", 80))
-    limit = memory * float(check.get("usable_fraction", 0.9))
+                                inference_copy=settings.rollout_precision in BF16_DECODE)
+    memory, source = device_memory_bytes(trainer["accelerator"], check.device_memory_gib)
+    limit = memory * float(check.usable_fraction)
     total = sum(parts.values())
-    how = f"LoRA r={lora.get('r', 16)}" if lora.get("enabled") else "full fine-tuning"
+    how = f"LoRA r={settings.lora.r}" if settings.lora.enabled else "full fine-tuning"
     what = (f"{how} of {policy['name_or_path']} ({counts.total / 1e9:.2f}B parameters) on {world} device(s) "
             f"({'sharded' if sharded else 'replicated'}: trainer.strategy={strategy_name(trainer.get('strategy'))})")
     if total <= limit:
@@ -199,6 +202,6 @@ def check_device_memory(cfg) -> dict[str, float] | None:
               else "Neither FSDP nor LoRA is enough here: use more devices or a smaller model")
     raise ValueError(
         f"The model states of {what} need ~{total / GIB:.1f} GiB per device ({_describe(parts)} GiB), but a device "
-        f"has {memory / GIB:.1f} GiB ({source}) and at most {check.get('usable_fraction', 0.9):.0%} of it can hold "
+        f"has {memory / GIB:.1f} GiB ({source}) and at most {check.usable_fraction:.0%} of it can hold "
         f"them (activations and the KV cache need the rest). {advice}. "
         f"(Estimate: src/models/memory_estimate.py; skip with memory_check.enabled=false.)")

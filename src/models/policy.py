@@ -28,6 +28,7 @@ from src.models.hub import (adapter_base_model, base_model_setting, load_causal_
                             resolve_name_or_path)
 from src.models.log_probs import entropy_from_logits, log_probs_from_logits
 from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
+from src.models.policy_config import PolicyConfig
 from src.models.prompt_cache import PromptKV, SharedPrefixes, common_prefix, row_prompt_kv
 from src.models.rollout_engine import EngineSettings, InferenceCopy, Replies, RolloutEngine
 from src.models.sampling import RowStreams, Sampler, dropped_generation_defaults
@@ -83,8 +84,10 @@ class Policy(nn.Module):
         engine: the rollout engine's settings (``model.policy.rollout_precision`` and ``cuda_graphs``).
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_response_tokens: int = 32,
-                 max_prompt_tokens: int = 4096, temperature: float = 1.0, engine: EngineSettings = EngineSettings()):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 max_response_tokens: int = PolicyConfig.max_response_tokens,
+                 max_prompt_tokens: int = PolicyConfig.max_prompt_tokens,
+                 temperature: float = PolicyConfig.temperature, engine: EngineSettings = EngineSettings()):
         super().__init__()
         if max_response_tokens < 1:
             raise ValueError(f"max_response_tokens must be >= 1, got {max_response_tokens}")
@@ -268,18 +271,20 @@ def reference_is_a_copy(policy: dict[str, Any]) -> bool:
     """Whether the KL reference of the policy built from ``policy`` (``build_policy`` kwargs) is a frozen copy of
     the model as loaded, rather than the same model with its LoRA adapters off: without LoRA, and when LoRA continues
     an adapter loaded from ``name_or_path`` (adapters off would give the raw base model, not the starting model)."""
-    if not (policy.get("lora") or {}).get("enabled", False):
+    settings = PolicyConfig.from_dict(policy)
+    if not (settings.lora and settings.lora.enabled):
         return True
-    path = resolve_name_or_path(policy["name_or_path"], policy.get("cache_dir", "."))
+    path = resolve_name_or_path(settings.name_or_path, settings.cache_dir)
     return adapter_base_model(path) is not None
 
 
-def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", master_dtype: str = "float32",
-                 trainable: bool = True, max_response_tokens: int = 32, max_prompt_tokens: int = 4096,
-                 temperature: float = 1.0, gradient_checkpointing: bool = False, lora: dict | None = None,
-                 attn_implementation: str | None = None, rollout_precision: str = "auto",
-                 cuda_graphs: bool = False) -> Policy:
+def build_policy(trainable: bool = True, **settings: Any) -> Policy:
     """Load tokenizer + causal LM (optionally wrapped with PEFT LoRA) into a ``Policy`` (docs/usage.md#models).
+
+    ``settings``: the ``model.policy`` keys (``PolicyConfig``, where each default is written): ``name_or_path`` and
+    ``cache_dir`` (``src/models/hub.py``), ``dtype`` / ``master_dtype`` below, ``max_response_tokens`` /
+    ``max_prompt_tokens`` / ``temperature`` (``Policy``), ``gradient_checkpointing``, ``attn_implementation``,
+    ``rollout_precision`` / ``cuda_graphs`` (the rollout engine's ``EngineSettings``) and ``lora``.
 
     Precision (see ``src/models/precision.py``): the trainable parameters (all of them, or the LoRA adapters) are
     ``master_dtype`` (float32 unless insisted otherwise, with a warning); frozen weights (the LoRA base model, or
@@ -294,10 +299,12 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
     the merged model is trained (or frozen with ``trainable=False``).
 
     Raises:
-        ValueError: ``dtype`` or ``master_dtype`` is not a floating-point torch dtype name; ``cuda_graphs`` with a
-            model the static step cannot run (``static_decode.causal_lm``).
+        ValueError: a bad setting (``PolicyConfig``); ``dtype`` or ``master_dtype`` is not a floating-point torch
+            dtype name; ``cuda_graphs`` with a model the static step cannot run (``static_decode.causal_lm``).
         OSError: the model (or an adapter's base model) is neither local nor in the Hugging Face cache.
     """
+    s = PolicyConfig.from_dict(settings)
+    name_or_path, cache_dir, dtype, master_dtype, lora = s.name_or_path, s.cache_dir, s.dtype, s.master_dtype, s.lora
     path = resolve_name_or_path(name_or_path, cache_dir)
     adapter, setting = None, "model.policy.name_or_path"
     base = adapter_base_model(path)
@@ -305,15 +312,15 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
         adapter, path, setting = path, resolve_name_or_path(base, cache_dir), base_model_setting(path)
     has_tokenizer = adapter is not None and (Path(adapter) / "tokenizer_config.json").is_file()
     tokenizer = load_tokenizer(adapter) if has_tokenizer else load_tokenizer(path, setting)
-    lora_on = bool(lora and lora.get("enabled"))
+    lora_on = bool(lora and lora.enabled)
     master = master_dtype_of(master_dtype) if trainable else None
     config = load_config(path, setting)
     zeroed = [f"{k}={v}" for k, v in zero_config_dropout(config).items()]
     model = load_causal_lm(path, dtype=master_dtype if trainable and not lora_on else dtype,
-                           attn_implementation=attn_implementation, config=config, setting=setting)
-    if gradient_checkpointing:
+                           attn_implementation=s.attn_implementation, config=config, setting=setting)
+    if s.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if lora_on and gradient_checkpointing:
+    if lora_on and s.gradient_checkpointing:
         model.enable_input_require_grads()
     if adapter is not None:
         from peft import PeftModel
@@ -333,11 +340,10 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
     elif lora_on:
         from peft import LoraConfig, get_peft_model
 
-        if float(lora.get("dropout", 0.0)):
-            zeroed.append(f"model.policy.lora.dropout={lora['dropout']}")
-        model = get_peft_model(model, LoraConfig(
-            r=int(lora.get("r", 16)), lora_alpha=int(lora.get("alpha", 32)), lora_dropout=0.0,
-            target_modules=lora.get("target_modules", "all-linear"), task_type="CAUSAL_LM"))
+        if float(lora.dropout):
+            zeroed.append(f"model.policy.lora.dropout={lora.dropout}")
+        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0,
+                                                 target_modules=lora.target_modules, task_type="CAUSAL_LM"))
     zeroed += [f"{n} dropout module(s)/attribute(s) with p={p}" for p, n in zero_module_dropout(model).items()]
     if zeroed:
         log.warning("The policy %s is built without dropout (π_old is scored in eval mode and the update runs in "
@@ -349,5 +355,6 @@ def build_policy(name_or_path: str, cache_dir: str, dtype: str = "float32", mast
                 p.data = p.data.to(master)
     else:
         model.requires_grad_(False)
-    return Policy(model, tokenizer, max_response_tokens=max_response_tokens, max_prompt_tokens=max_prompt_tokens,
-                  temperature=temperature, engine=EngineSettings(rollout_precision, "graphs" if cuda_graphs else None))
+    return Policy(model, tokenizer, max_response_tokens=s.max_response_tokens, max_prompt_tokens=s.max_prompt_tokens,
+                  temperature=s.temperature,
+                  engine=EngineSettings(s.rollout_precision, "graphs" if s.cuda_graphs else None))

@@ -326,8 +326,8 @@ def resolve_rollout_precision(cfg) -> str | None:
     if policy is None:
         return None
     trainer = cfg.get("trainer") or {}
-    requested = str(policy.get("rollout_precision", "auto"))
-    value = rollout_precision(requested, "cuda" if on_cuda(str(trainer.get("accelerator", "cpu")).lower()) else "cpu")
+    requested = str(policy["rollout_precision"])
+    value = rollout_precision(requested, "cuda" if on_cuda(str(trainer.get("accelerator", "auto")).lower()) else "cpu")
     fsdp = sharded(trainer)
     if requested == "auto" and fsdp and value != rollout_precision_under_fsdp(value, fsdp, chosen=True):
         value = rollout_precision_under_fsdp(value, fsdp, chosen=True)

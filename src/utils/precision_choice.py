@@ -151,7 +151,7 @@ def resolve_precision(cfg: DictConfig) -> str | None:
         return precision
     import torch
 
-    kind = _device_kind(trainer.get("accelerator", "cpu"))
+    kind = _device_kind(trainer.get("accelerator", "auto"))
     inherited = os.environ.get(ENV_VAR, "").split("|", 2)
     if len(inherited) == 3 and inherited[0] == kind:  # a DDP rank of a run that already chose
         choice, reason = inherited[1:]

@@ -119,10 +119,10 @@ def generation_problems(trainer: dict[str, Any], model: dict[str, Any]) -> list[
     problems = []
     try:
         if fsdp:
-            rollout_precision_under_fsdp(str(policy.get("rollout_precision", "auto")), fsdp, chosen=False)
+            rollout_precision_under_fsdp(str(policy["rollout_precision"]), fsdp, chosen=False)
     except ValueError as err:
         problems.append(str(err))
-    value = policy.get("cuda_graphs", False)
+    value = policy["cuda_graphs"]
     if not isinstance(value, bool):
         return problems + [f"model.policy.cuda_graphs={value!r}: expected true or false"]
     if not value:
@@ -192,7 +192,7 @@ def check_accelerator(cfg: DictConfig) -> None:
     Raises:
         ValueError: naming the accelerator, what torch sees and the overrides to run on the CPU.
     """
-    accelerator = str(cfg.trainer.get("accelerator", "cpu")).lower()
+    accelerator = str(cfg.trainer.get("accelerator", "auto")).lower()
     if accelerator not in ("gpu", "cuda"):
         return
     import torch
