@@ -1,17 +1,9 @@
-"""The EMPO² memory as a Lightning callback (docs/method.md#memory, docs/method.md#count-based-novelty-bonus).
+"""The EMPO² memory as a Lightning callback: the tip memory, the novelty state memory and the embedder
+(docs/method.md#memory, docs/method.md#count-based-novelty-bonus).
 
-The callback owns the tip memory (FAISS, per partition), the novelty state memory and the embedder. It is entered two
-ways. The iteration (``src/data/iteration.py``) and the rollout runner it calls make the rollout-facing calls with
-explicit arguments: embed states and retrieve tips while the episodes play, then ``write_tips`` (the *current
-policy*, handed in, reflects on every finished episode in one batched generation; one entry per step is stored) and
-``add_novelty_bonus`` (the count-based bonus of every state reached). Lightning calls its hooks: ``state_dict`` /
-``load_state_dict`` (every checkpoint holds the memory, and evaluation reads it from there: the memory's one
-persistence path) and, as an iteration's update starts, the logging of its tip tables and of its own timings.
-It keeps no Trainer.
-
-Under DDP/FSDP there is one memory, held whole by every rank: the tips and the novelty visits of all ranks'
-episodes are added on every rank in the same order, so every rank holds the same tips and novelty counts, and
-the checkpoint (written by rank 0) holds them whole. ``state_dict`` checks it (``check_same_on_every_rank``).
+The rollout (``src/data/iteration.py``) calls it with explicit arguments; it keeps no Trainer. Checkpoints are the
+memory's one persistence path. Under DDP/FSDP every rank adds all ranks' tips and visits in the same order, so every
+rank holds the same whole memory (checked by ``state_dict``).
 """
 from __future__ import annotations
 
@@ -40,18 +32,13 @@ log = logging.getLogger(__name__)
 
 
 def task_name(task: dict[str, Any]) -> str:
-    """The task a task dict belongs to (``task_name``; every variation / goal of it shares the name): the novelty
-    store's key, and the ``task`` partition."""
+    """The task a task dict belongs to (shared by its variations): the novelty store's key, the ``task`` partition."""
     return str(task.get("task_name", task.get("task_id", "task")))
 
 
 def partition_key(task: dict[str, Any], partition: str) -> str:
-    """The tip-memory partition of a task dict, the one derivation used for reads and writes (docs/method.md#memory,
-    "Partitions").
-
-    ``global``: one partition; ``task``: the task name; ``variation``: ``<task name>/<variation>``, with the
-    ``variation`` every environment's task dicts carry (src/envs/base.py: ScienceWorld's variation, WebShop's goal
-    index).
+    """The tip-memory partition of a task dict for reads and writes (docs/method.md#memory, "Partitions"):
+    ``global``, the task name (``task``) or ``<task name>/<variation>`` (``variation``).
 
     Raises:
         ValueError: an unknown ``partition``, or ``variation`` for a task dict without one (all its variations
@@ -71,9 +58,8 @@ def partition_key(task: dict[str, Any], partition: str) -> str:
 
 
 def state_text(key: str, instruction: str, observation: str) -> str:
-    """The memory key text of a state under ``memory.key``: task instruction + latest observation
-    (``instruction_observation``, not the whole chat), or the observation alone (``observation``: every key of a
-    partition shares its instruction, which flattens their cosines; docs/method.md#memory)."""
+    """The memory key text of a state under ``memory.key``: instruction + latest observation, or the observation
+    alone (every key of a partition shares its instruction, which flattens their cosines; docs/method.md#memory)."""
     return observation if key == "observation" else f"{instruction}\n{observation}"
 
 
@@ -85,13 +71,11 @@ class MemoryCallback(L.Callback):
         tip_memory: a built ``TipMemory`` of that embedder's keys.
         settings: the ``memory`` group (``MemoryConfig``, or its keys as keyword arguments): ``partition``,
             ``variation`` (one memory per task variation, the authors' default), ``task`` or ``global``;
-            ``tips_scope``, ``current`` or ``all_steps`` (see ``build_step_messages``); ``tip_max_tokens``, the token
-            budget of one reflection (the reflection prompt shows the whole trajectory within the policy's
-            ``max_prompt_tokens``: ``fit_tip_history``); ``reuse_rollout_cache``, let training rollouts keep each
-            episode's last prompt keys/values so that the reflection continues that prompt instead of computing a
-            new one (``reflection_prompt``; costs memory until the tips are written, ~46 KB per prompt token for
-            SmolLM2 in fp32, ~57 KB for Qwen2.5-7B in bf16); ``novelty`` (``NoveltyMemory``,
-            docs/method.md#count-based-novelty-bonus); ``key`` and ``write_tips``.
+            ``tips_scope``, ``current`` or ``all_steps`` (``build_step_messages``); ``tip_max_tokens``, the token
+            budget of one reflection; ``reuse_rollout_cache``, let training rollouts keep each episode's last prompt
+            keys/values so that the reflection continues that prompt (costs memory until the tips are written,
+            ~46 KB per prompt token for SmolLM2 in fp32, ~57 KB for Qwen2.5-7B in bf16); ``novelty``
+            (``NoveltyMemory``); ``key`` (``state_text``) and ``write_tips``.
 
     Raises:
         ValueError: unknown partition, or embedder/tip-memory dimension mismatch.
@@ -136,11 +120,8 @@ class MemoryCallback(L.Callback):
         self._record_tables = stage == "fit"
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        """On an iteration's first micro-batch (the one carrying its rollout metrics: the rollout and the tips are
-        done), log the iteration's tip tables (``log_tip_tables``: the entries written and the tips retrieved, every
-        rank's rows; a collective under DDP/FSDP), then the memory's two timings, with the iteration as their step
-        as the module logs the rollout's: ``rollout/tip_tables_s`` (the tables) and ``rollout/tip_write_s`` (the
-        tips written, ``write_tips``, and the tables). They also go to the callback metrics (``IterationLog``)."""
+        """On an iteration's first micro-batch (the one carrying its rollout metrics), log its tip tables (a
+        collective under DDP/FSDP) and ``rollout/tip_tables_s`` / ``rollout/tip_write_s`` at the iteration's step."""
         if not getattr(batch, "metrics", None) or not (self._record_tables and self.tips_enabled):
             return
         tic = time.perf_counter()
@@ -157,14 +138,13 @@ class MemoryCallback(L.Callback):
         pl_module.log_dict(metrics, logger=False, on_step=True, on_epoch=False, batch_size=1)
 
     def use_environment(self, env_cfg: dict[str, Any]) -> None:
-        """Read the environment's facts the memory needs: what a bare command looks like (``tip_action_frac``)."""
+        """Read what a bare command looks like in this environment (for ``tip_action_frac``)."""
         from src.envs.base import environment_class
 
         self.bare_command = environment_class(env_cfg).bare_command
 
     # ------------------------------------------------------------------ used by the rollout runner
     def state_text(self, instruction: str, observation: str) -> str:
-        """The key text of a state (``state_text`` under this memory's ``memory.key``)."""
         return state_text(self.key, instruction, observation)
 
     def embed(self, texts: list[str]) -> np.ndarray:
@@ -172,14 +152,12 @@ class MemoryCallback(L.Callback):
             return self.embedder.encode(texts)
 
     def partition_key(self, task: dict[str, Any]) -> str:
-        """This memory's partition of a task dict (``partition_key`` with ``self.partition``)."""
         return partition_key(task, self.partition)
 
     def retrieve(self, tasks: list[dict], keys: np.ndarray, where: list[tuple[int, int]] | None = None
                  ) -> list[list[str]]:
-        """Tip contents for each (task, key [dim]) pair: cosine > threshold, then top-k by score (docs/method.md#memory,
-        "Retrieval"). ``where``: the (episode id, step) of each query; in training each tip shown is then a row of
-        the iteration's retrieved-tips table (``src/callbacks/tip_tables.py``)."""
+        """Tip contents for each (task, key [dim]) pair (``TipMemory.retrieve``). ``where``: the (episode id, step)
+        of each query; in training each tip shown is then a row of the iteration's retrieved-tips table."""
         partitions = [self.partition_key(t) for t in tasks]
         with timed(self.counters, "retrieve_s"):
             hits = self.tips.retrieve(partitions, keys, with_similarity=True)
@@ -195,14 +173,12 @@ class MemoryCallback(L.Callback):
         return [[e.content for e, _ in h] for h in hits]
 
     def add_novelty_bonus(self, episodes) -> None:
-        """Set each step's intrinsic reward: the count-based bonus coef/(N+1) of the state it reached
-        (``StepRecord.reached_key``), scored per task against one novelty store of all ranks' visits
-        (docs/method.md#count-based-novelty-bonus).
+        """Set each step's intrinsic reward: the count-based bonus of the state it reached, scored per task against
+        one novelty store of all ranks' visits (docs/method.md#count-based-novelty-bonus).
 
-        The states reached at environment step t by all ranks' episodes are scored together against the store as
-        it was before step t, then added (as ``run_episodes`` steps all episodes together); the store does not
-        depend on the order of the episodes, so every rank adds the same visits and holds the same store. A
-        collective under DDP/FSDP (episode ids must be unique over ranks).
+        All ranks' states reached at step t are scored together against the store as it was before step t, so the
+        store does not depend on the episodes' order and is the same on every rank. A collective under DDP/FSDP
+        (episode ids must be unique over ranks).
         """
         with timed(self.counters, "novelty_s"):
             local = [(e.id, t, task_name(e.task), s.reached_key) for e in episodes for t, s in enumerate(e.steps)
@@ -224,16 +200,10 @@ class MemoryCallback(L.Callback):
                    iteration: int | None = None) -> dict[str, float]:
         """Ask the policy for one reflection per finished episode (one batched call) and store one entry per step.
 
-        Entry content: ``<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>.``,
-        key = the embedding of step k's state made during the rollout (``StepRecord.key``, not recomputed),
-        score = the episode's final score (docs/method.md#memory, "Entries"). Returns timings (s), token counts and
-        ``tip_action_frac``, the fraction of reflections that hold an ``<action>`` tag: a policy fine-tuned on actions
-        only (e.g. the imitation warm start) answers the reflection prompt with an action, and such tips carry no
-        advice; above one half it is warned about once. The kept rollout keys/values (``Episode.reflection_prefix``)
-        are released. With ``sample_seed`` each reflection draws from its episode's own stream (``row_seeds``).
-        ``iteration`` is stored with every entry; in a fit the rows of the entries written are kept for the
-        iteration's tip tables (``on_train_batch_start``). The whole write's time is not returned: it is the memory's
-        own metric, which ``on_train_batch_start`` logs (``rollout/tip_write_s``).
+        Entry format: docs/method.md#memory, "Entries"; the key is step k's state embedding from the rollout. Returns
+        timings (s), token counts and ``tip_action_frac`` (``_check_reflections``); the whole write's time is logged
+        by ``on_train_batch_start`` instead. Releases the kept rollout keys/values. With ``sample_seed`` each
+        reflection draws from its episode's own stream (``row_seeds``).
 
         Under DDP/FSDP a collective: every rank adds every rank's entries (in rank order), and the numbers returned
         are over all ranks' reflections (counts summed, durations the slowest rank's).
@@ -259,7 +229,7 @@ class MemoryCallback(L.Callback):
                 cached["seeds"] = [row_seeds(sample_seed, [e.id], 0)[0] for e in done]
             gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens, **cached)
         reflections = [" ".join(t.split()) for t in gen.texts]  # one line each: an entry is one line
-        # this rank's reflections, for reports (the adaptation protocol's summary)
+        # for reports (the adaptation protocol's summary)
         self.last_reflections = [{"task": e.task, "instruction": e.instruction, "score": e.score, "tip": tip}
                                  for e, tip in zip(done, reflections)]
         action_frac = self._check_reflections(reflections)
@@ -275,7 +245,6 @@ class MemoryCallback(L.Callback):
             batches.append((partition, keys, contents, [episode.score] * len(contents), list(range(len(contents))),
                             rows))
         written, table = 0, []
-        # Under DDP every rank writes every rank's entries, so all ranks hold the same memory.
         for partition, keys, contents, scores, steps, rows in gather_lists(batches):
             stored = self.tips.add_rows(partition, keys, contents, scores, steps, iteration=iteration)
             written += len(stored)
@@ -294,8 +263,9 @@ class MemoryCallback(L.Callback):
         return {"tips_written": float(written), **combined, **action_frac}
 
     def _check_reflections(self, texts: list[str]) -> dict[str, float]:
-        """``{"tip_action_frac": share of all ranks' replies that are actions (an <action> tag or one bare
-        command, ``is_action_reply``)}`` ({} for none); warns once above 1/2 (a collective under DDP/FSDP)."""
+        """``{"tip_action_frac": share of all ranks' replies that are actions}`` ({} for none). A policy fine-tuned on
+        actions only (e.g. the imitation warm start) answers the reflection prompt with an action, which carries no
+        advice; warned about once above 1/2. A collective under DDP/FSDP."""
         actions = [t for t in texts if is_action_reply(t, self.bare_command)]
         n_actions, n_texts = all_reduce([float(len(actions)), float(len(texts))])
         if not n_texts:
@@ -313,8 +283,7 @@ class MemoryCallback(L.Callback):
     @staticmethod
     def reflection_prompt(policy, system_prompt: str, episode) -> tuple[list[int], Any, int]:
         """(prompt ids, kept keys/values of their first ids or None, observations shortened) of the reflection on
-        ``episode``'s whole trajectory (``reflection_prompt_ids``): it continues the episode's last rollout prompt
-        when those keys/values were kept (``Episode.reflection_prefix``), so only the new ids are computed."""
+        ``episode``'s trajectory; it continues the last rollout prompt when its keys/values were kept."""
         last, prefix = episode.steps[-1], episode.reflection_prefix
         usable = prefix is not None and prefix.length == len(last.rollout_prompt_ids)
         ids, continued, shortened = reflection_prompt_ids(policy, system_prompt, episode, continue_last=usable)
@@ -342,9 +311,7 @@ class MemoryCallback(L.Callback):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """The tips and the novelty store. Under DDP/FSDP every rank holds the same memory and rank 0's is saved;
-        this is checked first (``check_same_on_every_rank``, a collective), so a checkpoint never holds one rank's
-        memory in place of the others'."""
+        """The tips and the novelty store, checked to be the same on every rank first (a collective)."""
         state = {"tips": self.tips.state_dict(), "novelty": self.novelty.state_dict()}
         check_same_on_every_rank(memory_digest_parts(state))
         return {**state, "key": self.key}

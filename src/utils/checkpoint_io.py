@@ -1,7 +1,5 @@
-"""Checkpoints written atomically (``src/utils/io.py``): a crash mid-save never leaves a truncated file in place, and
-the temporary file a killed save leaves behind is removed at the next start-up (``remove_stale_temp_files``).
-Reading accepts both layouts (``src/utils/checkpoint_loading.py``), so a run under a non-sharded strategy
-(``trainer=default``, ``gpu``, ``ddp``) resumes from a ``trainer=fsdp`` checkpoint directory too."""
+"""Checkpoints written atomically (``src/utils/io.py``) and read in both layouts, so a run under a non-sharded
+strategy resumes from a ``trainer=fsdp`` checkpoint directory too."""
 from __future__ import annotations
 
 import os

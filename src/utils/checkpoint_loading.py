@@ -9,9 +9,7 @@ any export use (docs/usage.md#checkpoints-and-resuming).
   per rank, under the keys ``state_dict`` and ``optimizer_0``), everything else (global step, loops, callbacks with
   the memory, datamodule with the generators, hyper-parameters) in ``meta.pt``.
 
-``load_training_checkpoint`` returns the dict ``torch.load`` gives for the single file in both cases: full (unsharded)
-tensors on the CPU, the optimizer state keyed by parameter index as ``torch.optim`` writes it. It runs in one
-process, without a process group, and reads whatever number of shards the directory holds.
+Both are read as the single file's dict, in one process, from whatever number of shards the directory holds.
 """
 from __future__ import annotations
 
@@ -32,7 +30,8 @@ def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def load_training_checkpoint(path: str | os.PathLike, optimizer: bool = True) -> dict[str, Any]:
-    """A checkpoint of ``src/train.py``, file or distributed-checkpoint directory, as the single file's dict.
+    """A checkpoint of ``src/train.py``, file or distributed-checkpoint directory, as the single file's dict: full
+    tensors on the CPU, the optimizer state keyed by parameter index as ``torch.optim`` writes it.
 
     Args:
         path: ``<run>/checkpoints/last.ckpt`` (or ``iter_XXXX.ckpt``), a file or a directory.
@@ -97,16 +96,15 @@ def optimizer_state_by_index(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_checkpoint(ckpt_path: str) -> dict[str, Any]:
-    """The contents of a ``src/train.py`` checkpoint as one dict, as ``torch.load`` of a single file gives them: a
-    ``.ckpt`` file (one process, DDP) or a ``trainer=fsdp`` distributed-checkpoint directory
-    (``load_training_checkpoint``). The one place that reads a checkpoint for evaluation and export.
+    """``load_training_checkpoint`` of ``ckpt_path`` (relative to the launch directory), without the optimizer
+    state: the one place that reads a checkpoint for evaluation and export.
 
     Raises:
         FileNotFoundError: nothing at ``ckpt_path``, or a directory that is not a checkpoint.
     """
     import hydra
 
-    path = Path(hydra.utils.to_absolute_path(str(ckpt_path)))  # relative to the launch dir (hydra.job.chdir)
+    path = Path(hydra.utils.to_absolute_path(str(ckpt_path)))
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file or directory")
     return load_training_checkpoint(path, optimizer=False)

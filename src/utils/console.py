@@ -1,7 +1,5 @@
-"""What a run prints: warnings, errors and the INFO lines marked for the console (``extra=CONSOLE``): the run
-directory, one line per iteration, what a long first step is doing (a model conversion, the warm start) and the
-settings a checkpoint gave. The run's ``<task>.log`` (``train.log``) keeps every INFO line (rollout steps, timings,
-the precision chosen, ...). Hydra's console handler takes ``ConsoleFilter`` (``configs/hydra/default.yaml``).
+"""What a run prints: warnings, errors and the INFO lines marked ``extra=CONSOLE``; the run's ``<task>.log`` keeps
+every INFO line. Hydra's console handler takes ``ConsoleFilter`` (``configs/hydra/default.yaml``).
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""What every entry point (``src/train.py``, ``src/eval.py``, ``src/sft.py``) does first, in one place.
+"""What every entry point (``src/train.py``, ``src/eval.py``, ``src/sft.py``) does first.
 
-Importing this module imports the ``src`` package, which registers the config resolvers (``${pid:}`` in the run
-directory). Heavy libraries (torch, Lightning) are not imported at module level: environment workers are spawned
-processes that re-import the entry point, and they should not each load torch (``start_run`` runs in the main
-process only).
+torch and Lightning are not imported at module level: spawned environment workers re-import the entry point, and
+should not each load torch (``start_run`` runs in the main process only).
 """
 from __future__ import annotations
 
@@ -28,20 +26,15 @@ def start_run(cfg: DictConfig) -> None:
     """Process-wide settings of a run, then the resolved config in the log.
 
     - tokenizers run single-threaded unless the user says otherwise (they would fight the env workers for cores);
-    - how torch's threads wait (``src/utils/threads.py``) is logged, and the load of the other processes first read;
-    - faiss's CPU-feature probing (ModuleNotFoundError lines at INFO, which read like failures) and the lines below
-      about the libraries, not the command, are silenced;
-    - Lightning's log lines go through Hydra's handlers only (they were printed twice);
-    - the resolved config is written to ``.hydra/resolved.yaml`` in the run directory, not to the console;
+    - faiss's CPU-feature probing (ModuleNotFoundError lines at INFO, which read like failures) and lines about the
+      libraries, not the command, are silenced; Lightning's log lines go through Hydra's handlers only;
     - SIGTERM (a job scheduler, ``kill``) unwinds like Ctrl-C, so environment workers, JVMs and file locks are
-      released and no half-built cache entry is kept; both signals are recorded (``received_signal``), so the run
-      ends KILLED in the tracker, not FAILED.
+      released; both signals are recorded (``received_signal``), so the run ends KILLED in the tracker, not FAILED.
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading/saving bars on every start
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
-    # Lines about the libraries, not the user's command: MLflow's database set-up and a new experiment, and a
-    # deprecation inside Lightning's own code (torch 2.9's pytree API).
+    # MLflow's database set-up and a new experiment, and a deprecation inside Lightning's own code
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
     logging.getLogger("lightning.pytorch.loggers.mlflow").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")

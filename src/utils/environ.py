@@ -8,8 +8,7 @@ from typing import Iterator
 
 @contextlib.contextmanager
 def temporary_environ(name: str, value: str) -> Iterator[None]:
-    """Set ``os.environ[name] = value`` inside the block and restore the previous value (or absence) after it,
-    even on an error, so the setting does not leak into the rest of the process."""
+    """Set ``os.environ[name] = value`` inside the block; restore the previous value (or absence) after it."""
     previous = os.environ.get(name)
     os.environ[name] = value
     try:

@@ -32,8 +32,7 @@ def instantiate_callbacks(cfg: DictConfig | None) -> list[Callback]:
 
 
 def instantiate_loggers(cfg: DictConfig | None) -> list[Logger]:
-    """The loggers of the ``logger`` group; MLflow ones are safe to create next to concurrent runs
-    (``src.utils.logging.build_logger``)."""
+    """The loggers of the ``logger`` group (``build_logger``)."""
     from src.utils.logging import build_logger
 
     return instantiate_group(cfg, Logger, build=build_logger)

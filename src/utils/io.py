@@ -23,10 +23,8 @@ _TEMP_FILE = re.compile(r"^\..+\.tmp(?P<pid>\d+)$")
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, mode: str = "w", encoding: str | None = None) -> Iterator[IO]:
-    """Open ``.<name>.tmp<pid>`` beside ``path`` for writing; on a clean exit flush, fsync and rename it onto it.
-
-    The parent directory is created. On an error the temporary file is removed and ``path`` is untouched.
-    """
+    """Open ``.<name>.tmp<pid>`` beside ``path`` (its parent created) for writing; on a clean exit flush, fsync and
+    rename it onto ``path``. On an error the temporary file is removed and ``path`` is untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -92,12 +90,9 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temp_files(directory: str | os.PathLike) -> list[Path]:
-    """Delete the temporary files of atomic writes that never finished (the writer was killed, e.g. SIGKILL during
-    a checkpoint save: a file as large as a checkpoint stays behind, while the previous checkpoint is intact).
-
-    A file counts as stale when its name is ``.<name>.tmp<pid>`` and no process ``<pid>`` runs on this machine, so
-    the write in progress of a live run in the same directory is left alone. A missing directory is fine.
-    Returns the deleted paths.
+    """Delete the temporary files of atomic writes whose writer was killed (e.g. during a checkpoint save): a
+    ``.<name>.tmp<pid>`` whose process no longer runs on this machine, so a live run's write is left alone. A
+    missing directory is fine. Returns the deleted paths.
     """
     directory = Path(directory)
     if not directory.is_dir():

@@ -37,10 +37,8 @@ def store_lock(tracking_uri: str | None) -> contextlib.AbstractContextManager:
 
 
 def build_logger(conf: DictConfig) -> Logger:
-    """Instantiate one logger config. An MLflow logger is built, and its experiment and run created, under
-    ``store_lock``: runs started together on a fresh sqlite store otherwise race to create and migrate its
-    tables (one crashes with "table ... already exists", and a half-migrated store no later run can open is
-    left behind) and to create the experiment. After that, concurrent metric writes are safe."""
+    """Instantiate one logger config; an MLflow logger's experiment and run are created under ``store_lock``, as
+    runs started together on a fresh sqlite store otherwise race to create and migrate its tables."""
     with store_lock(conf.get("tracking_uri")):
         logger = hydra.utils.instantiate(conf)
         if isinstance(logger, MLFlowLogger):
@@ -109,9 +107,8 @@ def cpu_model() -> str:
 
 
 def machine_description() -> str:
-    """What ran a run, for its ``machine`` tag: the CUDA device's name and count where one is used, else the CPU
-    model, core count and bf16 support, e.g. ``"AMD EPYC, 2 cores (AVX512, AVX512-BF16)"``. Timings and float
-    rounding differ between machines, so a study whose runs ran on several says which ran where."""
+    """What ran a run, for its ``machine`` tag: the CUDA device's name and count, else the CPU model, core count
+    and bf16 support, e.g. ``"AMD EPYC, 2 cores (AVX512, AVX512-BF16)"``."""
     import os
 
     import torch
@@ -153,8 +150,8 @@ def task_text(task: dict[str, Any]) -> str:
 
 
 def episode_rows(episodes: Iterable, iteration: int) -> list[dict[str, Any]]:
-    """One row per ``src.data.rollout.Episode``: the task as one JSON line (``task_text``, as in the tip tables),
-    the episode's id (its number among all ranks' episodes of the evaluation), score, success, steps, failed."""
+    """One row per ``src.data.rollout.Episode`` (``EPISODE_COLUMNS``; the episode id is its number among all
+    ranks' episodes of the evaluation)."""
     return [{"iteration": int(iteration), "task": task_text(e.task), "episode": int(e.id), "score": float(e.score),
              "success": int(bool(e.success)), "steps": len(e.steps), "failed": int(bool(e.failed))} for e in episodes]
 
@@ -172,9 +169,8 @@ def append_rows(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
 
 
 def log_validation_episodes(trainer, rows: Sequence[dict[str, Any]]) -> None:
-    """Add a validation's rows (all ranks', ``episode_rows``) to ``<run dir>/validation_episodes.csv`` and, with the
-    MLflow logger, log the file as the run's artifact; rank 0 only, nothing during the sanity check. The file's
-    readers: ``studies/episode_table.py``."""
+    """Add a validation's rows (all ranks') to ``<run dir>/validation_episodes.csv`` and log the file as an MLflow
+    artifact; rank 0 only, nothing during the sanity check."""
     if not trainer.is_global_zero or trainer.sanity_checking:
         return
     path = Path(trainer.default_root_dir) / EPISODES_FILE

@@ -1,17 +1,12 @@
 """``trainer.precision=auto``: bf16 compute only where this machine runs it faster than fp32.
 
-bf16 matmuls are fast on GPUs with bf16 support and on CPUs with AMX or AVX512-BF16, but a CPU without them
-(AVX2 only: many laptops, older servers, AMD EPYC before Zen 4) emulates bf16 and runs it 10–70× *slower* than
-fp32 (measured: 0.5 vs 33 GFLOP/s for a 1024² matmul on an AVX2 EPYC). So the CPU experiments do not hard-code a
-precision: at start-up a short timed probe multiplies two matrices in both dtypes, and the faster one wins.
-An explicit ``trainer.precision=...`` is never changed; ``precision_problems`` refuses one that cannot run as asked. Trainable parameters stay fp32 master weights either
-way (``src/models/precision.py``); only the compute dtype of matmuls changes.
+A CPU without AMX or AVX512-BF16 emulates bf16 and runs it 10–70× *slower* than fp32, so at start-up a short timed
+probe multiplies two matrices in both dtypes and the faster one wins. An explicit ``trainer.precision`` is never
+changed. Trainable parameters stay fp32 master weights either way (``src/models/precision.py``).
 
-The choice is made once per process tree: the first process stores it in ``EMPO2_PRECISION_CHOICE`` and the
-processes it starts (DDP ranks, environment workers, a study's runs) read it from there, so ranks never disagree.
-An environment variable, unlike the rollout precision's choice (``src/models/rollout_engine.py``: rank 0's, by a
-broadcast once the ranks can talk): every rank builds its Trainer, whose precision plugin is this choice, before the
-process group exists, and Lightning starts the ranks with the launching process's environment.
+The choice is made once per process tree and handed down in ``EMPO2_PRECISION_CHOICE``, not by a broadcast: every
+rank builds its Trainer before the process group exists, and Lightning starts the ranks with the launcher's
+environment.
 """
 from __future__ import annotations
 
@@ -59,11 +54,8 @@ def cpu_features() -> str:
 
 
 def probe_cpu_matmul(n: int = 512, max_seconds: float = 0.5) -> MatmulProbe:
-    """Time ``n × n`` matmuls in float32 and bfloat16 on the CPU (best of a few repetitions each).
-
-    Bounded: a dtype's repetitions stop after ``max_seconds`` (an emulated bf16 matmul of 512² takes ~0.5 s on
-    an AVX2 CPU, so one repetition is enough to see it is slow).
-    """
+    """Time ``n × n`` matmuls in float32 and bfloat16 on the CPU (best of a few repetitions each, stopped after
+    ``max_seconds``: one slow emulated repetition is enough to see it)."""
     import torch
 
     flops = 2.0 * n ** 3
@@ -137,9 +129,8 @@ def _device_kind(accelerator: str) -> str:
 
 
 def resolve_precision(cfg: DictConfig) -> str | None:
-    """Replace ``trainer.precision=auto`` in ``cfg`` by the choice of ``decide_precision`` and log it as
-    ``Precision: <choice> (<reason>)``. An explicit value is left as it is (and logged once). Returns the
-    precision, or None when ``cfg`` has no trainer group. Called before anything reads ``trainer.precision``."""
+    """Replace ``trainer.precision=auto`` in ``cfg`` by the choice of ``decide_precision`` and log it; an explicit
+    value is left as it is (and logged once). Returns the precision, or None when ``cfg`` has no trainer group."""
     trainer = cfg.get("trainer")
     if trainer is None or trainer.get("precision") is None:
         return None

@@ -1,11 +1,7 @@
 """OmegaConf resolvers the configs use, registered when the ``src`` package is imported.
 
-``${pid:}``: this process's id. Run directories are ``<time>_<pid>`` (configs/hydra/default.yaml), so runs started
-in the same second (``scripts/run_study.py`` side by side) never share a directory, log file or checkpoints.
-Lightning's DDP launcher passes the resolved directory to its child processes, so one run keeps one directory.
-
-``${env_default:${env._target_},novelty_coef}``: a class attribute of the environment class a target names (the
-environment's defaults, ``src.envs.base.Environment``), imported without building the environment.
+``${pid:}``: this process's id; run directories are ``<time>_<pid>``, so runs started in the same second never share
+one. ``${env_default:${env._target_},novelty_coef}``: a class attribute of the environment class a target names.
 """
 from __future__ import annotations
 

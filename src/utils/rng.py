@@ -1,12 +1,8 @@
 """Random streams for exact resume: per-iteration seeds and checkpointable global RNG states.
 
-Every random draw of a training iteration comes from a stream seeded by ``(seed, iteration, ...)`` at the start of
-that iteration, so a run resumed from a checkpoint draws exactly what the uninterrupted run drew, whatever the
-generators' states were when the checkpoint was written. The tokens of an episode are drawn from the episode's
-own streams (``row_seeds``: one per episode and environment step), so an episode samples the same tokens whichever
-rank runs it and whichever episodes share its batch: 1 process and N DDP/FSDP ranks play the same episodes. The
-global generators (Python, NumPy, torch, CUDA) are also saved in checkpoints (every rank's) and restored, for
-anything stochastic that does not draw from a seeded stream.
+Every random draw of a training iteration comes from a stream seeded by ``(seed, iteration, ...)``, so a resumed run
+draws what the uninterrupted run drew. An episode's tokens come from its own streams (``row_seeds``), so 1 process
+and N DDP/FSDP ranks play the same episodes. The global generators are also checkpointed, for anything else.
 """
 from __future__ import annotations
 

@@ -27,9 +27,8 @@ def error_text(err: BaseException) -> str:
 
 
 def end_tracker_runs(loggers: list[Any], status: str, error: BaseException | None = None) -> None:
-    """End each logger's run with ``status`` (rank 0): an MLflow run gets the status, an end time (also when
-    Lightning has already marked it FAILED, so a signal reads KILLED) and, with ``error``, the tag ``error``
-    (``error_text``); other loggers are finalized as failed."""
+    """End each logger's run with ``status`` (rank 0), with ``error`` as an MLflow run's ``error`` tag (also when
+    Lightning has already marked it FAILED, so a signal reads KILLED); other loggers are finalized as failed."""
     from lightning.pytorch.loggers import MLFlowLogger
     from lightning.pytorch.utilities import rank_zero_only
 
@@ -62,8 +61,7 @@ def resume_command(ckpt_path: str, run_id: str | None = None) -> str:
 
 def end_stale_runs(loggers: list[Any]) -> list[str]:
     """Mark as FAILED the runs of each MLflow logger's experiment that are RUNNING although the process that made them
-    (tags ``host`` and ``pid``, set at every start) is gone from this host: a run killed with SIGKILL, or a machine
-    that went down, never ends its run itself. Says so in the log; returns their ids."""
+    (tags ``host`` and ``pid``) is gone from this host (SIGKILL, a machine down); returns their ids."""
     import socket
 
     from lightning.pytorch.loggers import MLFlowLogger
@@ -90,8 +88,7 @@ def end_stale_runs(loggers: list[Any]) -> list[str]:
 
 
 def last_checkpoint_message(trainer: Any, resumed_from: str | None) -> str:
-    """Where the last checkpoint of the run is (its iteration and global step) and how to resume from it (in the same
-    MLflow run, where there is one)."""
+    """Where the last checkpoint of the run is (its iteration and global step) and how to resume from it."""
     import torch
     from lightning.pytorch.loggers import MLFlowLogger
 

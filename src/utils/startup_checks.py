@@ -1,11 +1,5 @@
-"""Checks and fixes applied to a training config before anything is built (``src/train.py``): the Lightning options
-(``check_trainer_options``), the accelerator (``check_accelerator``), ``ckpt_path`` (``check_checkpoint_path``) and
-the temporary files of checkpoint saves a killed run left behind (``clean_checkpoint_dirs``).
-
-torch is imported only by the checks that need it (a GPU accelerator, a ``ckpt_path``). ``src/config_checks.py`` runs
-them all with the checks of every setting's value (``prepare_run``). Checks that need to know an
-environment live with it (e.g. ScienceWorld's action caps against its gold paths,
-``src/envs/scienceworld_gold_lengths.py``) and are called by the entry point.
+"""Checks and fixes applied to a training config before anything is built (``prepare_run`` in
+``src/config_checks.py`` runs them). torch is imported only by the checks that need it.
 """
 from __future__ import annotations
 
@@ -110,10 +104,8 @@ def hardware_problems(trainer: dict) -> list[str]:
 
 
 def generation_problems(trainer: dict[str, Any], model: dict[str, Any]) -> list[str]:
-    """``model.policy.cuda_graphs``: a bool, true only where a decoding step can be captured (a CUDA accelerator; not
-    FSDP, whose sharded weights are gathered inside each forward: src/models/static_decode.py);
-    ``model.policy.rollout_precision``: no bf16 decoding steps under FSDP (they run a copy of the weights, and
-    sharded weights cannot be copied: ``rollout_precision_under_fsdp``)."""
+    """``model.policy.cuda_graphs``: a bool, true only where a decoding step can be captured (a CUDA accelerator, not
+    FSDP); ``model.policy.rollout_precision``: ``rollout_precision_under_fsdp``."""
     policy = model.get("policy") or {}
     fsdp = sharded(trainer)
     problems = []
@@ -144,8 +136,7 @@ BF16_DECODE = ("bf16", "bf16-decode")
 def rollout_precision_under_fsdp(value: str, strategy: str, chosen: bool) -> str:
     """The one rule for bf16 decoding steps under FSDP (they run a copy of the weights, and sharded weights cannot be
     copied): the rollout precision ``value`` that runs there. ``auto``'s choice (``chosen``) falls back to
-    bf16-prefill or fp32; an explicit value is refused. Here, in src/utils, so that both the start-up check and the
-    engine (src/models/rollout_engine.py) read it.
+    bf16-prefill or fp32; an explicit value is refused. Read by the start-up check and the engine.
 
     Raises:
         ValueError: an explicit ``value`` with bf16 decoding steps, naming ``strategy``.
@@ -173,8 +164,8 @@ def sharded(trainer: dict[str, Any]) -> str | None:
 
 
 def on_cuda(accelerator: str) -> bool:
-    """Whether ``trainer.accelerator`` (lower-case) runs on a CUDA GPU: ``gpu`` or ``cuda``, or ``auto`` where torch
-    sees one (torch is imported only then)."""
+    """Whether ``trainer.accelerator`` (lower-case) runs on a CUDA GPU: ``gpu``, ``cuda``, or ``auto`` where torch
+    sees one."""
     if accelerator in ("gpu", "cuda"):
         return True
     if accelerator != "auto":
@@ -185,9 +176,8 @@ def on_cuda(accelerator: str) -> bool:
 
 
 def check_accelerator(cfg: DictConfig) -> None:
-    """Refuse ``trainer.accelerator=gpu`` (or ``cuda``) when torch sees no GPU, naming the CPU overrides.
-
-    Lightning would fail only when the Trainer is built, after the model, with "No supported gpu backend found!".
+    """Refuse ``trainer.accelerator=gpu`` (or ``cuda``) when torch sees no GPU (Lightning would fail only once the
+    model is built).
 
     Raises:
         ValueError: naming the accelerator, what torch sees and the overrides to run on the CPU.
@@ -218,10 +208,8 @@ def check_checkpoint_path(cfg: DictConfig) -> Path | None:
     """Refuse a ``ckpt_path`` that cannot be resumed from, before anything is built; return its absolute path
     (None without ``ckpt_path``). A relative path is taken from where the command runs, as ``src/train.py`` does.
 
-    A file must be a complete zip archive as ``torch.save`` writes (a copy or save cut short is not), load as
-    Lightning loads it (``weights_only=True``; memory-mapped, so the tensors are not read) and hold a global step
-    and ``policy.*`` weights. A directory must hold a distributed checkpoint's ``.metadata`` and Lightning's
-    ``meta.pt``.
+    A file must be a complete zip archive, load as Lightning loads it (``weights_only=True``; memory-mapped) and hold
+    a global step and ``policy.*`` weights; a directory, a distributed checkpoint's ``.metadata`` and ``meta.pt``.
 
     Raises:
         FileNotFoundError: nothing at the path.

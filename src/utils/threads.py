@@ -1,13 +1,8 @@
 """How torch's CPU threads wait, set before torch loads (docs/performance.md, "Threads on a shared machine").
 
-torch's CPU kernels run on GNU OpenMP (libgomp), whose threads spin ~300,000 rounds at every barrier before they
-sleep. Alone on its cores that is the fastest wait; beside another job it is the slowest: a spinning thread burns the
-core the descheduled one needs, and a decoding step that waits at dozens of barriers ran ~45x slower (docs: the
-measured table). A bounded spin (``GOMP_SPINCOUNT``) keeps the quiet speed of small operations and sleeps soon enough
-to give a busy core away.
-
-``configure_threads`` runs before anything imports torch (libgomp reads its variables once, when it loads);
-environment workers and DDP ranks are child processes and inherit the setting.
+libgomp's threads spin ~300,000 rounds at every barrier before they sleep: the fastest wait alone, the slowest beside
+another job (a spinning thread burns the core the descheduled one needs). A bounded spin (``GOMP_SPINCOUNT``) keeps
+the quiet speed and gives a busy core away. libgomp reads it once, when it loads; child processes inherit it.
 """
 from __future__ import annotations
 
@@ -48,11 +43,9 @@ class ThreadGovernor:
     """torch's thread count set to the cores other processes leave free, re-read at most every ``period_s`` seconds.
 
     Other processes' load is the machine's busy CPU time (``/proc/stat``) less that of this process and its
-    descendants (the run, its environment workers and their JVMs: ``/proc/<pid>/stat``), over the time since the last
-    reading. Threads = cores − (the other processes' cores, rounded to the nearest whole core), between 1 and
-    ``max_threads``: half a core of background work (system services, a process of the run's that ended in the
-    window) changes nothing. With the cores to itself a run keeps all its threads; beside another job it drops to
-    what is free, where two threads would wait at every barrier for the one the other job holds.
+    descendants (``/proc/<pid>/stat``) since the last reading. Threads = cores − (the other processes' cores, rounded
+    to the nearest whole core, so half a core of background work changes nothing), between 1 and ``max_threads``:
+    beside another job, two threads would wait at every barrier for the one the other job holds.
     """
 
     def __init__(self, max_threads: int, period_s: float = 2.0, cpus: int | None = None):
@@ -84,7 +77,7 @@ class ThreadGovernor:
         for pid, ppid in parent.items():
             children.setdefault(ppid, []).append(pid)
         own, todo = 0, [os.getpid()]
-        while todo:  # this run: the process, its environment workers and their JVMs
+        while todo:
             pid = todo.pop()
             own += ticks.get(pid, 0)
             todo += children.get(pid, [])
@@ -115,8 +108,7 @@ _adapting = True
 
 
 def adapt_threads() -> None:
-    """Set torch's thread count to the cores other processes leave free (``ThreadGovernor``); called before each
-    generation and forward pass (``src/models/policy.py``), cheap between re-readings. Off where the user set
+    """Set torch's thread count with ``ThreadGovernor`` (cheap between re-readings). Off where the user set
     ``OMP_NUM_THREADS`` or ``EMPO2_ADAPT_THREADS=0``, without ``/proc``, and in a multi-process run (DDP/FSDP)."""
     global _governor, _adapting
     if not _adapting:

@@ -1,5 +1,4 @@
-"""Wall-clock timing of code blocks into a dict of seconds (rollout, memory and update timings), and the
-process's peak memory (logged per iteration, read by ``scripts/run_study.py`` before it puts runs side by side)."""
+"""Wall-clock timing of code blocks, progress lines and the process's peak memory."""
 from __future__ import annotations
 
 import contextlib
@@ -36,9 +35,7 @@ def eta_text(elapsed_s: float, done: float, total: float) -> str:
 
 class EtaLog:
     """Progress of a phase as log lines ``<what>: <done>/<total> <unit>, <eta_text>[, detail]``, at most every
-    ``every_s`` seconds and always for the last item, so a long start-up phase without a progress bar of its own is
-    never silent.
-    """
+    ``every_s`` seconds and always for the last item."""
 
     def __init__(self, logger, what: str, total: int, unit: str = "", every_s: float = 10.0):
         self.logger, self.what, self.total, self.unit, self.every_s = logger, what, total, unit, every_s
