@@ -140,7 +140,8 @@ def algorithm_problems(cfg: DictConfig) -> list[str]:
 
 
 def model_problems(model: dict[str, Any]) -> list[str]:
-    """The optimizer's learning rate and weight decay, gradient clipping and the policy's own rules."""
+    """The optimizer's learning rate and weight decay, gradient clipping, and the policy's and the warm start's own
+    rules."""
     problems = []
     optimizer = model.get("optimizer") or {}
     lr = number(optimizer.get("lr"))
@@ -154,8 +155,10 @@ def model_problems(model: dict[str, Any]) -> list[str]:
     if clip is not None and (number(clip) is None or number(clip) <= 0):
         problems.append(f"model.gradient_clip_val={clip!r}: expected a max gradient norm > 0, or null (no clipping)")
     from src.models.policy_config import PolicyConfig
+    from src.models.warm_start_config import WarmStartConfig
 
-    return problems + group_problems(PolicyConfig, model.get("policy"))
+    problems += group_problems(PolicyConfig, model.get("policy"))
+    return problems + (group_problems(WarmStartConfig, model["warm_start"]) if model.get("warm_start") else [])
 
 
 def check_training_settings(cfg: DictConfig) -> None:

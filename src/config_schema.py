@@ -39,11 +39,13 @@ def register_schemas() -> None:
     from src.memory.settings import MemoryConfig
     from src.models.algorithm_config import AlgorithmConfig
     from src.models.policy_config import PolicyConfig
+    from src.models.warm_start_config import WarmStartConfig
 
     store = ConfigStore.instance()
     for group, schema in (("data", DataConfig), ("algorithm", AlgorithmConfig), ("memory", MemoryConfig)):
         store.store(group=group, name="schema", node=schema.node(), package=group)
     store.store(group="model", name="schema", node={"policy": PolicyConfig.node()}, package="model")
+    store.store(group="warm_start", name="schema", node=WarmStartConfig.node(), package="model.warm_start")
     for path in sorted((ROOT / "configs" / "env").glob("*.yaml")):  # each as <name>_schema, from its _target_
         defaults = constructor_defaults(yaml.safe_load(path.read_text())["_target_"])
         store.store(group="env", name=f"{path.stem}_schema", node=defaults, package="env")

@@ -1,19 +1,5 @@
-"""Take a trained agent out of a run: a Hugging Face directory and its memory (docs/export.md).
-
-``run_export`` reads a ``src/train.py`` checkpoint (``read_checkpoint``), rebuilds the policy it was trained as
-(an adapter-only LoRA checkpoint names its base model), loads the checkpoint's weights and writes ``export.out_dir``
-atomically:
-
-- the model: LoRA merged into the base weights (``from_pretrained`` loads it as a plain model), or with
-  ``export.adapter_only=true`` the PEFT adapter alone (``adapter_config.json``, ``adapter_model.safetensors``);
-- the tokenizer with its chat template;
-- ``generation_config.json``: plain sampling from ``softmax(logits / T)`` at the run's rollout temperature (top-k
-  0, top-p 1, no repetition penalty), the distribution the run trained on (``src/models/sampling.py``);
-- ``README.md``, a model card: base model, algorithm, environment, iteration, global step, the last validation's
-  metrics, how to load it, and the run's config;
-- ``memory/`` (when the checkpoint holds a memory): the tips and their keys (``src/memory/memory_file.py``), which
-  ``src/eval.py`` reads with ``eval.memory_file=<out_dir>/memory``;
-- ``export_info.json``: the same facts for programs.
+"""Take a trained agent out of a run: a Hugging Face directory (model, tokenizer, generation config, model card,
+``export_info.json``) and its memory, written atomically (docs/export.md lists the files).
 """
 from __future__ import annotations
 
@@ -68,7 +54,6 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
             raise ValueError(f"export.out_dir={str(ex.out_dir)!r} exists; choose another or set "
                              "export.overwrite=true")
     ckpt = read_checkpoint(cfg.ckpt_path)
-    # the configured policy (the checkpoint's run settings, src/checkpoint_settings.py): its weights replace the base's
     policy_cfg = rebuild_policy_config(ckpt, OmegaConf.to_container(cfg.model.policy, resolve=True))
     policy = build_policy(**{**policy_cfg, "gradient_checkpointing": False})
     load_policy_weights(policy, ckpt, str(cfg.ckpt_path), policy_cfg["name_or_path"])
@@ -192,8 +177,8 @@ def _info(cfg: DictConfig, ckpt: dict[str, Any], policy_cfg: dict[str, Any], tem
 
 
 def _run_config(cfg: DictConfig) -> tuple[str, str]:
-    """(the run's config as YAML, where it comes from): the run directory's ``.hydra/config.yaml`` next to the
-    checkpoint's ``checkpoints/`` folder, else the config composed for the export."""
+    """(the run's config as YAML, where it comes from): the run directory's ``.hydra/config.yaml``, else the config
+    composed for the export."""
     ckpt = Path(hydra.utils.to_absolute_path(str(cfg.ckpt_path)))
     saved = ckpt.parent.parent / ".hydra" / "config.yaml"
     if saved.is_file():

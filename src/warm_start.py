@@ -1,21 +1,12 @@
 """The imitation warm start: fine-tune the policy on demonstrations before RL, built once and cached.
 
-A 135M policy rarely reaches a reward from scratch (the WebShop paper also imitated first, then ran RL), so the
-CPU experiments start RL from a policy fine-tuned on demonstrations of the *training* tasks
-(``src/data/demonstrations.py``: ScienceWorld gold paths, the WebShop scripted expert), in exactly the prompt
-format of the RL run. The update is ``src/models/sft_module.py``; this module decides what to train, caches the
-result and measures it.
+A 135M policy rarely reaches a reward from scratch (the WebShop paper also imitated first, then ran RL), so RL
+starts from a policy fine-tuned on demonstrations of the *training* tasks (``src/data/demonstrations.py``) in the RL
+run's prompt format (docs/usage.md#imitation-warm-start). The update is ``src/models/sft_module.py``.
 
-Settings live in ``model.warm_start`` (``configs/warm_start/imitation.yaml``; ``model.warm_start=null`` starts
-RL from the base model). The fine-tuned model is cached under ``<data dir>/models/warm_start/<key>/`` — a Hugging
-Face directory written atomically, with ``sft_info.json`` holding what it was trained on and with, its training
-loss and its held-out score. The key hashes the base model, the training settings and every example's token ids,
-so any change of prompt format, demonstrations or settings builds a new entry. Concurrent runs (a study run side
-by side) wait on a file lock and reuse the entry the first one built.
-
-Held-out score: the RL run's validation protocol (``data.val``: test goals / test variations, no memory,
-T = 0.4), stored per protocol in ``sft_info.json``, logged, and printed. Used by ``src/train.py``,
-``src/eval.py`` and ``src/sft.py``.
+The result is cached under ``<data dir>/models/warm_start/<key>/`` with ``sft_info.json`` (what it was trained on,
+its loss and held-out scores by the RL run's validation protocol). The key hashes the base model, the settings and
+every example's token ids, so any change builds a new entry; concurrent runs wait on a file lock and reuse it.
 """
 from __future__ import annotations
 
@@ -55,7 +46,6 @@ def _prepare(cfg: DictConfig, ws: dict[str, Any]) -> dict[str, Any]:
 
     policy_cfg = OmegaConf.to_container(cfg.model.policy, resolve=True)
     env_cfg = OmegaConf.to_container(cfg.env, resolve=True)
-    # the RL run's own rollout and validation settings (the data group)
     data = OmegaConf.to_container(cfg.data, resolve=True)
     rollout = RolloutConfig.from_data(data)
     records, system_prompt = demonstration_records(env_cfg, ws.get("num_tasks"), ws["gold_dir"])
@@ -118,10 +108,9 @@ def _reflection_settings(settings: dict[str, Any]) -> dict[str, Any]:
 
 def _reflection_examples(cfg: DictConfig, ws: dict[str, Any], env_cfg: dict[str, Any], policy, rollout: RolloutConfig,
                          max_steps: int | None, demonstrations: list[dict]) -> tuple[list, list]:
-    """Reflection examples (``src/data/reflections.py``) under the memory's reflection settings
-    (``model.warm_start.reflections``: ``max_tokens`` = ``memory.tip_max_tokens``, ``continue_last_prompt`` =
-    ``memory.reuse_rollout_cache``). Set in the warm start, not read from ``memory``, so a run without memory (GRPO)
-    builds the same warm start as EMPO²; a memory that reflects otherwise is warned about.
+    """Reflection examples (``src/data/reflections.py``) under ``model.warm_start.reflections`` (``max_tokens``,
+    ``continue_last_prompt``: the memory's ``tip_max_tokens``, ``reuse_rollout_cache``). Not read from ``memory``,
+    so a run without memory (GRPO) builds the same warm start as EMPO²; a memory that differs is warned about.
 
     Returns (reflection examples, demonstrated steps with tips in the prompt: only with ``show_tips``)."""
     from src.data.reflections import reflection_examples, reflection_records, tipped_demonstrations
@@ -187,12 +176,10 @@ def _fit(cfg: DictConfig, ws: dict[str, Any], policy, examples: list, epochs: in
 def _train(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any], loggers: list) -> dict[str, Any]:
     """Fine-tune and save into the cache entry; returns ``sft_info``.
 
-    Actions only: the base policy on the action examples. With reflection examples, a second phase: the
-    actions-only warm start of the same settings (built first if missing, reused by every run that needs it) on
-    the reflection examples plus a ``rehearsal`` share of the action examples, for the reflections' own epochs and
-    lr (with ``show_tips``, also every demonstrated step again with the task's other trajectories' tips in the
-    prompt). Trained together from the base model, the reflections pulled the actions (WebShop: the policy stopped
-    buying); after the actions, with the actions rehearsed, they do not (docs/usage.md#imitation-warm-start).
+    With reflection examples, a second phase: the actions-only warm start of the same settings (built first if
+    missing) on the reflection examples (and ``show_tips``' tipped steps) plus a ``rehearsal`` share of the action
+    examples. Trained together from the base model, the reflections pulled the actions (WebShop: the policy stopped
+    buying); after the actions, rehearsed, they do not (docs/usage.md#imitation-warm-start).
     """
     examples, policy, epochs, lr, base = prep["examples"], prep["policy"], int(ws["epochs"]), float(ws["lr"]), None
     rehearsal: list = []
@@ -263,8 +250,8 @@ def ensure_warm_start(cfg: DictConfig) -> dict[str, Any] | None:
     """Build (once) or reuse the warm start ``cfg.model.warm_start`` describes; None when it is null.
 
     Returns ``{"path": the cached Hugging Face directory, "info": its sft_info.json, "heldout": the held-out
-    result for the current validation protocol (None when ``data.val`` is null or ``warm_start.eval`` false)}``.
-    Missing held-out results of a reused entry are computed and added to its ``sft_info.json``.
+    result for the current validation protocol (None when ``data.val`` is null or ``warm_start.eval`` false,
+    computed and stored when missing)}``.
     """
     ws = cfg.model.get("warm_start")
     if not ws:
@@ -321,8 +308,7 @@ def _rng_preserved():
 
 
 def warm_start_metrics(result: dict[str, Any] | None) -> dict[str, float]:
-    """``warm_start/*`` metrics of an ``ensure_warm_start`` result: held-out score and success (mean, s.e.),
-    final training loss and training time."""
+    """``warm_start/*`` metrics of an ``ensure_warm_start`` result."""
     if not result:
         return {}
     out = {"warm_start/train_loss": result["info"]["final_train_loss"],
@@ -337,11 +323,8 @@ def warm_start_metrics(result: dict[str, Any] | None) -> dict[str, float]:
 
 
 def warm_start_model_config(cfg: DictConfig, build: bool = True) -> tuple[DictConfig, dict[str, Any] | None]:
-    """The model config to instantiate: ``model.warm_start`` removed and, with ``build``, the policy's
-    ``name_or_path`` pointing at the warm start (built or reused by ``ensure_warm_start``).
-
-    ``build=False`` (e.g. weights coming from a checkpoint) leaves the base model. Returns (config, result).
-    """
+    """(The model config to instantiate, ``ensure_warm_start``'s result): ``model.warm_start`` removed and, with
+    ``build`` (not for weights from a checkpoint), the policy's ``name_or_path`` pointing at the warm start."""
     model_cfg = OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True))
     model_cfg.pop("warm_start", None)
     result = ensure_warm_start(cfg) if build else None

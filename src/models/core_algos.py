@@ -1,18 +1,11 @@
-"""Pure loss functions for GRPO / EMPO² (docs/method.md#one-iteration, step 8;
-docs/method.md#low-probability-token-masking; docs/method.md#rollout-importance-sampling-correction). The advantages
-of step 4 are in ``src/models/advantages.py``.
+"""The losses of GRPO / EMPO² (docs/method.md#one-iteration, step 8), plain torch. Shapes: ``B`` responses (rows),
+``T`` response tokens per row (right-padded, ``response_mask`` marks real tokens), ``V`` vocab.
 
-Plain torch, no Lightning: every function takes tensors and returns tensors (losses also return a
-``metrics`` dict of python floats for logging). Shapes: ``B`` responses (rows) in a
-(micro-)batch, ``T`` response tokens per row (right-padded, ``response_mask`` marks real tokens), ``V`` vocab.
-
-Loss aggregation contract (docs/design.md#why-it-is-shaped-this-way, "The loss is a partial sum"): the same global batch
-must give the same gradient whatever the micro-batching or the number of DDP ranks. For that, count the denominators
-once on the whole global batch with :func:`loss_denominators` (all-reduced across ranks by the caller) and pass them as
-``batch_num_tokens`` / ``global_batch_size``; each micro-batch loss is then a partial sum, and the SUM of
-the micro-batch losses (not their mean) over micro-batches and ranks equals the full-batch loss. With DDP,
-which averages gradients over ranks, the caller multiplies each rank's loss by the world size.
-"""
+The loss is a partial sum (docs/design.md#why-it-is-shaped-this-way): the same global batch must give the same
+gradient whatever the micro-batching or the number of DDP ranks. The caller counts the denominators once on the whole
+global batch (:func:`loss_denominators`, all-reduced) and passes them as ``batch_num_tokens`` / ``global_batch_size``;
+the SUM of the micro-batch losses over micro-batches and ranks is then the full-batch loss. DDP averages gradients
+over ranks, so the caller multiplies each rank's loss by the world size."""
 from __future__ import annotations
 
 import torch
@@ -48,24 +41,20 @@ def low_prob_token_mask(
     log_threshold: float = -5.0,
     level: str = "token",
 ) -> Tensor:
-    """Keep-mask of low-probability token masking (docs/method.md#low-probability-token-masking).
-
-    ``token``: keep response tokens with ``log_prob >= log_threshold``. ``sequence``: keep a whole row
-    only if its minimum response-token log-prob is ``>= log_threshold``, else drop every token of it.
+    """Keep-mask of low-probability token masking (docs/method.md#low-probability-token-masking): ``token``
+    keeps response tokens with ``log_prob >= log_threshold``; ``sequence`` keeps a whole row only if its minimum
+    response-token log-prob is ``>= log_threshold``.
 
     Args:
-        log_probs: ``[B, T]`` current-policy token log-probs (nats); detached here, the mask never
-            carries a gradient.
-        response_mask: ``[B, T]`` 0/1 or bool, the real response tokens.
+        log_probs: ``[B, T]`` current-policy token log-probs (nats); the mask never carries a gradient.
+        response_mask: ``[B, T]`` 0/1 or bool.
         log_threshold: log δ (default -5, δ ≈ 0.0067).
-        level: ``"token"`` or ``"sequence"``.
 
     Returns:
         ``[B, T]`` bool, True where the token keeps its policy-gradient term; always False on padding.
 
     Raises:
-        ValueError: unknown ``level``; shapes differ.
-    """
+        ValueError: unknown ``level``; shapes differ."""
     if level not in MASK_LEVELS:
         raise ValueError(f"unknown mask level {level!r}; expected one of {MASK_LEVELS}")
     check_shape("response_mask", response_mask, log_probs.shape)
@@ -78,19 +67,10 @@ def low_prob_token_mask(
 
 
 def authors_low_prob_mask(old_log_probs: Tensor, response_mask: Tensor, log_threshold: float = -5.0) -> Tensor:
-    """Keep-mask of the EMPO² authors' low-probability masking (docs/reproducing.md, difference 2): a whole response
-    is dropped when its minimum *old* log-prob (π_old under the rollout prompt) is below ``log_threshold``. Equal to
-    ``low_prob_token_mask(old_log_probs, response_mask, log_threshold, "sequence")`` except for a NaN log-prob,
-    which keeps its row here (NaN < threshold is false), as in their code.
-
-    Args:
-        old_log_probs: ``[B, T]`` π_old token log-probs (nats).
-        response_mask: ``[B, T]`` 0/1 or bool.
-        log_threshold: log δ.
-
-    Returns:
-        ``[B, T]`` bool, True where the token keeps its policy-gradient term; always False on padding.
-    """
+    """Keep-mask of the EMPO² authors' masking (docs/reproducing.md, difference 2): a whole response is dropped when its
+    minimum π_old log-prob (``[B, T]``, under the rollout prompt) is below ``log_threshold``. Equal to
+    ``low_prob_token_mask(old_log_probs, response_mask, log_threshold, "sequence")`` except that a NaN log-prob keeps
+    its row here (NaN < threshold is false), as in their code."""
     check_shape("response_mask", response_mask, old_log_probs.shape)
     resp = response_mask.bool()
     row_min = torch.where(resp, old_log_probs.detach(), torch.inf).amin(dim=-1, keepdim=True)
@@ -98,15 +78,8 @@ def authors_low_prob_mask(old_log_probs: Tensor, response_mask: Tensor, log_thre
 
 
 def loss_denominators(response_mask: Tensor) -> tuple[int, int]:
-    """Token and sequence counts of a batch, as :func:`aggregate_loss` counts them.
-
-    Args:
-        response_mask: ``[B, T]`` 0/1 or bool.
-
-    Returns:
-        ``(num_response_tokens, num_sequences_with_at_least_one_response_token)``; sum these over
-        micro-batches (and all-reduce over ranks) to get ``batch_num_tokens`` / ``global_batch_size``.
-    """
+    """``(response tokens, rows with at least one)`` of ``response_mask`` ``[B, T]``, as :func:`aggregate_loss` counts
+    them; summed over micro-batches and ranks they are ``batch_num_tokens`` / ``global_batch_size``."""
     resp = response_mask.bool()
     return int(resp.sum()), int(resp.any(dim=-1).sum())
 
@@ -118,29 +91,18 @@ def aggregate_loss(
     batch_num_tokens: int | float | Tensor | None = None,
     global_batch_size: int | float | Tensor | None = None,
 ) -> Tensor:
-    """Reduce a per-token loss matrix to a scalar (``loss_agg_mode``; docs/method.md#one-iteration, step 8).
+    """Reduce a per-token loss ``[B, T]`` to a scalar in its dtype (docs/method.md#one-iteration, step 8).
 
     - ``token-mean``: sum of all masked tokens / token count.
     - ``seq-mean-token-mean``: per-row mean over its tokens, then sum over rows / sequence count.
     - ``seq-mean-token-sum``: per-row sum over its tokens, then sum over rows / sequence count.
 
-    The token count defaults to ``mask.sum()``, the sequence count to the number of rows with at least
-    one masked token (rows with none contribute 0 and are not counted; they never give NaN). With the global
-    counts the loss is a partial sum (module docstring).
-
-    Args:
-        loss_mat: ``[B, T]`` per-token loss.
-        mask: ``[B, T]`` 0/1 or bool; values outside it (even NaN) are ignored.
-        loss_agg_mode: one of ``LOSS_AGG_MODES``.
-        batch_num_tokens: denominator of ``token-mean`` instead of the local token count.
-        global_batch_size: denominator of the ``seq-mean-*`` modes instead of the local sequence count.
-
-    Returns:
-        ``[]`` scalar in the dtype of ``loss_mat``.
+    The counts default to the local ones (``batch_num_tokens``: ``mask.sum()``; ``global_batch_size``: rows with a
+    masked token, so an empty row adds 0, never NaN); with the global counts the loss is a partial sum. Values outside
+    ``mask`` (even NaN) are ignored.
 
     Raises:
-        ValueError: unknown mode, shapes differ, or a python-number count ``<= 0``.
-    """
+        ValueError: unknown mode, shapes differ, or a python-number count ``<= 0``."""
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
     check_shape("mask", mask, loss_mat.shape)
@@ -174,35 +136,29 @@ def compute_policy_loss(
     batch_num_tokens: int | float | Tensor | None = None,
     global_batch_size: int | float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip policy loss with asymmetric clipping and dual clip (docs/method.md#one-iteration, step 8), low-prob
-    masking (docs/method.md#low-probability-token-masking).
+    """PPO-clip policy loss with asymmetric clipping and dual clip (docs/method.md#one-iteration, step 8).
 
-    Per response token, ``ρ = exp(logπ - logπ_old)``,
-    ``L = -min(ρA, clip(ρ, 1 - clip_ratio_low, 1 + clip_ratio_high) A)``, and for ``A < 0`` also
-    ``L = min(L, -clip_ratio_c · A)``. Tokens with ``keep_mask`` False get ``L = 0`` (no gradient) but
-    stay in the aggregation denominator (the response-token count before masking), so the global counts
-    can be computed before the forward pass.
+    Per response token, ``ρ = exp(logπ - logπ_old)``, ``L = -min(ρA, clip(ρ, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    A)``, and for ``A < 0`` also ``L = min(L, -clip_ratio_c · A)``. Tokens with ``keep_mask`` False
+    (:func:`low_prob_token_mask`) get ``L = 0`` but stay in the denominator, so the global counts can be computed before
+    the forward pass.
 
     Args:
         old_log_prob: ``[B, T]`` behaviour-policy (π_old) token log-probs (detached here).
         log_prob: ``[B, T]`` current-policy token log-probs (differentiable).
         advantages: ``[B]`` (one per response, broadcast over tokens) or ``[B, T]`` (detached here).
-        response_mask: ``[B, T]`` 0/1 or bool.
         clip_ratio_low, clip_ratio_high: ε_low in [0, 1), ε_high >= 0 (no defaults here: ``AlgorithmConfig``).
         clip_ratio_c: dual-clip constant c > 1.
-        loss_agg_mode, batch_num_tokens, global_batch_size: see :func:`aggregate_loss`.
-        keep_mask: ``[B, T]`` bool from :func:`low_prob_token_mask`, or None (keep all).
-        token_weights: ``[B, T]`` non-negative factors of each token's loss ``L`` (detached here), e.g. the rollout
-            importance weights of :func:`rollout_is_weights`; None multiplies by nothing (not even by 1).
+        token_weights: ``[B, T]`` non-negative factors of each token's ``L`` (detached here), e.g.
+            :func:`rollout_is_weights`; None multiplies by nothing (not even by 1).
 
     Returns:
-        ``(loss [], metrics)``; metrics over response tokens: ``pg_loss``, ``clip_frac`` (the clipped
-        term is the active one), ``dual_clip_frac``, ``approx_kl`` (k3: mean((ρ-1) - log ρ)),
-        ``ratio_mean``, ``ratio_max``, ``masked_frac`` (fraction removed by ``keep_mask``).
+        ``(loss [], metrics)``; metrics over response tokens: ``pg_loss``, ``clip_frac`` (the clipped term is the
+        active one), ``dual_clip_frac``, ``approx_kl`` (k3: mean((ρ-1) - log ρ)), ``ratio_mean``, ``ratio_max``,
+        ``masked_frac`` (fraction removed by ``keep_mask``).
 
     Raises:
-        ValueError: shapes differ, clip parameters out of range, unknown ``loss_agg_mode``.
-    """
+        ValueError: shapes differ, clip parameters out of range, unknown ``loss_agg_mode``."""
     if not 0.0 <= clip_ratio_low < 1.0 or clip_ratio_high < 0.0:
         raise ValueError(f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got "
                          f"{clip_ratio_low}, {clip_ratio_high}")
@@ -247,7 +203,7 @@ def compute_policy_loss(
 def _policy_loss_metrics(loss: Tensor, ratio: Tensor, log_ratio: Tensor, pg: Tensor, pg_clipped: Tensor,
                          pg_unclipped: Tensor, pg_dual_bound: Tensor, negative: Tensor, resp: Tensor,
                          keep: Tensor, md: torch.dtype) -> dict[str, float]:
-    """The metrics of :func:`compute_policy_loss`, as means over the response tokens, computed in ``md``."""
+    """The metrics of :func:`compute_policy_loss`, computed in ``md``."""
     n = resp.sum().clamp(min=1)
 
     def masked_mean(x: Tensor) -> Tensor:
@@ -255,7 +211,7 @@ def _policy_loss_metrics(loss: Tensor, ratio: Tensor, log_ratio: Tensor, pg: Ten
 
     # ratio > 0, so 0 on padding never wins the max; amax of an empty tensor raises.
     ratio_max = torch.where(resp, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(())
-    # One .tolist() for all metrics: a single device sync instead of one per metric.
+    # one .tolist(): one device sync
     values = torch.stack([
         loss.detach().to(md),
         masked_mean(pg_clipped > pg_unclipped),
@@ -280,30 +236,19 @@ def rollout_is_weights(
     """Truncated importance weights of the trainer's π_old against the distribution that sampled the tokens (TIS;
     docs/method.md#rollout-importance-sampling-correction).
 
-    The rollout draws tokens with one forward implementation (generation with a KV cache, its precision and
-    kernels) and the trainer scores them with another, so the two log-probs of a token differ by
-    ``Δ = old_log_prob − rollout_log_prob``. ``token``: ``w_t = min(exp(Δ_t), C)``; ``sequence``:
-    ``w = min(exp(Σ_t Δ_t), C)`` for every token of the row (sum over its masked tokens). The exponent is
-    clamped at 20 first, so it never overflows (a cap above e^20 ≈ 4.9e8 acts as e^20); ``Δ = 0`` gives exactly 1,
-    and a truncated weight is exactly C.
-
-    Args:
-        old_log_prob: ``[B, T]`` trainer log-probs of the response tokens under π_old (nats).
-        rollout_log_prob: ``[B, T]`` log-probs of the same tokens as they were sampled (nats).
-        response_mask: ``[B, T]`` 0/1 or bool, the tokens that get a weight and count in the metrics.
-        level: ``"token"`` or ``"sequence"``.
-        cap: C >= 1, the truncation of the weight.
+    The rollout and the trainer compute a token's log-prob with different forward implementations (KV cache,
+    precision, kernels), so they differ by ``Δ = old_log_prob − rollout_log_prob`` (``[B, T]`` each, nats). ``token``:
+    ``w_t = min(exp(Δ_t), C)``; ``sequence``: ``w = min(exp(Σ_t Δ_t), C)`` for every token of the row. The exponent is
+    clamped at 20 (a cap above e^20 acts as e^20); ``Δ = 0`` gives exactly 1, a truncated weight exactly C.
 
     Returns:
-        ``(weights [B, T], metrics)``; weights in the promoted dtype of the inputs (at least float32), 1 outside
-        ``response_mask``, no gradient. Metrics over the masked tokens (0 when there is none):
-        ``rollout_is_weight_mean``, ``rollout_is_weight_max``, ``rollout_is_truncated_frac`` (tokens whose
-        untruncated weight is above C), ``rollout_log_prob_diff`` (mean |Δ|, nats), ``rollout_log_prob_diff_max``
-        (max |Δ|).
+        ``(weights [B, T], metrics)``; weights in the inputs' promoted dtype (at least float32), 1 outside
+        ``response_mask``. Metrics over the masked tokens (0 when there is none): ``rollout_is_weight_mean``,
+        ``rollout_is_weight_max``, ``rollout_is_truncated_frac`` (untruncated weight above C),
+        ``rollout_log_prob_diff`` (mean |Δ|, nats), ``rollout_log_prob_diff_max``.
 
     Raises:
-        ValueError: unknown ``level``, ``cap < 1``, shapes differ.
-    """
+        ValueError: unknown ``level``, ``cap < 1``, shapes differ."""
     if level not in ROLLOUT_IS_LEVELS[1:]:
         raise ValueError(f"unknown rollout importance-sampling level {level!r}; expected one of "
                          f"{ROLLOUT_IS_LEVELS[1:]}")
@@ -327,23 +272,12 @@ def rollout_is_weights(
 
 
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl") -> Tensor:
-    """Per-token KL estimate between the current and reference policy (Schulman's k1/k2/k3 estimators).
-
-    - ``kl`` (k1): ``logp - ref``
-    - ``abs``: ``|logp - ref|``
-    - ``mse`` (k2): ``½ (logp - ref)²``
-    - ``low_var_kl`` (k3): ``exp(ref - logp) - (ref - logp) - 1``, clamped to [-10, 10] as verl does.
-
-    Args:
-        log_probs, ref_log_probs: ``[B, T]`` token log-probs (nats); ``ref_log_probs`` is detached.
-        kind: one of ``KL_KINDS``.
-
-    Returns:
-        ``[B, T]`` per-token penalty (aggregate with :func:`aggregate_loss`).
+    """Per-token KL estimate ``[B, T]`` between the current and reference log-probs (nats; the reference detached):
+    Schulman's k1 ``kl`` (``logp - ref``), ``abs`` (``|logp - ref|``), k2 ``mse`` (``½ (logp - ref)²``) or k3
+    ``low_var_kl`` (``exp(ref - logp) - (ref - logp) - 1``, clamped to [-10, 10] as verl does).
 
     Raises:
-        ValueError: unknown ``kind``; shapes differ.
-    """
+        ValueError: unknown ``kind``; shapes differ."""
     if kind not in KL_KINDS:
         raise ValueError(f"unknown kl kind {kind!r}; expected one of {KL_KINDS}")
     check_shape("ref_log_probs", ref_log_probs, log_probs.shape)
@@ -354,8 +288,7 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl
         return diff.abs()
     if kind == "mse":
         return 0.5 * diff.square()
-    # Clamp before exp for the same overflow reason as the policy ratio; the final clamp bounds the
-    # penalty (and its gradient) on tokens where the two policies disagree wildly.
+    # the final clamp bounds the penalty (and its gradient) where the two policies disagree wildly
     log_ratio = (-diff).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
 

@@ -1,29 +1,15 @@
-"""The rollout engine behind ``Policy.generate`` (which rollouts, reflections and evaluation all call): one object,
-``RolloutEngine``, per policy, that owns how a batch of prompts becomes replies.
+"""The rollout engine behind ``Policy.generate``: how a batch of prompts becomes replies (``RolloutEngine``).
 
-- **Decoding** (gpt-fast's shape): one prefill and a loop over the model's own forward. Each step takes the logits of
-  the rows still running, the log-softmax at the temperature (the log-probs the trainer scores:
-  docs/method.md#rollout-importance-sampling-correction) and one token per row (``sampling.Sampler``); nothing else
-  shapes sampling, no checkpoint ``generation_config`` is read. A row ends at its first EOS (kept: the policy learns
-  to stop); with seeded streams its keys/values then leave the batch. Without seeds every row stays to the end: torch's
-  generator draws one batch-shaped sample per step, and a smaller batch would change the other rows' draws.
-  ``model.policy.cuda_graphs``: the steps run over preallocated keys/values instead (``src/models/static_decode.py``).
-- **Shared prefixes**: kept prompt keys/values (``prefix_kv``) and the prefixes rows share (``SharedPrefixes``,
-  ``src/models/prompt_cache.py``) are fed as a cache, so only the rest of each prompt is computed.
-- **Each phase's precision** (``model.policy.rollout_precision``). The prefill multiplies hundreds of prompt tokens
-  at once (compute-bound: bf16 wins on CPUs with AVX512-BF16 or AMX), a decoding step a few rows (bound by the bytes
-  of the weights). A bf16 prefill runs under bf16 autocast (each weight cast once per call); bf16 decoding steps run
-  a bf16 copy of the weights (``InferenceCopy``): autocast would cast frozen weights again at every step. The values:
-  ``trainer`` (both phases under the caller's context, the Trainer's precision), ``fp32``, ``bf16-prefill``,
-  ``bf16-decode``, ``bf16`` and ``auto``: on a CPU a timed probe of each phase's products, bf16 only where it is
-  ``MIN_BF16_SPEEDUP`` times faster; on a GPU ``trainer``. ``auto`` is chosen once per process (``_CHOSEN``, not an
-  environment variable) and logged; the entry points write the choice into the config (``resolve_rollout_precision``:
-  the logged config and the tag ``rollout_precision_used`` say what ran), and DDP/FSDP ranks, which re-run the entry
-  point and so probe each on their own, all take rank 0's value (``RolloutEngine.agree``). Under FSDP, whose sharded
-  weights cannot be copied, ``auto`` falls back from bf16 decoding steps and an explicit one is refused (one rule:
-  ``startup_checks.rollout_precision_under_fsdp``). The loss's log-probs still come from the training forward;
-  ``algorithm.rollout_is`` covers the mismatch.
-"""
+- **Decoding** (gpt-fast's shape): one prefill, then a loop over the model's own forward that draws one token per row
+  from ``log_softmax(logits / T)``, the log-probs the trainer scores (``sampling.Sampler``); no checkpoint
+  ``generation_config`` is read. A row ends at its first EOS (kept: the policy learns to stop); with seeded streams
+  it then leaves the batch. Without seeds every row stays to the end: torch's generator draws one batch-shaped
+  sample per step, and a smaller batch would change the other rows' draws.
+- **Each phase's precision** (``model.policy.rollout_precision``). A prefill multiplies hundreds of prompt tokens at
+  once (compute-bound: bf16 wins on CPUs with AVX512-BF16 or AMX), a decoding step a few rows (bound by the bytes of
+  the weights): a bf16 prefill runs under autocast, bf16 decoding steps run a bf16 copy of the weights
+  (``InferenceCopy``), since autocast would cast frozen weights again at every step. The loss's log-probs still come
+  from the training forward; ``algorithm.rollout_is`` covers the mismatch."""
 from __future__ import annotations
 
 import contextlib
@@ -52,9 +38,8 @@ _CHOSEN: dict[str, tuple[str, str]] = {}  # device type -> (auto's choice, its r
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What ``model.policy.*`` says of the engine: ``rollout_precision`` (each phase's precision, above) and
-    ``static`` (``model.policy.cuda_graphs``: ``"graphs"``, decoding steps over preallocated keys/values, each a CUDA
-    graph on a GPU, eager elsewhere; ``"eager"``; None: the dynamic cache)."""
+    """``model.policy.rollout_precision`` and ``static`` (``model.policy.cuda_graphs``: ``"graphs"``, steps over
+    preallocated keys/values, each a CUDA graph on a GPU, eager elsewhere; ``"eager"``; None: the dynamic cache)."""
 
     rollout_precision: str = "auto"
     static: str | None = None
@@ -75,8 +60,8 @@ class Decoded:
 
 
 class Replies:
-    """The replies being written, ``[B, max_new_tokens]`` on the device: tokens (pad after the end), the log-prob of
-    each drawn token, lengths, and which rows have ended (at their first EOS, kept)."""
+    """The replies being written, ``[B, max_new_tokens]`` on the device: tokens (pad after the end), each drawn token's
+    log-prob, lengths, and which rows have ended."""
 
     def __init__(self, batch: int, max_new_tokens: int, eos_token_ids: list[int], pad_token_id: int, device):
         self.tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
@@ -103,12 +88,10 @@ class Replies:
 
 
 class RolloutEngine:
-    """The engine of one policy: its ``EngineSettings``, the bf16 copy its decoding steps may run (``InferenceCopy``)
-    and the rollout precision its ranks agreed on. ``generate`` and ``decode`` take everything else explicitly.
+    """One policy's engine: its settings, its decoding steps' bf16 copy and the precision its ranks agreed on.
 
     Raises:
-        ValueError: ``settings.static`` with a model the static step cannot run (``static_decode.causal_lm``).
-    """
+        ValueError: ``settings.static`` with a model the static step cannot run (``static_decode.causal_lm``)."""
 
     def __init__(self, settings: EngineSettings = EngineSettings(), model: nn.Module | None = None):
         if settings.static and model is not None:
@@ -118,22 +101,20 @@ class RolloutEngine:
         self.agreed: str | None = None  # rank 0's rollout precision, once ``agree`` ran under torch.distributed
 
     def precision(self, device_type: str, synced: bool = False) -> str:
-        """The rollout precision that runs on ``device_type``: the agreed one, else the setting with ``auto`` replaced
-        by this process's choice; under FSDP (``synced``) after ``rollout_precision_under_fsdp``.
+        """The agreed rollout precision, else the setting with ``auto`` resolved; under FSDP (``synced``) after
+        ``rollout_precision_under_fsdp``.
 
         Raises:
-            ValueError: an unknown value; bf16 decoding steps asked for explicitly under FSDP.
-        """
+            ValueError: an unknown value; bf16 decoding steps asked for explicitly under FSDP."""
         requested = self.settings.rollout_precision
         value = self.agreed or rollout_precision(requested, device_type)
         return rollout_precision_under_fsdp(value, "FSDP", chosen=requested == "auto") if synced else value
 
     def agree(self) -> None:
-        """Every rank takes rank 0's rollout precision (its log line, logged config and ``rollout_precision_used`` tag
-        say what ran). DDP/FSDP ranks are processes of their own that re-run the entry point, so each resolved
-        ``auto`` by its own timed probe, and probes can disagree. A collective: ``EMPO2Module.configure_model`` calls
-        it, where every rank passes once the process group exists; not the first ``generate``, which a rank may
-        reach where others do not (a reflection). The identity without torch.distributed."""
+        """Every rank takes rank 0's rollout precision: each rank re-ran the entry point and its own ``auto``
+        probe, and probes can disagree. A collective, so called from ``EMPO2Module.configure_model``, which every
+        rank passes (not the first ``generate``: a reflection may reach it on one rank only). The identity without
+        torch.distributed."""
         if not is_distributed():
             return
         import torch.distributed as dist
@@ -149,8 +130,8 @@ class RolloutEngine:
     def generate(self, model, prompt_ids: list[list[int]], sampler: Sampler, replies: Replies, *,
                  prefix_kv: list[PromptKV | None] | None = None, shared: SharedPrefixes | None = None,
                  keep_prompt_kv: bool = False, synced: bool = False) -> Decoded:
-        """Replies to ``prompt_ids`` into ``replies`` (``Policy.generate`` says what each argument means), with
-        ``model`` in eval mode: the prompts' kept or shared prefixes as a cache, then ``decode``."""
+        """Replies to ``prompt_ids`` into ``replies`` (arguments: ``Policy.generate``), in eval mode, kept or shared
+        prefixes fed as a cache."""
         was_training = model.training
         model.eval()
         try:
@@ -173,10 +154,10 @@ class RolloutEngine:
 
     def decode(self, model, input_ids: Tensor, attention_mask: Tensor, cache: DynamicCache | None, replies: Replies,
                sampler: Sampler, keep_prompt_kv: bool = False, synced: bool = False) -> Decoded:
-        """Prefill ``input_ids`` ``[B, W]`` (left-padded prompts, or ``[prefix block | rest]`` with ``cache`` holding
-        the prefix block's keys/values: ``batch_with_prefixes``), then decode until ``replies`` is full or every row
-        ended, each phase in its precision. ``synced`` (FSDP): every rank keeps stepping, rows kept, until no rank
-        has a running row (and the dynamic cache: a captured step cannot gather sharded weights)."""
+        """Prefill ``input_ids`` ``[B, W]`` (left-padded prompts, or ``[prefix block | rest]`` with ``cache``
+        holding the prefix block: ``batch_with_prefixes``), then decode until ``replies`` is full or every row ended.
+        ``synced`` (FSDP): every rank steps, rows kept, until no rank has a running row, on the dynamic cache (a
+        captured step cannot gather sharded weights)."""
         device, value = input_ids.device.type, self.precision(input_ids.device.type, synced)
         step_model = self.copy.refreshed(model) if value in BF16_DECODE else model
         # no cast cache in a bf16 prefill: inside the Trainer's autocast it would keep a second bf16 copy of the
@@ -213,8 +194,7 @@ def _forward(model, input_ids: Tensor, mask: Tensor, cache, logits_to_keep: int 
 
 
 def _prefix_kv(model, ids: list[int], past: PromptKV | None = None) -> PromptKV:
-    """Keys/values of one prompt prefix ``ids`` (no grad), continuing ``past`` (those of its first ``past.length``
-    ids) when given: what ``SharedPrefixes`` computes."""
+    """Keys/values of the prefix ``ids`` (no grad), continuing ``past`` (its first ``past.length`` ids) when given."""
     start = 0 if past is None else past.length
     cache = None if past is None else DynamicCache(ddp_cache_data=[(k.clone(), v.clone()) for k, v in past.layers],
                                                    config=model.config)
@@ -225,8 +205,8 @@ def _prefix_kv(model, ids: list[int], past: PromptKV | None = None) -> PromptKV:
 
 def _decode_dynamic(model, cache, logits: Tensor, mask: Tensor, replies: Replies, sampler: Sampler,
                     synced: bool) -> None:
-    """The decoding loop over the model's forward and its growing cache. With seeded streams (and not ``synced``)
-    ended rows leave the batch; without, every row stays (the module docstring says why)."""
+    """The decoding loop over the model's forward and its growing cache; ended rows leave the batch only with seeded
+    streams and not ``synced`` (module docstring)."""
     rows = torch.arange(mask.shape[0], device=mask.device)
     drop = sampler.streams is not None and not synced
     max_new_tokens = replies.tokens.shape[1]
@@ -244,14 +224,11 @@ def _decode_dynamic(model, cache, logits: Tensor, mask: Tensor, replies: Replies
 
 def probe_phases(hidden: int = 576, ffn: int = 1536, prefill_rows: int = 128, decode_rows: int = 8,
                  decode_matrices: int = 48, max_seconds: float = 0.2) -> dict[str, float]:
-    """bf16's speed-up over fp32 (> 1: bf16 faster) on the CPU of each phase's products in the form it would run
-    them: a prefill, ``[prefill_rows, hidden] @ [hidden, ffn]`` under bf16 autocast over fp32 weights; a decoding
-    step, ``[decode_rows, hidden]`` through ``decode_matrices`` weights ``[hidden, ffn]`` in bf16 (the inference
-    copy), 170 MB in fp32 by default: a step streams its weights from memory, and one small matrix that stays in
-    the caches does not show it (on the Xeon of docs/performance.md one such product measured 0.9-1.5x, 48 of them
-    2.1x, SmolLM2's whole step 1.8x). ``{"prefill", "decode"}``, best of up to 6 repetitions after a warm-up.
-    Bounded: a dtype stops once it has taken ``max_seconds`` (an emulated bf16 product on an AVX2 CPU is ~50x
-    slower, and one repetition shows it)."""
+    """bf16's speed-up over fp32 (> 1: bf16 faster) on this CPU of each phase's products as it runs them: a prefill,
+    ``[prefill_rows, hidden] @ [hidden, ffn]`` under bf16 autocast; a decoding step, ``[decode_rows, hidden]`` through
+    ``decode_matrices`` bf16 weights (170 MB in fp32 by default: a step streams its weights from memory, which one small
+    cached matrix does not show). ``{"prefill", "decode"}``, best of up to 6 repetitions after a warm-up; a dtype stops
+    after ``max_seconds`` (an emulated bf16 product on an AVX2 CPU is ~50x slower)."""
     generator = torch.Generator().manual_seed(0)
     out = {}
     for phase, rows, count in (("prefill", prefill_rows, 1), ("decode", decode_rows, decode_matrices)):
@@ -277,11 +254,11 @@ def probe_phases(hidden: int = 576, ffn: int = 1536, prefill_rows: int = 128, de
 
 
 def decide_rollout_precision(device_type: str, probe: dict[str, float] | None = None) -> tuple[str, str]:
-    """(the phases' precision for ``auto``, a one-line reason) from measured facts: ``probe_phases`` on a CPU.
+    """(``auto``'s precision, a one-line reason): ``trainer`` on a GPU; on a CPU bf16 in each phase that ``probe``
+    shows at least ``MIN_BF16_SPEEDUP`` times faster.
 
     Raises:
-        ValueError: a CPU without its probe.
-    """
+        ValueError: a CPU without its probe."""
     if device_type != "cpu":
         return "trainer", "a GPU: the Trainer's precision in both phases"
     if probe is None:
@@ -294,12 +271,10 @@ def decide_rollout_precision(device_type: str, probe: dict[str, float] | None = 
 
 
 def rollout_precision(value: str, device_type: str) -> str:
-    """``value`` with ``auto`` replaced by this process's choice for ``device_type`` (``decide_rollout_precision``,
-    made and logged once, kept in ``_CHOSEN``).
+    """``value`` with ``auto`` replaced by this process's choice for ``device_type``, made and logged once.
 
     Raises:
-        ValueError: a value not in ``ROLLOUT_PRECISIONS``.
-    """
+        ValueError: a value not in ``ROLLOUT_PRECISIONS``."""
     if value not in ROLLOUT_PRECISIONS:
         raise ValueError(f"model.policy.rollout_precision={value!r}: expected one of {ROLLOUT_PRECISIONS}")
     if value != "auto":
@@ -313,13 +288,12 @@ def rollout_precision(value: str, device_type: str) -> str:
 
 
 def resolve_rollout_precision(cfg) -> str | None:
-    """Replace ``model.policy.rollout_precision=auto`` in ``cfg`` by this machine's choice (``rollout_precision`` for
-    the device ``trainer.accelerator`` names; under FSDP after ``rollout_precision_under_fsdp``), so the logged config
-    and the tag ``rollout_precision_used`` say what ran. Returns it (None without a policy).
+    """Write this machine's choice for ``model.policy.rollout_precision=auto`` into ``cfg`` (under FSDP after
+    ``rollout_precision_under_fsdp``), so the logged config and the ``rollout_precision_used`` tag say what ran. Returns
+    it (None without a policy).
 
     Raises:
-        ValueError: an unknown value.
-    """
+        ValueError: an unknown value."""
     from omegaconf import open_dict
 
     policy = (cfg.get("model") or {}).get("policy")
@@ -339,16 +313,13 @@ def resolve_rollout_precision(cfg) -> str | None:
 
 
 class InferenceCopy:
-    """A copy of one model in ``dtype`` for bf16 decoding steps, built at first use on the model's device. A step
-    multiplies a few rows by every weight, so its time is the weights' bytes, which bf16 halves (SmolLM2, 8 rows at
-    900 tokens, the AMX Xeon of docs/performance.md: ~68 ms a step with the copy, ~125 ms fp32, ~118 ms under
-    autocast with frozen weights). It holds only the parameters whose dtype differs (a bf16 LoRA base is shared) and
-    keeps the buffers as they are (a bf16 rotary ``inv_freq`` would shift late positions' phase by radians).
+    """A copy of one model in ``dtype`` for bf16 decoding steps, built at first use: a step's time is the weights'
+    bytes, which bf16 halves (docs/performance.md). It copies only the parameters of another dtype (a bf16 LoRA base is
+    shared) and keeps the buffers (a bf16 rotary ``inv_freq`` would shift late positions' phase by radians).
 
-    Refreshed from the live weights at every ``generate`` call (42 ms for SmolLM2 on that Xeon, ~1 % of an 8-row
-    rollout step), so no update path leaves it stale (a fused optimizer and ``.data`` writes bump no version counter);
-    rebuilt when anything else it mirrors changes: another model, a parameter object replaced, a shape, device or
-    dtype, or a PEFT layer's adapter state (merged, disabled, which adapters are active)."""
+    Refreshed from the live weights at every ``generate`` call, so no update path leaves it stale (a fused optimizer
+    and ``.data`` writes bump no version counter); rebuilt when the model, a parameter object, shape, device, dtype or
+    a PEFT layer's adapter state changes."""
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16):
         self.dtype = dtype
@@ -361,10 +332,7 @@ class InferenceCopy:
         return InferenceCopy(self.dtype)  # a copied policy builds its own copy of its own weights
 
     def refreshed(self, model: nn.Module) -> nn.Module:
-        """``model`` itself where every parameter is already ``dtype``, else the copy with the live weights now.
-
-        The copy has the model's modules, hooks and config, ``requires_grad=False`` parameters, and is in eval mode.
-        """
+        """``model`` itself where every parameter is ``dtype``, else the frozen eval-mode copy, weights refreshed."""
         live = list(model.parameters())
         if all(p.dtype == self.dtype for p in live):
             return model

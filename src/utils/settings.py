@@ -18,9 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 
 
 def follows(key: str, default: Any) -> Any:
-    """A field whose value follows another setting: ``${key}`` in the composed config (``key`` itself where it is an
-    interpolation with more around it, ``${paths.data_dir}/models``), ``default`` where the dataclass is built without
-    Hydra (tests, scripts)."""
+    """A field whose value follows another setting: ``${key}`` in the composed config (``key`` itself where it starts
+    as an interpolation, ``${paths.data_dir}/models``), ``default`` where the dataclass is built without Hydra (tests,
+    scripts)."""
     return dataclasses.field(default=default, metadata={"follows": key})
 
 
@@ -102,7 +102,7 @@ class Settings:
         for f in dataclasses.fields(cls):
             if "follows" in f.metadata:
                 key = f.metadata["follows"]
-                out[f.name] = key if "${" in key else "${" + key + "}"
+                out[f.name] = key if key.startswith("${") else "${" + key + "}"
                 continue
             value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             out[f.name] = type(value).node() if isinstance(value, Settings) else value
