@@ -1,7 +1,6 @@
-"""The settings a checkpoint was trained with, for the entry points that rebuild its policy: ``src/eval.py`` and
-``src/export.py`` take the training run's model, data, environment, memory and algorithm settings from the
-checkpoint (docs/evaluation.md), so ``python src/eval.py ckpt_path=<run>/checkpoints/last.ckpt`` evaluates any run
-without repeating its experiment and overrides.
+"""The settings a checkpoint was trained with, for ``src/eval.py`` and ``src/export.py``: the training run's
+``RUN_GROUPS`` settings come from the checkpoint (docs/evaluation.md), so a run is evaluated without repeating its
+experiment and overrides.
 
 What the command line sets still applies: a ``key=value`` override of one of those groups, and a group chosen by name
 (``env=webshop``). Settings that name this machine's directories (an interpolation of ``paths.*`` or of an
@@ -30,9 +29,8 @@ _REFERENCE = re.compile(r"\$\{([\w.]+)\}")  # the key a plain interpolation read
 
 
 def saved_run_config(path: Path) -> dict[str, Any] | None:
-    """The resolved training config saved in a checkpoint (``RUN_CONFIG_KEY``), or None in one written before it was
-    saved. ``path``: a ``.ckpt`` file (memory-mapped, its tensors not read) or a ``trainer=fsdp`` checkpoint
-    directory (its ``meta.pt``)."""
+    """The resolved training config saved in a checkpoint (``RUN_CONFIG_KEY``; None in an older one). ``path``: a
+    ``.ckpt`` file (memory-mapped) or a ``trainer=fsdp`` checkpoint directory (its ``meta.pt``)."""
     import torch
 
     from src.models.checkpoint_state import RUN_CONFIG_KEY
@@ -85,7 +83,7 @@ def apply_run_config(cfg: DictConfig, saved: dict[str, Any], keys: set[str], gro
 
 def use_checkpoint_settings(cfg: DictConfig) -> None:
     """``apply_run_config`` for ``cfg.ckpt_path`` with this process's command line, logged; nothing without a
-    checkpoint or with one that saved no run config (the config's own settings apply, as before)."""
+    checkpoint or with one that saved no run config."""
     import hydra
 
     if not cfg.get("ckpt_path"):

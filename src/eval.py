@@ -10,27 +10,11 @@
 With a checkpoint, the training run's model, data, env, memory and algorithm settings come from it
 (``src/checkpoint_settings.py``); what the command line sets applies on top.
 
-Protocols (``eval.protocol``):
-
-- ``standard`` (the paper's in-distribution, "ID", evaluation): the policy plays ``eval.num_tasks`` tasks of
-  ``eval.split`` (test variations / test goals) × ``eval.episodes_per_task`` episodes for every seed of ``eval.seeds``
-  at ``eval.temperature`` (0.4), without memory. With ``eval.memory=true`` tips are retrieved into the prompts from the
-  memory stored in the checkpoint (read only), or, when the checkpoint has none or ``ckpt_path=null``, from a memory
-  built during the evaluation: the episodes then run in rounds of one episode per task, and after each round every
-  finished episode's reflection is written (``MemoryCallback.write_tips``), so later rounds can retrieve it.
-  ``eval.memory_file`` (a memory exported by ``src/export.py``) is read instead of the checkpoint's (read only).
-- ``adaptation`` (the paper's out-of-distribution, "OOD", adaptation; docs/evaluation.md#the-adaptation-protocol): the
-  policy plays a new task (``eval.task``, e.g. from the ``transfer_*`` experiments) for ``eval.trials`` + 1 trials of
-  all tasks × ``eval.episodes_per_task`` episodes, from an empty memory: trial 0 without retrieval, trial k with the
-  tips of trials 0..k-1 (``src/evaluation/protocols.py``). A change of the policy weights' SHA-256 raises.
-
-Every seed starts from the same memory and reseeds all generators (``lightning.seed_everything``) before its
-first episode, so a rerun with the same seeds gives identical numbers. The episodes run through
-``src.data.rollout.evaluate``, the same code as in-training validation.
-
-Outputs: the summary printed as JSON and written atomically to ``eval.summary_file``
-(``${paths.output_dir}/eval_summary.json``), metrics ``eval/*`` (standard) or ``adaptation/*`` (one step per
-trial) plus the resolved config in the ``logger`` group (MLflow by default), and the summary as an artifact.
+Protocols (``eval.protocol``): ``standard``, the paper's in-distribution evaluation (with ``eval.memory=true``, tips
+from the checkpoint's memory, an exported one, or one built during the evaluation), and ``adaptation``, the paper's
+out-of-distribution adaptation over ``eval.trials`` + 1 trials from an empty memory. docs/evaluation.md describes
+both and the outputs: the summary as JSON in ``eval.summary_file``, and ``eval/*`` or ``adaptation/*`` metrics.
+Every seed reseeds all generators before its first episode, so a rerun with the same seeds gives identical numbers.
 """
 from __future__ import annotations
 
@@ -48,7 +32,6 @@ def main(cfg: DictConfig) -> None:
 
     use_checkpoint_settings(cfg)  # the training run's settings, from its checkpoint; the command line's on top
     start_run(cfg)
-    # imported here: environment workers are spawned processes that re-import this module
     from src.evaluation.runner import run_eval
     from src.utils.run_end import no_run_dir_on_refusal
 

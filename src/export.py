@@ -3,12 +3,8 @@
     python src/export.py ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt export.out_dir=agents/scienceworld
     python src/export.py ckpt_path=... export.out_dir=... export.adapter_only=true   # LoRA runs
 
-The run's model and memory settings come from the checkpoint (``src/checkpoint_settings.py``); what the
-command line sets applies on top.
-
-The directory loads with ``AutoModelForCausalLM.from_pretrained`` (or, with ``export.adapter_only=true``, as a PEFT
-adapter); its ``memory/`` is read by ``python src/eval.py ... eval.memory_file=<dir>/memory``. What is written:
-``src/model_export.py``.
+The run's settings come from the checkpoint (``src/checkpoint_settings.py``); what the command line sets applies on
+top. Its ``memory/`` is read by ``python src/eval.py ... eval.memory_file=<dir>/memory``.
 """
 from __future__ import annotations
 

@@ -20,8 +20,7 @@ rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True)
 from src.utils.console import CONSOLE  # noqa: E402
 from src.utils.entrypoint import start_run  # noqa: E402 - also registers the config resolvers
 
-# Heavy imports (torch, Lightning) live inside the functions: environment workers are spawned processes
-# that re-import this module, and they should not each load torch.
+# torch and Lightning are imported inside the functions (src/utils/entrypoint.py says why)
 log = logging.getLogger(__name__)
 
 
@@ -47,17 +46,17 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     from src.utils.run_end import end_tracker_runs
 
     with refused_settings():
-        resolve_precision(cfg)  # trainer.precision=auto: this machine's choice, before anything reads it
-        resolve_rollout_precision(cfg)  # model.policy.rollout_precision=auto: each generation phase's dtype
-        check_device_memory(cfg)  # before loading any weights: refuse what cannot fit
+        resolve_precision(cfg)
+        resolve_rollout_precision(cfg)
+        check_device_memory(cfg)  # before loading any weights
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
-    model_cfg, warm_start = warm_start_model_config(cfg)  # model.warm_start: built once, then reused
+    model_cfg, warm_start = warm_start_model_config(cfg)
     log.info("Instantiating model <%s> from %s", cfg.model._target_, model_cfg.policy.name_or_path)
     module = hydra.utils.instantiate(model_cfg, algorithm=OmegaConf.to_container(cfg.algorithm, resolve=True))
     module.run_config = resolved_config(cfg)  # saved with every checkpoint: a resume compares its settings with it
     memory = None
-    if uses_memory(cfg):  # algorithm.use_memory, the one switch
+    if uses_memory(cfg):
         if getattr(hydra.utils.get_class(cfg.memory._target_), "diagnostic", False):
             # oracle tips come from hidden task data: a diagnostic of the evaluation only
             raise ValueError(f"memory._target_={cfg.memory._target_!r} is a diagnostic arm of src/eval.py (oracle or "
@@ -77,7 +76,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     except BaseException:
         end_tracker_runs(loggers, "FAILED")
         raise
-    # what the rollout stream plays with, handed to it here: nothing on the data side reaches through the Trainer
+    # handed over here: nothing on the data side reaches through the Trainer
     datamodule.attach(policy=module.policy, reference=module.ref_policy, memory=memory,
                       precision=trainer.precision_plugin.forward_context,
                       global_step=functools.partial(getattr, trainer, "global_step"))  # picklable (ddp_spawn)
@@ -103,7 +102,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     with refused_settings():
         resolve_precision(cfg)  # the precisions first: a resume compares what will run
         resolve_rollout_precision(cfg)
-        changes = prepare_run(cfg)  # refuses/adapts options before any model or environment is built
+        changes = prepare_run(cfg)
         environment_class(cfg.env).startup_warnings(OmegaConf.to_container(cfg.env, resolve=True))
     from src.warm_start import warm_start_metrics
     from src.utils.logging import log_checkpoint, log_config, machine_description, set_tags
@@ -123,9 +122,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # A user's path is relative to where the command ran, also when hydra.job.chdir=true moved the process.
         ckpt_path = hydra.utils.to_absolute_path(cfg.ckpt_path) if cfg.get("ckpt_path") else None
         if trainer.is_global_zero:
-            end_stale_runs(objs["loggers"])  # earlier runs of this host whose process is gone (SIGKILL)
+            end_stale_runs(objs["loggers"])
             log_config(cfg, objs["loggers"])
-            # what Lightning runs with, and where (a study's runs may span machines), and the process (end_stale_runs)
+            # host and pid: for end_stale_runs
             set_tags(objs["loggers"], {"precision_used": trainer.precision, "machine": machine_description(),
                                        "rollout_precision_used": str(cfg.model.policy.get("rollout_precision")),
                                        "host": socket.gethostname(), "pid": str(os.getpid()),
@@ -144,7 +143,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         raise
     ckpt = getattr(trainer.checkpoint_callback, "last_model_path", None) if trainer.checkpoint_callback else None
     if trainer.is_global_zero:
-        if cfg.log_checkpoint_artifact:  # a copy of last.ckpt in the MLflow artifact store
+        if cfg.log_checkpoint_artifact:
             log_checkpoint(ckpt, objs["loggers"])
     objs["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     objs["last_checkpoint"] = ckpt
