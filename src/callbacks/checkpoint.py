@@ -1,9 +1,8 @@
 """Checkpoints at iteration boundaries that a crashed run can resume from (docs/usage.md#checkpoints-and-resuming).
 
 Lightning's ``ModelCheckpoint`` (2.6) writes ``last.ckpt`` at an epoch end only when a top-k checkpoint was written
-at the same step; with ``save_top_k=0`` (one checkpoint on disk, the default here) that never happens, so
-``last.ckpt`` appeared only when fit ended and a run killed before that had nothing to resume from. It also skipped
-the final iteration when ``every_n_epochs`` does not divide ``max_epochs`` (``last.ckpt`` was already "saved").
+at the same step, which never happens with ``save_top_k=0``, and skips the final iteration when ``every_n_epochs``
+does not divide ``max_epochs``.
 """
 from __future__ import annotations
 
@@ -15,14 +14,8 @@ class IterationCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` that writes ``last.ckpt`` after every ``every_n_epochs``-th iteration and after the last
     one (``trainer.max_epochs``), whatever ``save_top_k`` is.
 
-    ``save_top_k=0`` keeps ``last.ckpt`` alone (overwritten at each save: a run's disk use is one checkpoint);
-    ``save_top_k=-1`` also keeps ``iter_<n>.ckpt`` of every saved iteration. Saves are atomic
-    (``src/utils/checkpoint_io.py``): a save cut short leaves the previous ``last.ckpt`` intact. Nothing is saved
-    mid-iteration (an exception or a signal leaves the last completed save): a half-updated iteration cannot be
-    resumed exactly.
-
-    What the loop needs is fixed here (``last.ckpt`` always, saved at the iteration's end, ``iter_<n>.ckpt`` names);
-    the config chooses ``dirpath``, ``save_top_k`` and ``every_n_epochs``.
+    ``save_top_k=0`` keeps ``last.ckpt`` alone; ``save_top_k=-1`` also keeps ``iter_<n>.ckpt`` of every saved
+    iteration. Nothing is saved mid-iteration: a half-updated iteration cannot be resumed exactly.
     """
 
     def __init__(self, dirpath: str | None, save_top_k: int, every_n_epochs: int, **kwargs) -> None:

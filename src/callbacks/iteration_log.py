@@ -1,8 +1,5 @@
-"""One log line per training iteration: what the rollout scored, what the memory did and what the update did.
-
-The metrics go to the tracker; this line is what ``train.log`` (and the console) says of each iteration, so a run
-can be followed without opening the tracker, and a run whose update does nothing (no gradient) shows it at once.
-"""
+"""One log line per training iteration (console and ``train.log``), so a run can be followed without the tracker
+and an update that does nothing shows at once."""
 from __future__ import annotations
 
 import logging
@@ -45,7 +42,6 @@ class IterationLog(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero or not self._rollout:
             return
-        # the memory callback logs its own timings (rollout/tip_write_s), beside the rollout metrics of the batch
         r = {**self._rollout, **{k: float(v) for k, v in trainer.callback_metrics.items() if k in MEMORY_KEYS}}
         memory = ""
         if "rollout/tips_written" in r:

@@ -37,8 +37,8 @@ def task_name(task: dict[str, Any]) -> str:
 
 
 def partition_key(task: dict[str, Any], partition: str) -> str:
-    """The tip-memory partition of a task dict for reads and writes (docs/method.md#memory, "Partitions"):
-    ``global``, the task name (``task``) or ``<task name>/<variation>`` (``variation``).
+    """The tip-memory partition of a task dict (docs/method.md#memory, "Partitions"): ``global``, the task name
+    (``task``) or ``<task name>/<variation>`` (``variation``).
 
     Raises:
         ValueError: an unknown ``partition``, or ``variation`` for a task dict without one (all its variations
@@ -104,8 +104,8 @@ class MemoryCallback(L.Callback):
 
     @classmethod
     def from_config(cls, memory: Any, semantics: str = "paper") -> MemoryCallback:
-        """The memory of the ``memory`` group (a dict or DictConfig; ``_target_`` names this class) with the
-        retrieval rule of ``algorithm.semantics`` (the authors' ties and threshold: docs/reproducing.md).
+        """The memory of the ``memory`` group with the retrieval rule of ``algorithm.semantics``
+        (docs/reproducing.md).
 
         Raises:
             ValueError: a bad ``memory`` setting (``MemoryConfig``).
@@ -114,7 +114,6 @@ class MemoryCallback(L.Callback):
         embedder = Embedder(settings.embedder)
         return cls(embedder, TipMemory(embedder.dim, embedder.name, settings.tip_memory, semantics), settings)
 
-    # ------------------------------------------------------------------ Lightning
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """A fit records each iteration's tip tables (``on_train_batch_start`` logs them)."""
         self._record_tables = stage == "fit"
@@ -143,7 +142,6 @@ class MemoryCallback(L.Callback):
 
         self.bare_command = environment_class(env_cfg).bare_command
 
-    # ------------------------------------------------------------------ used by the rollout runner
     def state_text(self, instruction: str, observation: str) -> str:
         return state_text(self.key, instruction, observation)
 
@@ -195,7 +193,6 @@ class MemoryCallback(L.Callback):
             for t, s in enumerate(e.steps):
                 s.intrinsic = bonus.get((e.id, t), 0.0)
 
-    # ------------------------------------------------------------------ tip writing
     def write_tips(self, episodes, policy, system_prompt: str, sample_seed: int | None = None,
                    iteration: int | None = None) -> dict[str, float]:
         """Ask the policy for one reflection per finished episode (one batched call) and store one entry per step.
@@ -289,7 +286,6 @@ class MemoryCallback(L.Callback):
         ids, continued, shortened = reflection_prompt_ids(policy, system_prompt, episode, continue_last=usable)
         return ids, prefix if continued else None, shortened
 
-    # ------------------------------------------------------------------ metrics
     def _reset_counters(self) -> None:
         self.counters = {"queries": 0, "hits": 0, "tips_shown": 0, "tips_written": 0, "embed_s": 0.0,
                          "retrieve_s": 0.0, "novelty_s": 0.0}
@@ -309,7 +305,6 @@ class MemoryCallback(L.Callback):
         self._reset_counters()
         return out
 
-    # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         """The tips and the novelty store, checked to be the same on every rank first (a collective)."""
         state = {"tips": self.tips.state_dict(), "novelty": self.novelty.state_dict()}

@@ -1,17 +1,9 @@
-"""What the memory did in each iteration, as two tables a person can read (docs/usage.md#reading-the-tips).
-
-- ``written``: one row per entry stored after the iteration's episodes: the iteration and its update mode, the
-  partition and task, the episode (id, final score and the score's maximum, in environment units: points for
-  ScienceWorld, [0, 1] for WebShop), the step and the action executed there, the reflection (``tip``) and the stored
-  line (``content``, what a prompt shows).
-- ``retrieved`` (memory-mode iterations): one row per tip put into a step's prompt: the episode and step whose prompt
-  it went into, its rank there, its cosine to the query, and the stored entry's score, iteration, step and line.
+"""What the memory did in each iteration, as two tables a person can read: the entries ``written`` and the tips
+``retrieved`` (docs/usage.md#reading-the-tips describes their columns).
 
 Each table is a JSON file ``{"columns": [...], "data": [[...], ...]}`` (MLflow's own table format, which its UI
-shows as a table): ``<run dir>/tips/iteration_0003_written.json`` for every run, and, with the MLflow logger, the
-same file as the run's artifact ``tips/iteration_0003_written.json`` (``MlflowClient.log_table``). With the W&B
-logger the rows also go to a ``wandb.Table``; with TensorBoard the written tips to a text summary.
-``scripts/show_tips.py`` prints them.
+shows as a table) in the run directory and, with the MLflow logger, the run's artifacts. ``scripts/show_tips.py``
+prints them.
 """
 from __future__ import annotations
 
@@ -26,7 +18,7 @@ from src.utils.io import write_json_atomic
 log = logging.getLogger(__name__)
 
 TABLES = ("written", "retrieved")
-# what a reader looks at first comes first (the MLflow table view shows the leftmost columns)
+# what a reader looks at first comes first (MLflow's table view shows the leftmost columns)
 COLUMNS = {
     "written": ("iteration", "episode", "step", "action", "episode_score", "tip", "max_score", "partition", "mode",
                 "task", "content"),
@@ -59,9 +51,8 @@ def as_table(rows: list[dict[str, Any]], table: str) -> dict[str, list]:
 
 
 def log_tip_tables(trainer, iteration: int, tables: dict[str, list[dict[str, Any]]]) -> float:
-    """Write an iteration's tables (rank 0 only): a file in the run directory, and to each logger that shows tables
-    (MLflow: an artifact; W&B: a ``wandb.Table``; TensorBoard: the written tips as text). Returns the seconds it
-    took (``rollout/tip_tables_s``). Empty tables are not written."""
+    """Write an iteration's non-empty tables (rank 0 only) to the run directory and to each logger that shows
+    tables (MLflow: an artifact; W&B: a ``wandb.Table``; TensorBoard: the written tips as text). Returns seconds."""
     tic = time.perf_counter()
     if not trainer.is_global_zero:
         return 0.0

@@ -1,13 +1,7 @@
 """The diagnostic arms of the adaptation protocol (docs/evaluation.md#diagnostic-arms): tips fixed per task instead of
-the policy's own, to tell "cannot use tips" from "bad tips".
-
-- **oracle tips**: written from privileged information by the environment (``Environment.oracle_tips``: the gold
-  path, the goal's attributes, where the coin is). A diagnostic only: training refuses them (``src/train.py``).
-- **empty tips**: the tips block with placeholder lines of the same token lengths as the oracle tips, so the
-  block's presence alone is measured.
-
-``FixedTips`` stands where the memory stands in a rollout (``src.data.rollout.EpisodeMemory``): it embeds nothing and
-retrieves the task's fixed lines at every step.
+the policy's own, to tell "cannot use tips" from "bad tips". Oracle tips come from privileged information
+(``Environment.oracle_tips``); empty tips are placeholder lines of the same token lengths, so the block's presence
+alone is measured.
 """
 from __future__ import annotations
 
@@ -21,7 +15,8 @@ PLACEHOLDER = " -"  # one token in the tokenizers we use (SmolLM2, Qwen2.5): a l
 
 
 class FixedTips:
-    """The same tip lines at every step of a task's episodes (``tips[task_key(task)]``).
+    """The same tip lines at every step of a task's episodes, where the memory stands in a rollout
+    (``src.data.rollout.EpisodeMemory``).
 
     Args:
         tips: per task (``task_key``), the lines shown in the tips block.

@@ -94,20 +94,15 @@ def run_adaptation(cfg, b, pool, tasks, memory, fixed_arms: dict[str, Any] | Non
     """The adaptation protocol (docs/evaluation.md#the-adaptation-protocol): per seed, trial 0 without tips, then
     trials 1..K with tips retrieved from the reflections of the earlier trials, the policy's weights fixed.
 
-    With ``eval.control`` the same trials also run with the memory off (no tips shown, none written), so retries
-    alone are not mistaken for memory. Trial k of both arms draws its tokens from the same per-episode streams
-    (``stream_seed(seed, k, VALIDATION)``), so trial 0 is the same episodes in both arms and a later trial differs
-    only by the tips shown. Returns the memory arm's per-trial rows (``trials``), the control's
-    (``control_trials``), the paired per-episode difference memory − control per trial (``paired``, mean ± s.e.;
-    episodes paired by seed, task and episode index), and the reflections written (``reflections``).
+    With ``eval.control`` the same trials also run with the memory off, so retries alone are not mistaken for
+    memory. Trial k of every arm draws its tokens from the same per-episode streams, so trial 0 is the same episodes
+    in all arms and a later trial differs only by the tips shown. Returns the memory arm's per-trial rows
+    (``trials``), the control's (``control_trials``), the paired difference memory − control per trial (``paired``,
+    ``paired_vs_control``) and the reflections written.
 
-    ``fixed_arms`` (``eval.oracle_tips`` / ``eval.empty_tips``: ``{"oracle": FixedTips, "empty": FixedTips}``,
-    docs/evaluation.md#diagnostic-arms) run the same trials showing their fixed lines from trial 1 on and writing
-    nothing (from the same streams); each adds ``<arm>_trials`` and, with the control, ``paired_vs_off[<arm>]``
-    (arm − control per trial).
-
-    ``eval.own_tips=false`` leaves the own-tips arm out (no ``trials``, ``best_*``, ``reflections``, ``paired``):
-    the control and diagnostic arms alone, e.g. to add to an earlier run's summary (``scripts/merge_adaptation.py``).
+    ``fixed_arms`` (``{"oracle": FixedTips, "empty": FixedTips}``) show their fixed lines from trial 1 on and write
+    nothing; each adds ``<arm>_trials``. ``eval.own_tips=false`` leaves the own-tips arm out (no ``trials``,
+    ``best_*``, ``reflections``, ``paired``), e.g. to add arms to an earlier summary (``scripts/merge_adaptation.py``).
     """
     import lightning as L
 
@@ -130,7 +125,6 @@ def run_adaptation(cfg, b, pool, tasks, memory, fixed_arms: dict[str, Any] | Non
             if own:
                 mem.load_state_dict(empty)
             for trial in range(trials + 1):
-                # the reflection continues the last rollout prompt, as in training (and the warm start teaches)
                 rollout_cfg = replace(b["rollout"], use_tips=mem is not None and trial > 0,
                                       temperature=float(ev.temperature),
                                       sample_seed=stream_seed(seed, trial, VALIDATION),
@@ -185,8 +179,8 @@ def _arm_trial_rows(per_trial: dict[str, list[list[list]]]) -> dict[str, list[di
 
 def _own_tips_results(rows: list[dict], memory_sizes: list[list[int]], tip_action: list[list[float]],
                       reflections: list[dict]) -> dict[str, Any]:
-    """The own-tips arm's part of the adaptation summary: its trial rows (with the mean memory size before each
-    trial and the mean ``tip_action_frac``), the best later trial and its gains, the reflections written."""
+    """The own-tips arm's part of the adaptation summary: its trial rows, the best later trial and its gains, the
+    reflections written."""
     for trial, row in enumerate(rows):
         row["memory_size_before"] = float(sum(memory_sizes[trial]) / len(memory_sizes[trial]))
         row["tip_action_frac"] = sum(tip_action[trial]) / len(tip_action[trial]) if tip_action[trial] else None
@@ -218,10 +212,9 @@ def _episode_row(seed: int, episode) -> dict[str, Any]:
 
 
 def paired_by_trial(arm_rows: list[list[dict]], control_rows: list[list[dict]]) -> list[dict[str, Any]]:
-    """Arm − control per trial from two arms' episode rows (``episode_rows[arm]``: per trial, a list of
-    ``{"seed", "task", "episode", "score", "success", "failed", ...}``), episodes paired by seed, task and episode
-    index, failed ones skipped: per trial ``{"trial", "score_diff", "success_diff"}``, each ``mean_stderr`` of the
-    per-episode differences (score in the environment's unit).
+    """Arm − control per trial from two arms' episode rows (per trial, ``_episode_row``s), episodes paired by seed,
+    task and episode index, failed ones skipped: per trial ``{"trial", "score_diff", "success_diff"}``, each
+    ``mean_stderr`` of the per-episode differences.
 
     Raises:
         ValueError: the arms have different numbers of trials, or an episode of one arm has no partner (or two)

@@ -19,10 +19,8 @@ log = logging.getLogger(__name__)
 
 
 def load_checkpoint(module, ckpt: dict[str, Any], ckpt_path: str) -> dict[str, Any] | None:
-    """Load the policy weights of a checkpoint (``read_checkpoint``) into ``module.policy``: all of them, or the LoRA
-    adapters of an adapter-only checkpoint (``load_policy_weights``).
-
-    Returns the checkpoint's ``MemoryCallback`` state, or None when it has none (GRPO).
+    """Load the policy weights of a checkpoint into ``module.policy`` (``load_policy_weights``); returns the
+    checkpoint's ``MemoryCallback`` state, or None when it has none (GRPO).
 
     Raises:
         ValueError: no policy weights, weights that do not fit the configured model (a different ``model=``), or
@@ -54,7 +52,6 @@ def _build(cfg: DictConfig) -> dict[str, Any]:
     module = hydra.utils.instantiate(model_cfg, algorithm={**algorithm, "kl_coef": 0.0})
     memory_state = load_checkpoint(module, ckpt, cfg.ckpt_path) if ckpt is not None else None
     module.policy.requires_grad_(False)
-    # One device, the trainer group's accelerator and precision (autocast under bf16-mixed); no strategy.
     fabric = L.Fabric(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision)
     module.to(fabric.device)
     data = OmegaConf.to_container(cfg.data, resolve=True)
@@ -88,7 +85,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
 
     ev = cfg.eval
     with refused_settings():  # before any model is built
-        resolve_precision(cfg)  # trainer.precision=auto: this machine's choice
+        resolve_precision(cfg)
         resolve_rollout_precision(cfg)
         check_eval_config(ev)
         check_env_settings(cfg.env)
@@ -130,8 +127,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _run_protocol(cfg: DictConfig, b: dict[str, Any], memory, write_tips: bool) -> tuple[list[dict], dict, dict]:
-    """Run ``eval.protocol`` on the split's tasks in an environment pool (closed at the end): (the tasks, the
-    protocol's result, the memory's metrics, ``{}`` without a memory).
+    """Run ``eval.protocol`` on the split's tasks: (the tasks, the protocol's result, the memory's metrics).
 
     Raises:
         ValueError: the split has no tasks.
@@ -164,9 +160,8 @@ def _run_protocol(cfg: DictConfig, b: dict[str, Any], memory, write_tips: bool) 
 
 
 def _read_memory_file(cfg: DictConfig) -> dict[str, Any] | None:
-    """The tip state of ``eval.memory_file`` (None without one), read and checked before anything is built. The
-    memory's partition setting is the file's in a command-line run that does not name one (as a checkpoint's
-    settings are the checkpoint's), set in ``cfg``.
+    """The tip state of ``eval.memory_file`` (None without one), read before anything is built. A command line that
+    names no ``memory.partition`` takes the file's, set in ``cfg`` (as a checkpoint's settings are taken).
 
     Raises:
         ValueError: a file of it that cannot be read (named), or a memory stored with another partition setting
@@ -194,9 +189,7 @@ def _read_memory_file(cfg: DictConfig) -> dict[str, Any] | None:
 
 
 def _fixed_arms(cfg: DictConfig, b: dict[str, Any], tasks: list[dict]) -> dict[str, Any]:
-    """The diagnostic arms ``eval.oracle_tips`` / ``eval.empty_tips`` ask for (``src/evaluation/fixed_tips.py``): the
-    environment's oracle tips of ``tasks`` (built in this process, then closed), and the placeholder lines of their
-    token lengths.
+    """The diagnostic arms ``eval.oracle_tips`` / ``eval.empty_tips`` ask for (``src/evaluation/fixed_tips.py``).
 
     Raises:
         ValueError: the environment has no oracle tips.
@@ -223,8 +216,7 @@ def _fixed_arms(cfg: DictConfig, b: dict[str, Any], tasks: list[dict]) -> dict[s
 
 def _eval_memory(cfg: DictConfig, b: dict[str, Any], memory_file: dict[str, Any] | None):
     """(memory or None, where it comes from: ``none`` / ``file`` / ``checkpoint`` / ``built``, whether reflections
-    are written during the evaluation); the rollouts take its ``tips_scope``. ``memory_file``: ``_read_memory_file``'s
-    state.
+    are written during the evaluation); the rollouts take its ``tips_scope``.
 
     Raises:
         ValueError: ``eval.memory_file`` stored with another embedder than the memory group's.

@@ -8,9 +8,8 @@ from typing import Any, Sequence
 def mean_stderr(values: Sequence[float]) -> dict[str, float | int | None]:
     """Mean and standard error of the mean of per-episode values, pooled over all episodes of all seeds.
 
-    ``stderr = s / sqrt(n)`` with ``s`` the sample standard deviation (Bessel-corrected, n − 1) of the ``n``
-    values; the values are collected with ``torchmetrics.CatMetric`` (which also gathers across processes
-    under torch.distributed). Units are those of the values (ScienceWorld points, WebShop [0, 1], success 0/1).
+    ``stderr = s / sqrt(n)`` with ``s`` the Bessel-corrected sample standard deviation; units are those of the
+    values (ScienceWorld points, WebShop [0, 1], success 0/1).
 
     Returns:
         ``{"mean", "stderr", "n"}``; ``mean`` is None for n = 0 and ``stderr`` None for n < 2 (undefined).
@@ -31,10 +30,7 @@ def mean_stderr(values: Sequence[float]) -> dict[str, float | int | None]:
 
 def best_relative_gain(trial_scores: Sequence[float]) -> float | None:
     """Best relative gain of trials 1..K over trial 0: ``(max_k s_k − s_0) / |s_0|``
-    (docs/evaluation.md#the-adaptation-protocol).
-
-    Zero baseline: 0.0 when the best later trial also scores 0 (nothing changed); None (undefined, report the
-    absolute gain instead) when ``s_0 = 0`` and the best differs. Negative when every later trial is worse.
+    (docs/evaluation.md#the-adaptation-protocol). For ``s_0 = 0``: 0.0 when the best is 0 too, else None (undefined).
 
     Raises:
         ValueError: fewer than two trial scores.

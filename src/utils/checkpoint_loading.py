@@ -1,15 +1,9 @@
 """A training checkpoint of either layout as one dict: the one loader evaluation, resuming under another strategy and
 any export use (docs/usage.md#checkpoints-and-resuming).
 
-``src/train.py`` writes two layouts:
-
-- one file (``trainer=default``, ``gpu``, ``ddp``): ``torch.save`` of Lightning's checkpoint dict;
-- a directory (``trainer=fsdp``: Lightning's ``ModelParallelStrategy`` with distributed checkpoints): the weights
-  and the optimizer state as a ``torch.distributed.checkpoint`` (``.metadata`` and one ``__<rank>_0.distcp`` shard
-  per rank, under the keys ``state_dict`` and ``optimizer_0``), everything else (global step, loops, callbacks with
-  the memory, datamodule with the generators, hyper-parameters) in ``meta.pt``.
-
-Both are read as the single file's dict, in one process, from whatever number of shards the directory holds.
+``src/train.py`` writes one file (``torch.save`` of Lightning's checkpoint dict) or, with ``trainer=fsdp``, a
+directory: the weights and optimizer state as a ``torch.distributed.checkpoint`` (keys ``state_dict``,
+``optimizer_0``), everything else in ``meta.pt``. The directory is read in one process, whatever its shard count.
 """
 from __future__ import annotations
 
@@ -34,7 +28,6 @@ def load_training_checkpoint(path: str | os.PathLike, optimizer: bool = True) ->
     tensors on the CPU, the optimizer state keyed by parameter index as ``torch.optim`` writes it.
 
     Args:
-        path: ``<run>/checkpoints/last.ckpt`` (or ``iter_XXXX.ckpt``), a file or a directory.
         optimizer: also read the optimizer state (``optimizer_states``); evaluation and exports need only the
             weights, and the AdamW moments are twice their size.
 

@@ -8,11 +8,8 @@ from hydra.errors import CompactHydraException
 
 
 class ConfigError(CompactHydraException, ValueError):
-    """A bad setting, named with what is expected, found before anything is built.
-
-    Hydra prints a ``CompactHydraException`` raised by a run as its message alone, without the traceback (the
-    traceback is there with ``HYDRA_FULL_ERROR=1``); it is a ``ValueError`` for code that catches those.
-    """
+    """A bad setting, found before anything is built: Hydra prints a ``CompactHydraException`` as its message alone
+    (the traceback with ``HYDRA_FULL_ERROR=1``); a ``ValueError`` for code that catches those."""
 
 
 @contextlib.contextmanager

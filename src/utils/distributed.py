@@ -1,7 +1,5 @@
-"""The few collectives the rollout pipeline needs; each is the identity without torch.distributed.
-
-Every function here is a collective under DDP/FSDP: all ranks must call it, in the same order.
-"""
+"""The few collectives the rollout pipeline needs: all ranks must call them, in the same order; each is the identity
+without torch.distributed."""
 from __future__ import annotations
 
 import hashlib

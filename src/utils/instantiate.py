@@ -8,8 +8,7 @@ from omegaconf import DictConfig
 
 
 def instantiate_group(cfg: DictConfig | None, kind: type, build=hydra.utils.instantiate) -> list:
-    """Instantiate (with ``build``) every ``_target_`` entry of a config group (a dict of named configs); skip
-    empty ones.
+    """Instantiate (with ``build``) every non-empty entry of a config group (a dict of named configs).
 
     Raises:
         TypeError: an entry is not a config dict or builds something that is not a ``kind``.

@@ -1,7 +1,4 @@
-"""Atomic writes: a crash or a kill mid-write never leaves a half-written file (``atomic_file``) or directory
-(``atomic_dir``) in place; the temporary file a killed writer leaves is deleted at the next start-up
-(``remove_stale_temp_files``). ``json_digest`` names what a cache entry was built from.
-"""
+"""Atomic writes: a crash or a kill mid-write never leaves a half-written file or directory in place."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +14,6 @@ from typing import IO, Any, Iterator
 
 log = logging.getLogger(__name__)
 
-# ``.<name>.tmp<pid>``: the temporary file ``atomic_file`` writes before renaming it onto ``<name>``.
 _TEMP_FILE = re.compile(r"^\..+\.tmp(?P<pid>\d+)$")
 
 
@@ -54,9 +50,9 @@ def write_json_atomic(path: str | os.PathLike, obj: Any, **dump_kwargs: Any) -> 
 def atomic_dir(path: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
     """Yield a new temporary directory next to ``path``; on a clean exit rename it to ``path``.
 
-    ``replace=False``: the rename fails with ``OSError`` when another writer created a non-empty ``path`` first (the
-    caller decides whether that is fine). ``replace=True``: an existing ``path`` is moved aside, replaced, then
-    deleted (restored if the rename fails). On an error the temporary directory is removed and ``path`` is untouched.
+    ``replace=False``: the rename fails with ``OSError`` when another writer created a non-empty ``path`` first.
+    ``replace=True``: an existing ``path`` is replaced (restored if the rename fails). On an error ``path`` is
+    untouched.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,4 @@
-"""Experiment tracking helpers: loggers created safely next to concurrent runs, the resolved config as parameters
-and as an artifact, checkpoints and the validation episodes (``validation_episodes.csv``) as artifacts."""
+"""Experiment tracking helpers: loggers, the resolved config, run tags, checkpoints and validation episodes."""
 from __future__ import annotations
 
 import contextlib
@@ -61,11 +60,9 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def log_config(cfg: DictConfig, loggers: list[Logger]) -> None:
     """Log every resolved config value as a parameter and the whole YAML as ``config.yaml``.
 
-    Parameter values have length limits in MLflow, so the artifact is the faithful copy. A run continued in an
-    existing MLflow run (a resume with ``+logger.mlflow.run_id=<id>``) cannot change a parameter (MLflow raises
-    "Changing param values is not allowed"), and a resume changes some (``ckpt_path``, ``trainer/max_epochs``,
-    the output paths): those keep their first value, the resume's value is logged as the tag ``resumed/<key>``
-    with a warning, and the resume's YAML goes to ``config.resumed-<n>.yaml`` beside the original.
+    Parameter values have length limits in MLflow, so the artifact is the faithful copy. A resume continued in its
+    MLflow run cannot change a parameter (MLflow refuses): a changed one keeps its first value, the new one becomes
+    the tag ``resumed/<key>`` (with a warning), and the YAML goes to ``config.resumed-<n>.yaml``.
     """
     container = OmegaConf.to_container(cfg, resolve=True)
     params = flatten({k: v for k, v in container.items() if k != "hydra"})

@@ -1,6 +1,4 @@
-"""``trainer.precision=auto``: bf16 compute only where this machine runs it faster than fp32.
-
-A CPU without AMX or AVX512-BF16 emulates bf16 and runs it 10–70× *slower* than fp32, so at start-up a short timed
+"""``trainer.precision=auto``: bf16 compute only where this machine runs it faster than fp32. A CPU without AMX or AVX512-BF16 emulates bf16 and runs it 10–70× *slower* than fp32, so at start-up a short timed
 probe multiplies two matrices in both dtypes and the faster one wins. An explicit ``trainer.precision`` is never
 changed. Trainable parameters stay fp32 master weights either way (``src/models/precision.py``).
 
@@ -82,14 +80,8 @@ def decide_precision(accelerator: str, cuda_bf16: bool | None = None, probe: Mat
                      features: str = "") -> tuple[str, str]:
     """The Lightning precision for ``trainer.precision=auto`` and the reason, from measured facts.
 
-    Args:
-        accelerator: ``"cpu"`` or ``"cuda"`` (the device the run computes on).
-        cuda_bf16: whether the GPU supports bf16 (``torch.cuda.is_bf16_supported()``); used for ``"cuda"``.
-        probe: the CPU matmul probe; used for ``"cpu"``.
-        features: what torch reports of the CPU (for the reason only).
-
-    Returns:
-        (``"bf16-mixed"`` or ``"32-true"``, a one-line reason).
+    ``cuda_bf16`` (``torch.cuda.is_bf16_supported()``) decides for ``"cuda"``, the ``probe`` for ``"cpu"``;
+    ``features`` (``cpu_features``) only enters the reason. Returns (``"bf16-mixed"`` or ``"32-true"``, the reason).
 
     Raises:
         ValueError: an accelerator other than cpu/cuda, or the fact it needs is missing.

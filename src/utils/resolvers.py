@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 
 def env_default(target: str, name: str):
-    """The class attribute ``name`` of the class ``target`` names (e.g. ``novelty_coef`` of the environment).
+    """The class attribute ``name`` of the class ``target`` names.
 
     Raises:
         AttributeError: the class has no such attribute.

@@ -22,11 +22,8 @@ def stream_seed(seed: int, iteration: int, stream: int, rank: int = 0) -> int:
 
 
 def row_seeds(base: int, episode_ids: list[int], step: int) -> list[int]:
-    """One 63-bit seed per episode for one batched generation: ``(base, episode id, step)`` hashed.
-
-    ``base`` is a ``stream_seed`` of the iteration (rank 0: the same on every rank), ``episode_ids`` are the
-    episodes' global ids (the same whichever rank runs them), ``step`` the environment step (0 for a reflection).
-    """
+    """One 63-bit seed per episode for one batched generation: ``(base, episode id, step)`` hashed. ``base``: a
+    ``stream_seed`` of the iteration, the same on every rank; ``step``: the environment step (0 for a reflection)."""
     return [int(np.random.SeedSequence([base, int(e), step]).generate_state(1, np.uint64)[0] >> 1)
             for e in episode_ids]
 
