@@ -1,14 +1,7 @@
-"""The LightningModule: the policy and the hybrid EMPO²/GRPO update (docs/method.md#one-iteration, step 8).
-
-One training batch is one micro-batch of step samples made by the iteration (``src/data/iteration.py``: update prompt
-ids, response ids, old log-probs, advantage). The update reads top to bottom in the paper's terms:
-
-    log π_θ(a|s)  →  low-probability mask (modes in ``mask_modes``)  →  PPO-clip + dual clip
-    (× rollout importance weight with ``rollout_is``) (+ KL)  →  aggregation with the mini-batch's global token
-    count  →  backward; optimizer step after the mini-batch's last micro-batch.
-
-Optimization is manual because a mini-batch is a variable number of micro-batches (episode lengths vary).
-"""
+"""The LightningModule: the policy and the hybrid EMPO²/GRPO update (docs/method.md#one-iteration, step 8), in the
+paper's terms: log π_θ(a|s) → low-probability mask → PPO-clip + dual clip (× rollout importance weight) (+ KL) →
+aggregation with the mini-batch's global token count → backward; optimizer step after the mini-batch's last
+micro-batch. Optimization is manual because a mini-batch is a variable number of micro-batches."""
 from __future__ import annotations
 
 import logging
@@ -31,7 +24,7 @@ from src.utils.distributed import all_reduce, combine_over_ranks
 from src.utils.logging import log_validation_episodes
 from src.utils.timing import peak_rss_gib
 
-if TYPE_CHECKING:  # the module reads these types; it builds none of them (the iteration does)
+if TYPE_CHECKING:
     from src.data.samples import MicroBatch, StepSample
 
 log = logging.getLogger(__name__)
@@ -47,19 +40,14 @@ def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
 
 
 class EMPO2Module(L.LightningModule):
-    """Holds the policy (and a frozen reference when needed) and applies the hybrid loss. It runs **GRPO** as well
-    as EMPO²: with ``algorithm=grpo`` (``memory_rollout_prob: 0``, memory off) every iteration is on-policy and the
-    update is GRPO's clipped policy gradient; the EMPO² modes add the off-policy update and its masking
-    (docs/method.md).
+    """Holds the policy (and a frozen reference when needed) and applies the hybrid loss; ``algorithm=grpo`` (memory
+    off) runs GRPO: every iteration on-policy, the clipped policy gradient alone.
 
     Args:
-        policy: kwargs of ``build_policy`` (``name_or_path``, ``cache_dir``, ``dtype``, ``lora``, ...).
-        algorithm: ``clip_ratio_low/high``, ``clip_ratio_c``, ``loss_agg_mode``, ``mask_modes`` (modes that use
-            low-probability masking), ``lowprob_log_threshold``, ``mask_level``, ``kl_coef``, ``kl_type``,
-            ``entropy_coef``, ``temperature`` (rollout temperature; log-probs are taken at it).
+        policy: ``build_policy`` kwargs (``model.policy``).
+        algorithm: ``AlgorithmConfig`` fields.
         optimizer: a partial ``torch.optim`` constructor (Hydra ``_partial_``).
-        gradient_clip_val: max global grad norm (manual optimization clips here, not in the Trainer).
-    """
+        gradient_clip_val: max global grad norm (manual optimization clips here, not in the Trainer)."""
 
     def __init__(self, policy: dict[str, Any], algorithm: dict[str, Any], optimizer, gradient_clip_val: float | None):
         super().__init__()
@@ -83,18 +71,12 @@ class EMPO2Module(L.LightningModule):
         self._validation: dict[str, Any] | None = None  # its metrics, saved with each checkpoint
         self._base: dict[str, Any] | None = None  # the LoRA base model's record (adapter-only checkpoints)
         self.run_config: dict[str, Any] | None = None  # the resolved training config, saved with each checkpoint
-        # the update computes a batch's common prompt prefix once, forward and backward (Policy.log_probs(
-        # share_prefix=True)); π_old scoring always does (src/models/old_log_probs.py)
-        self.share_prompt_prefix = True
+        self.share_prompt_prefix = True  # Policy.log_probs(share_prefix=True) in the update
 
     def configure_model(self) -> None:
-        """FSDP2 (``trainer=fsdp``: Lightning's ``ModelParallelStrategy``): shard each decoder layer and the root.
-
-        Under ``bf16-mixed`` the sharded parameters stay fp32 master weights, all-gathered in bf16 for compute,
-        with gradients reduce-scattered in fp32 (``precision.fsdp_mixed_precision``). Sharded parameters are
-        gathered inside each module's forward, so every rank must run the same number of forward passes: the
-        policy is switched to synchronised generation (see ``run_episodes``).
-        """
+        """FSDP2 (``trainer=fsdp``): shard each decoder layer and the root (``precision.fsdp_mixed_precision``). Sharded
+        parameters are gathered inside each module's forward, so every rank must run the same forward passes: the policy
+        switches to synchronised generation."""
         from lightning.pytorch.strategies import ModelParallelStrategy
         self.policy.engine.agree()  # first, with several ranks (any strategy): all run rank 0's rollout precision
         if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
@@ -125,9 +107,9 @@ class EMPO2Module(L.LightningModule):
         log.info("Precision: %s", summary)
 
     def on_train_start(self) -> None:
-        """The optimizer's configured hyper-parameters (``model.optimizer.lr``, ``weight_decay``, ...) over the ones a
-        resumed checkpoint restored: Lightning restores the param groups as saved, so a resume with another learning
-        rate would train at the old one (Lightning #4044). Each change is logged."""
+        """The configured optimizer hyper-parameters over the ones a resumed checkpoint restored (Lightning restores the
+        saved param groups, so a resume with another learning rate would train at the old one: Lightning #4044);
+        logged."""
         wanted = dict(getattr(self.optimizer_factory, "keywords", {}) or {})
         for opt in [o.optimizer if hasattr(o, "optimizer") else o for o in self.trainer.optimizers]:
             for group in opt.param_groups:
@@ -138,20 +120,9 @@ class EMPO2Module(L.LightningModule):
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: MicroBatch, batch_idx: int) -> torch.Tensor:
-        """One forward/backward of the hybrid loss on a micro-batch; the optimizer steps after its mini-batch's
-        last micro-batch.
-
-        The update prompt (tips stripped in ``off_policy`` iterations) and the response give log π_θ; tokens below
-        the low-probability threshold are masked in the modes of ``algorithm.mask_modes``; the PPO clip + dual
-        clip loss (+ β·KL − entropy bonus) is aggregated over the mini-batch's global counts
-        (``batch.batch_num_tokens`` / ``batch.global_batch_size``), so the micro-batch losses add up to the
-        mini-batch's loss. The loss is scaled by the world size (DDP/FSDP average gradients over ranks) and by
-        ``batch.loss_scale`` (0 for a padding micro-batch). Rollout metrics ride on the iteration's first
-        micro-batch; update metrics are logged at each optimizer step.
-
-        Returns:
-            the detached micro-batch loss (a partial sum of the mini-batch loss).
-        """
+        """One forward/backward of the hybrid loss on a micro-batch, aggregated over the mini-batch's global counts (the
+        micro-batch losses add up to the mini-batch's loss), scaled by the world size (DDP/FSDP average gradients) and
+        by ``batch.loss_scale`` (0 for a padding micro-batch). Returns the detached micro-batch loss."""
         tic = time.perf_counter()
         self._iteration = batch.iteration
         loss, metrics, num_tokens = self._loss(batch)
@@ -197,10 +168,10 @@ class EMPO2Module(L.LightningModule):
 
     def _mask_and_denominators(self, batch: MicroBatch, log_prob: torch.Tensor, old_log_prob: torch.Tensor,
                                mask: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, Any]]:
-        """(the low-probability keep-mask ``[B, T]`` or None, the loss aggregation's arguments). ``paper``: π_θ below
-        the threshold in ``mask_modes``, the mini-batch's global counts. ``authors`` (docs/reproducing.md, differences
-        2-4): whole responses by π_old in every mode; a token mean per micro-batch over its kept tokens / (micro-batches
-        × world size), verl 0.5.0's gradient accumulation (DDP then averages the ranks)."""
+        """(keep-mask ``[B, T]`` or None, the loss aggregation's arguments). ``paper``: π_θ below the threshold in
+        ``mask_modes``, the mini-batch's global counts. ``authors`` (docs/reproducing.md, differences 2-4): whole
+        responses by π_old in every mode; a token mean per micro-batch over its kept tokens / (micro-batches × world
+        size), verl 0.5.0's gradient accumulation."""
         algo = self.algorithm
         if algo.semantics == "paper":
             keep = (low_prob_token_mask(log_prob.detach(), mask, algo.lowprob_log_threshold, algo.mask_level)
@@ -215,13 +186,10 @@ class EMPO2Module(L.LightningModule):
 
     def _rollout_is_weights(self, samples: list[StepSample], old_log_prob: torch.Tensor,
                             mask: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, tuple[float, float]]]:
-        """(rollout importance weights ``[B, T]`` or None when ``algorithm.rollout_is`` is ``none``, the mismatch
-        metrics as ``{name: (value, weight)}``; docs/method.md#rollout-importance-sampling-correction).
-
-        Only samples whose π_old is taken under the rollout prompt are compared (an off-policy step under
-        ``off_policy_old_log_prob: without_tips`` differs by its tips, not by the sampler): the others get weight 1
-        and stay out of the metrics. With the correction off the metrics show the token-level weights.
-        """
+        """(rollout importance weights ``[B, T]``, None when ``algorithm.rollout_is`` is ``none``; the mismatch metrics
+        as ``{name: (value, weight)}``). Only samples whose π_old is taken under the rollout prompt are compared (an
+        off-policy step scored ``without_tips`` differs by its tips, not by the sampler): the others get weight 1 and no
+        metric."""
         algo = self.algorithm
         same = torch.tensor([s.old_prompt_ids == s.rollout_prompt_ids for s in samples], device=mask.device)
         compared = mask.bool() & same[:, None]
@@ -233,24 +201,17 @@ class EMPO2Module(L.LightningModule):
         return (None if algo.rollout_is == "none" else weights), {k: (v, n) for k, v in metrics.items()}
 
     def _optimizer_step(self, batch: MicroBatch) -> None:
-        """Clip and apply the mini-batch's gradients; skip the step when their norm is NaN or inf.
-
-        A skipped step leaves the weights and the optimizer state untouched (every gradient is set to None, which
-        AdamW skips) and still counts in ``global_step`` (iterations are derived from it). It is logged
-        (``train/nonfinite_grad_steps``: the number of consecutive skipped steps, 0 after a step that trained) and
-        warned about.
+        """Clip and apply the mini-batch's gradients; skip the step (every gradient None: AdamW leaves weights and state
+        alone) when their norm is NaN or inf. A skipped step still counts in ``global_step`` (iterations derive from it)
+        and is logged (``train/nonfinite_grad_steps``: consecutive skipped steps) and warned about.
 
         Raises:
-            RuntimeError: ``algorithm.max_nonfinite_steps`` consecutive steps had a non-finite gradient norm; the
-                message names the iteration and the global steps.
-        """
+            RuntimeError: ``algorithm.max_nonfinite_steps`` consecutive steps had a non-finite gradient norm."""
         opt = self.optimizers()
         if not batch.has_data:
-            # No sample on any rank: AdamW would still move every weight (momentum and weight decay act on zero
-            # gradients). With every gradient None it skips each parameter and its state; the step still counts
-            # (iterations are derived from global_step).
+            # no sample on any rank: AdamW would still move every weight (momentum and weight decay)
             opt.zero_grad(set_to_none=True)
-        # total norm before clipping (what the loss asked for); works for plain and FSDP2 (DTensor) grads
+        # the norm before clipping; plain and FSDP2 (DTensor) grads
         params = [p for p in self.policy.parameters() if p.grad is not None]
         clip = self.hparams.gradient_clip_val
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
@@ -258,8 +219,7 @@ class EMPO2Module(L.LightningModule):
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         finite = math.isfinite(grad_norm)
         if not finite:
-            # One NaN entry anywhere makes every weight NaN after the step (clipping multiplies all gradients by
-            # max_norm / nan); dropping the gradients skips the step the same way as a step without data.
+            # one NaN entry makes every weight NaN after the step (clipping multiplies all gradients by max_norm / nan)
             opt.zero_grad(set_to_none=True)
             self._nonfinite_streak += 1
         elif batch.has_data:  # a step without data says nothing about whether the gradients recovered
@@ -286,9 +246,8 @@ class EMPO2Module(L.LightningModule):
                         self._nonfinite_streak, limit)
 
     def _log_rollout_metrics(self, batch: MicroBatch) -> None:
-        """The iteration's rollout and memory metrics, one point each with the iteration as its step; the update mode
-        also as one value, ``rollout/mode`` = its index in ``UPDATE_MODES`` (0 on_policy, 1 on_policy_with_tips,
-        2 off_policy)."""
+        """The iteration's rollout and memory metrics at the iteration's step; ``rollout/mode``: the mode's index in
+        ``UPDATE_MODES``."""
         modes = {f"rollout/mode_{m}": float(m == batch.mode) for m in UPDATE_MODES}
         metrics = {**batch.metrics, **modes, "rollout/mode": float(UPDATE_MODES.index(batch.mode)),
                    "iteration": float(batch.iteration), "system/rollout_peak_rss_gib": peak_rss_gib(),
@@ -298,17 +257,13 @@ class EMPO2Module(L.LightningModule):
                       on_step=True, on_epoch=False, batch_size=1)
 
     def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """One point per iteration (rollout) or per optimizer step (update), straight to the loggers.
-
-        ``self.log`` would re-log the last value at every micro-batch; these metrics have their own cadence.
-        """
+        """Straight to the loggers: ``self.log`` would re-log the last value at every micro-batch."""
         for logger in self.loggers:
             logger.log_metrics(metrics, step=step)
 
     def _log_update(self, batch: MicroBatch, grad_norm: float, skipped: bool) -> None:
-        """Log the mini-batch's update metrics, over all ranks (a collective under DDP/FSDP): partial sums of the
-        global-denominator aggregates summed, maxima maxed, token means weighted by every rank's tokens; the
-        update's throughput is all ranks' tokens over the slowest rank's time."""
+        """The mini-batch's update metrics over all ranks (a collective under DDP/FSDP, ``MiniBatchMetrics``);
+        throughput is all ranks' tokens over the slowest rank's time."""
         out = self._step_stats.pop(combine=combine_over_ranks)
         timing = combine_over_ranks({"tokens": float(self._train_tokens), "update_s": self._train_time},
                                     how=lambda k: "max" if k == "update_s" else "sum")
@@ -331,17 +286,12 @@ class EMPO2Module(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpointing
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse to write a checkpoint from non-finite weights; with LoRA keep only the adapters and record the base
-        model (``src/models/checkpoint_state.py``); keep the non-finite-gradient streak (exact resume) and the last
-        validation's metrics.
-
-        Every rank checks its own parameters (its shard under FSDP) and the counts are summed over ranks, so all
-        ranks refuse together.
+        """Refuse to write a checkpoint from non-finite weights (every rank checks its own shard, counts summed, so all
+        refuse together); with LoRA keep only the adapters and record the base (``src/models/checkpoint_state.py``);
+        keep the non-finite-gradient streak (exact resume) and the last validation's metrics.
 
         Raises:
-            RuntimeError: a policy parameter holds NaN or inf; the message names the iteration, the global step
-                and the first such parameters of this rank. Nothing is written.
-        """
+            RuntimeError: a policy parameter holds NaN or inf. Nothing is written."""
         bad = check_finite(self.policy)
         total = int(all_reduce([float(len(bad))])[0])
         if total:
@@ -369,8 +319,7 @@ class EMPO2Module(L.LightningModule):
         """Restore the streak and the validation record; an adapter-only checkpoint must fit this policy's base.
 
         Raises:
-            ValueError: the adapters were trained on another base model (``check_adapter_checkpoint``).
-        """
+            ValueError: the adapters were trained on another base model (``check_adapter_checkpoint``)."""
         self._nonfinite_streak = int(checkpoint.get("nonfinite_grad_streak", 0))
         self._validation = checkpoint.get(VALIDATION_KEY)
         if BASE_KEY in checkpoint:
@@ -384,11 +333,9 @@ class EMPO2Module(L.LightningModule):
             self._val_iteration = self.current_epoch
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """Log the held-out metrics (already summarised over all ranks' episodes by ``evaluate``) with the number of
-        iterations trained as their step (``batch["iteration"]``: after iteration 4 it is step 5, as
-        ``warm_start/score``, the score RL starts from, is step 0); also kept as callback metrics (checkpoints
-        record them); every held-out episode (all ranks') goes to the run's ``validation_episodes.csv``, for paired
-        differences between runs."""
+        """Log the held-out metrics (already over all ranks' episodes) at the number of iterations trained
+        (``batch["iteration"]``; ``warm_start/score`` is step 0), keep them as callback metrics for checkpoints, and
+        write every held-out episode to the run's ``validation_episodes.csv``."""
         metrics = {f"val/{k}": v for k, v in batch["metrics"].items()}
         self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1, logger=False)
         if not self.trainer.sanity_checking:

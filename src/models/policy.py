@@ -1,14 +1,5 @@
-"""The policy: a Hugging Face causal LM behind one small class (docs/usage.md#models).
-
-- ``encode`` renders chat messages to prompt token ids with the tokenizer's chat template;
-- ``generate`` samples responses for a batch of prompts from exactly ``softmax(logits / T)`` and returns the sampled
-  token ids with their per-token log-probs under that distribution (the trainer trains on these ids: a response is
-  never decoded and re-encoded);
-- ``log_probs`` recomputes per-token log-probs (and optionally entropies) of given responses for given prompts, in
-  one padded forward pass.
-
-Batches are laid out as ``[left-padded prompt | right-padded response]`` (``src/models/batch_layout.py``).
-"""
+"""The policy: a Hugging Face causal LM and its tokenizer behind one small class (docs/usage.md#models). Batches are
+laid out as ``[left-padded prompt | right-padded response]`` (``src/models/batch_layout.py``)."""
 from __future__ import annotations
 
 import contextlib
@@ -36,24 +27,17 @@ from src.utils.threads import adapt_threads
 
 log = logging.getLogger(__name__)
 
-# Shorter shared prefixes are not worth a second forward call.
-MIN_SHARED_PREFIX = 16
-# A scoring/update batch computes its common prefix apart only when that saves at least this share of its tokens:
-# the prefix's own forward call, its keys/values continued by every row and their summed gradient cost about 15% of
-# the batch's tokens (2-core AMD EPYC, SmolLM2 bf16, forward + backward: WebShop rows sharing 144 of ~700 tokens,
-# 15% saved, took the same time shared or not; ScienceWorld rows sharing 243 of ~400, 45% saved, took 0.71x).
+MIN_SHARED_PREFIX = 16  # shorter shared prefixes are not worth a second forward call
+# A batch computes its common prefix apart only when that saves at least this share of its tokens: the prefix's own
+# forward call and the rows' continuing it cost about 15% of the batch's tokens (docs/performance.md).
 MIN_SHARED_SAVING = 0.2
 
 
 @dataclass
 class Generation:
-    """Sampled responses of one ``Policy.generate`` call, one entry per prompt.
-
-    ``response_ids[i]``: the generated token ids, cut after the first EOS (the EOS is kept: the policy must
-    learn to stop). ``log_probs[i]``: float list of the same length, log-prob of each sampled token under the
-    sampling distribution (logits / temperature). ``texts[i]``: the decoded response without special tokens.
-    ``truncated[i]``: no EOS within ``max_new_tokens``.
-    """
+    """Sampled responses of one ``Policy.generate`` call, one entry per prompt: ``response_ids[i]`` cut after the first
+    EOS (kept: the policy must learn to stop), ``log_probs[i]`` each sampled token's log-prob under logits /
+    temperature, ``texts[i]`` decoded without special tokens, ``truncated[i]``: no EOS within ``max_new_tokens``."""
 
     response_ids: list[list[int]]
     log_probs: list[list[float]]
@@ -71,18 +55,13 @@ class Generation:
 
 
 class Policy(nn.Module):
-    """A causal LM policy with its tokenizer.
+    """A causal LM policy with its tokenizer (which must have a chat template).
 
     Args:
-        model: a ``PreTrainedModel`` (optionally a PEFT model with LoRA adapters).
-        tokenizer: its tokenizer (must have a chat template).
-        max_response_tokens: cap on generated tokens per step (the paper's experiments: 32 ScienceWorld, 512
-            WebShop).
-        max_prompt_tokens: prompts longer than this are cut from the left (oldest history first),
-            keeping the chat template's head; a warning counter is exposed as ``num_prompts_truncated``.
+        max_response_tokens: cap on generated tokens per step (the paper: 32 ScienceWorld, 512 WebShop).
+        max_prompt_tokens: longer prompts keep their last ids (counted in ``num_prompts_truncated``).
         temperature: default sampling temperature (rollout 1.0, evaluation 0.4 in the paper).
-        engine: the rollout engine's settings (``model.policy.rollout_precision`` and ``cuda_graphs``).
-    """
+        engine: the rollout engine's settings (``model.policy.rollout_precision`` and ``cuda_graphs``)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                  max_response_tokens: int = PolicyConfig.max_response_tokens,
@@ -98,9 +77,7 @@ class Policy(nn.Module):
         self.max_prompt_tokens = max_prompt_tokens
         self.temperature = temperature
         self.num_prompts_truncated = 0
-        # True under FSDP: generation keeps stepping until every rank is done (sharded weights are gathered
-        # inside each forward, a collective that all ranks must join).
-        self.synced = False
+        self.synced = False  # FSDP: every rank joins every forward (sharded weights are gathered inside it)
         self._checked_generation_defaults = False
         eos = tokenizer.eos_token_id
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
@@ -117,24 +94,19 @@ class Policy(nn.Module):
         return next(self.model.parameters()).device
 
     def encode(self, messages: list[dict[str, str]], truncate: bool = True) -> list[int]:
-        """Render chat ``messages`` (``[{"role", "content"}]``) to prompt ids ending with the assistant header; every
-        content is encoded as text, so a control marker it spells is no control token (``encode_chat``).
-
-        With ``truncate``, a prompt over ``max_prompt_tokens`` keeps its last ``max_prompt_tokens`` ids.
-        """
+        """Prompt ids of chat ``messages`` (``[{"role", "content"}]``) ending with the assistant header, contents
+        encoded as text (``encode_chat``); with ``truncate``, at most the last ``max_prompt_tokens`` ids."""
         ids = encode_chat(self.tokenizer, messages)
         if truncate and len(ids) > self.max_prompt_tokens:
-            # a last-resort guard (the prompt builder already bounds the history): keep the end, the current turn
+            # a last resort (the prompt builder already bounds the history): the end holds the current turn
             self.num_prompts_truncated += 1
             ids = ids[-self.max_prompt_tokens:]
         return ids
 
     def encode_next_turn(self, content: str) -> list[int] | None:
-        """Ids that close the assistant's turn after its content and add a user turn with ``content`` and the
-        assistant header: appended to a prompt's ids plus its response (without the final EOS) they give the
-        continued conversation. ``None`` when the chat template renders a conversation's beginning differently
-        once more turns follow (then continuing by ids would not match a fresh rendering).
-        """
+        """Ids that close the assistant's turn and add a user turn with ``content`` and the assistant header, to append
+        to a prompt plus its response (without the final EOS). ``None`` when the chat template renders a conversation's
+        beginning differently once more turns follow (continuing by ids would not match a fresh rendering)."""
         head = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
         turns = [{"role": "assistant", "content": "A"}, {"role": "user", "content": content}]
         answer = self.tokenizer.encode("A", add_special_tokens=False)
@@ -148,26 +120,21 @@ class Policy(nn.Module):
                  do_sample: bool = True, keep_prompt_kv: bool = False,
                  prefix_kv: list[PromptKV | None] | None = None, seeds: list[int] | None = None,
                  shared: SharedPrefixes | None = None) -> Generation:
-        """Sample one response per prompt in one batched call.
+        """Sample one response per prompt in one batched call (the rollout engine, ``src/models/rollout_engine.py``).
 
-        The rollout engine (``src/models/rollout_engine.py``) draws from exactly ``softmax(logits / temperature)``
-        over the full vocabulary, the distribution the trainer scores: the checkpoint's generation_config is ignored
-        (a warning names what it set). The log-probs are gathered step by step (extra memory O(B·V)).
-        ``do_sample=False`` is greedy (log-probs still reported at the given temperature). ``seeds`` (one per
-        prompt) draws each response from its own random stream (``RowStreams``), so a response does not depend on the
-        other prompts of the batch, and a row whose reply ended leaves the batch; without them all rows draw from
-        torch's global generator.
+        Tokens are drawn from exactly ``softmax(logits / temperature)`` over the full vocabulary, the distribution the
+        trainer scores; the checkpoint's generation_config is ignored (with a warning). Extra memory O(B·V).
+        ``do_sample=False`` is greedy (log-probs still at ``temperature``). ``seeds`` (one per prompt): each row draws
+        from its own stream (``RowStreams``), independent of the other prompts, and an ended row leaves the batch;
+        without them torch's global generator draws.
 
         Prefix caching (``src/models/prompt_cache.py``): ``keep_prompt_kv=True`` keeps the prompts' keys/values
-        (``Generation.prompt_kv(i)``); ``prefix_kv[i]``, kept from an earlier call with the same weights, stands
-        for the first ``prefix_kv[i].length`` ids of prompt i, which are then not recomputed. ``shared`` (one per
-        rollout, not under FSDP) computes the prefixes that rows share once (the episodes of a task: system prompt and
-        task text, at their first step the whole prompt) and reuses them across calls (``SharedPrefixes``); the
-        tokens drawn are the same up to float rounding.
+        (``Generation.prompt_kv(i)``); ``prefix_kv[i]``, kept from a call with the same weights, stands for the first
+        ``prefix_kv[i].length`` ids of prompt i. ``shared`` (one per rollout, not under FSDP) computes the prefixes rows
+        share once and reuses them across calls (``SharedPrefixes``). Either gives the same tokens up to float rounding.
 
         Raises:
-            ValueError: ``temperature <= 0``, or not one seed per prompt.
-        """
+            ValueError: ``temperature <= 0``, or not one seed per prompt."""
         if seeds is not None and len(seeds) != len(prompt_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
         adapt_threads()  # the cores other processes leave free (src/utils/threads.py)
@@ -204,14 +171,10 @@ class Policy(nn.Module):
         """Per-token log-probs of ``response_ids`` given ``prompt_ids`` (differentiable unless under no_grad).
 
         Returns ``log_probs`` [B, R] (float32, 0 where masked), ``response_mask`` [B, R] (float32) and, with
-        ``with_entropy``, ``entropy`` [B, R] of the (temperature-scaled) next-token distribution.
-        ``disable_adapters=True`` evaluates the base model of a PEFT policy (the KL reference,
-        docs/method.md#one-iteration, step 6).
-
-        ``share_prefix=True``: the token prefix all prompts share (e.g. system prompt and task) is computed once
-        and its keys/values reused by every row, in the forward and the backward pass; the result is the same up to
-        float rounding. ``prefix_to_share`` says when (else the batch runs as usual).
-        """
+        ``with_entropy``, ``entropy`` [B, R] of the temperature-scaled next-token distribution. ``disable_adapters``:
+        the base model of a PEFT policy (the KL reference). ``share_prefix``: the prompts' common prefix is computed
+        once, in the forward and the backward pass, when ``prefix_to_share`` says it pays; same result up to float
+        rounding."""
         adapt_threads()
         n_shared = self.prefix_to_share(prompt_ids, response_ids) if share_prefix else 0
         if n_shared:
@@ -242,18 +205,16 @@ class Policy(nn.Module):
 
     def shared_prefix_length(self, prompt_ids: list[list[int]]) -> int:
         """Tokens at the start of every prompt that ``log_probs(share_prefix=True)`` computes once: their common
-        prefix, less the last prompt token of the shortest prompt (it must be fed to predict the first response
-        token); 0 when that is under ``MIN_SHARED_PREFIX``, for one prompt, or with gradient checkpointing on (it
-        drops a passed cache)."""
+        prefix, less the shortest prompt's last token (fed to predict the first response token); 0 when under
+        ``MIN_SHARED_PREFIX``, for one prompt, or with gradient checkpointing on (it drops a passed cache)."""
         if len(prompt_ids) < 2 or getattr(self.model, "is_activation_checkpointing", False):
             return 0
         n = min([min(len(p) for p in prompt_ids) - 1] + [common_prefix(prompt_ids[0], p) for p in prompt_ids[1:]])
         return n if n >= MIN_SHARED_PREFIX else 0
 
     def prefix_to_share(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> int:
-        """The prefix length ``log_probs(share_prefix=True)`` computes once: ``shared_prefix_length``, or 0 when the
-        (rows − 1) × prefix tokens it saves are under ``MIN_SHARED_SAVING`` of the batch's prompt + response tokens
-        (the separate prefix pass would cost about what it saves)."""
+        """``shared_prefix_length``, or 0 when the (rows − 1) × prefix tokens it saves are under ``MIN_SHARED_SAVING``
+        of the batch's prompt + response tokens."""
         n = self.shared_prefix_length(prompt_ids)
         total = sum(len(p) for p in prompt_ids) + sum(len(r) for r in response_ids)
         return n if n and (len(prompt_ids) - 1) * n >= MIN_SHARED_SAVING * total else 0
@@ -268,9 +229,9 @@ class Policy(nn.Module):
 
 
 def reference_is_a_copy(policy: dict[str, Any]) -> bool:
-    """Whether the KL reference of the policy built from ``policy`` (``build_policy`` kwargs) is a frozen copy of
-    the model as loaded, rather than the same model with its LoRA adapters off: without LoRA, and when LoRA continues
-    an adapter loaded from ``name_or_path`` (adapters off would give the raw base model, not the starting model)."""
+    """Whether the KL reference of a policy built from ``policy`` is a frozen copy of the model as loaded rather than
+    the model with its LoRA adapters off: without LoRA, and when LoRA continues an adapter loaded from ``name_or_path``
+    (adapters off would give the raw base model)."""
     settings = PolicyConfig.from_dict(policy)
     if not (settings.lora and settings.lora.enabled):
         return True
@@ -279,30 +240,20 @@ def reference_is_a_copy(policy: dict[str, Any]) -> bool:
 
 
 def build_policy(trainable: bool = True, **settings: Any) -> Policy:
-    """Load tokenizer + causal LM (optionally wrapped with PEFT LoRA) into a ``Policy`` (docs/usage.md#models).
+    """Load tokenizer + causal LM (optionally with PEFT LoRA) into a ``Policy``; ``settings``: the ``model.policy`` keys
+    (``PolicyConfig``).
 
-    ``settings``: the ``model.policy`` keys (``PolicyConfig``, where each default is written): ``name_or_path`` and
-    ``cache_dir`` (``src/models/hub.py``), ``dtype`` / ``master_dtype`` below, ``max_response_tokens`` /
-    ``max_prompt_tokens`` / ``temperature`` (``Policy``), ``gradient_checkpointing``, ``attn_implementation``,
-    ``rollout_precision`` / ``cuda_graphs`` (the rollout engine's ``EngineSettings``) and ``lora``.
+    Trainable parameters (all, or the LoRA adapters) are ``master_dtype``; frozen weights (the LoRA base, or the whole
+    model with ``trainable=False``, e.g. the KL reference) stay in ``dtype`` (``src/models/precision.py``). Every
+    dropout probability is set to 0, with a warning naming what was non-zero (``src/models/dropout.py``).
 
-    Precision (see ``src/models/precision.py``): the trainable parameters (all of them, or the LoRA adapters) are
-    ``master_dtype`` (float32 unless insisted otherwise, with a warning); frozen weights (the LoRA base model, or
-    the whole model with ``trainable=False``, e.g. the KL reference) stay in the loading ``dtype``.
-
-    The policy has no dropout (``src/models/dropout.py`` says why): every dropout probability (the config's
-    ``*dropout*`` fields, dropout modules, ``lora.dropout``) is set to 0, with a warning naming what was non-zero.
-
-    ``name_or_path`` may be a PEFT adapter directory (``adapter_config.json``, e.g. an SFT result): the policy is
-    then the adapted model. With LoRA on, the loaded adapter itself is trained (its own r, alpha and target
-    modules; ``lora.r/alpha/target_modules`` are not used); with LoRA off it is merged into the base weights and
-    the merged model is trained (or frozen with ``trainable=False``).
+    ``name_or_path`` may be a PEFT adapter directory (e.g. an SFT result). With LoRA on, that adapter itself is trained
+    (its own r, alpha and target modules); with LoRA off it is merged into the base weights.
 
     Raises:
         ValueError: a bad setting (``PolicyConfig``); ``dtype`` or ``master_dtype`` is not a floating-point torch
             dtype name; ``cuda_graphs`` with a model the static step cannot run (``static_decode.causal_lm``).
-        OSError: the model (or an adapter's base model) is neither local nor in the Hugging Face cache.
-    """
+        OSError: the model (or an adapter's base model) is neither local nor in the Hugging Face cache."""
     s = PolicyConfig.from_dict(settings)
     name_or_path, cache_dir, dtype, master_dtype, lora = s.name_or_path, s.cache_dir, s.dtype, s.master_dtype, s.lora
     path = resolve_name_or_path(name_or_path, cache_dir)

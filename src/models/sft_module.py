@@ -1,9 +1,5 @@
-"""Supervised fine-tuning of the policy on demonstrations (the imitation warm start's update).
-
-The loss is the mean token cross-entropy over the reply tokens only: prompt and padding tokens carry none.
-``SFTModule`` trains a ``Policy`` on batches of ``SFTExample`` (``src/data/samples.py``, made by
-``src/data/demonstrations.py``); ``save_policy`` writes the result as a directory that ``build_policy`` loads.
-"""
+"""Supervised fine-tuning of the policy on demonstrations (the imitation warm start's update): mean token
+cross-entropy over the reply tokens only."""
 from __future__ import annotations
 
 import json
@@ -27,9 +23,7 @@ log = logging.getLogger(__name__)
 
 def response_nll(policy: Policy, examples: list[SFTExample], share_prefix: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed negative log-likelihood of all target tokens, number of target tokens) of a batch; scalars.
-
-    ``share_prefix``: compute the prompts' common prefix once (``Policy.log_probs``); same values."""
+    """(summed negative log-likelihood, number of target tokens) of a batch; scalars."""
     out = policy.log_probs([e.prompt_ids for e in examples], [e.response_ids for e in examples],
                            share_prefix=share_prefix)
     return -out["log_probs"].sum(), out["response_mask"].sum()
@@ -59,9 +53,8 @@ def mean_token_loss(policy: Policy, examples: list[SFTExample], batch_size: int 
 
 
 def micro_batches(batch: list[SFTExample], max_tokens: int | None) -> list[list[SFTExample]]:
-    """``batch`` cut into consecutive chunks of at most ``max_tokens`` padded tokens (rows × the longest row's
-    prompt + reply), at least one example each; ``None``: one chunk. Activation memory grows with a chunk's padded
-    tokens, so long reflection prompts (~1.5k tokens) are trained a few at a time."""
+    """``batch`` cut into consecutive chunks of at most ``max_tokens`` padded tokens (rows × the longest row), at least
+    one example each; ``None``: one chunk. Activation memory grows with a chunk's padded tokens."""
     if max_tokens is None:
         return [batch]
     chunks: list[list[SFTExample]] = []
@@ -78,16 +71,12 @@ def micro_batches(batch: list[SFTExample], max_tokens: int | None) -> list[list[
 
 
 class SFTModule(L.LightningModule):
-    """Cross-entropy fine-tuning of a ``Policy`` on ``SFTExample`` batches (lists), AdamW.
+    """Cross-entropy fine-tuning of a ``Policy`` on ``SFTExample`` batches, AdamW, one optimizer step per batch, its
+    gradient accumulated over ``micro_batches`` of at most ``micro_batch_tokens`` padded tokens.
 
-    Logs ``train/loss`` (per step and epoch mean, nats per target token), ``train/target_tokens``,
-    ``train/tokens_per_s`` (prompt + reply tokens of the previous batch over its wall time, step to step) and
-    ``train/epoch_time_s``; ``epoch_times`` keeps the wall time (s) of each finished epoch. ``share_prefix``:
-    each batch's common prompt prefix (system prompt, task) is computed once (``Policy.log_probs``; the loss and
-    gradients are the same up to float rounding, the batch ~2x cheaper for ScienceWorld demonstrations).
-    Each batch is one optimizer step (AdamW, gradient norm clipped to ``gradient_clip_val``) whose gradient is
-    accumulated over micro-batches of at most ``micro_batch_tokens`` padded tokens (``micro_batches``).
-    """
+    Logs ``train/loss`` (nats per target token), ``train/target_tokens``, ``train/tokens_per_s`` (the previous batch's
+    tokens over its wall time) and ``train/epoch_time_s`` (also kept in ``epoch_times``). ``share_prefix``: as
+    ``Policy.log_probs``."""
 
     def __init__(self, policy: Policy, lr: float = 1e-4, weight_decay: float = 0.0, share_prefix: bool = True,
                  gradient_clip_val: float | None = None, micro_batch_tokens: int | None = 4096):
@@ -96,8 +85,7 @@ class SFTModule(L.LightningModule):
             raise ValueError(f"lr must be > 0, got {lr}")
         if micro_batch_tokens is not None and micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1 or None, got {micro_batch_tokens}")
-        # manual optimization: a batch's gradient is accumulated over micro-batches (same gradient, bounded memory)
-        self.automatic_optimization = False
+        self.automatic_optimization = False  # a batch's gradient is accumulated over micro-batches
         self.policy = policy
         self.gradient_clip_val = gradient_clip_val
         self.micro_batch_tokens = micro_batch_tokens
@@ -143,8 +131,8 @@ class SFTModule(L.LightningModule):
 
 
 class ProgressLog(L.Callback):
-    """A log line every ``every_s`` seconds of training: batch, loss, tokens/s, elapsed time and an estimate of the
-    rest (elapsed / batches done × batches left); the log file's copy of what the progress bar shows."""
+    """A log line every ``every_s`` seconds of training (batch, loss, tokens/s, elapsed time, an estimate of the rest):
+    the log file's copy of the progress bar."""
 
     def __init__(self, every_s: float = 30.0):
         self.every_s = every_s
@@ -168,10 +156,8 @@ class ProgressLog(L.Callback):
 
 
 def save_policy(policy: Policy, out_dir: str | os.PathLike, info: dict[str, Any] | None = None) -> Path:
-    """Write the policy's model and tokenizer to ``out_dir`` as a Hugging Face directory, atomically (``atomic_dir``,
-    replacing an existing one). A PEFT (LoRA) model is merged into its base weights first, so the directory loads
-    with plain ``from_pretrained``. ``info`` is stored as ``sft_info.json``.
-    """
+    """Write the policy's model and tokenizer to ``out_dir`` as a Hugging Face directory, atomically (replacing one), a
+    PEFT model merged into its base first; ``info`` as ``sft_info.json``."""
     out_dir = Path(out_dir)
     model = policy.model
     if hasattr(model, "merge_and_unload"):

@@ -1,18 +1,12 @@
 """Decoding steps over preallocated keys/values (gpt-fast's shape), each step captured in a CUDA graph on a GPU.
 
-The dynamic loop of ``RolloutEngine.decode`` grows every layer's keys/values by one column per step (a copy of the
-whole cache) and launches each of a step's ~15 kernels per layer from Python: on a GPU the launches, not the bytes,
-bound a 7B decoding step (docs/performance.md). Here the prompt's keys/values are copied once into buffers with room
-for every new token; a step writes one column in place (``StaticKV``) and runs the model's own decoder layers, norm
-and head on fixed shapes, so on CUDA the whole step (forward, log-softmax at the temperature, the draw) replays as
-one CUDA graph (``_Graph``). A graph holds a fixed batch: the batch starts at its own size and, as replies end,
-the running rows are repacked into the smallest power-of-two bucket that holds them whenever that is smaller, so
-finished rows stop costing; a row's draw depends only on its seed and step (the counter stream), never on its slot.
-Graphs are captured per ``generate`` call, so they always read the weights of that moment (an optimizer step in
-between is seen). On a CPU the same loop runs eagerly with exact-size batches. Used with
-``model.policy.cuda_graphs=true`` (off by default: not yet measured on a GPU); the tokens and log-probs equal the
-dynamic loop's (fp32, tests/test_static_decode.py).
-"""
+The dynamic loop copies the whole cache to grow it each step and launches every kernel from Python: on a GPU the
+launches, not the bytes, bound a 7B decoding step (docs/performance.md). Here a step writes one column in place
+(``StaticKV``) and runs the model's own layers on fixed shapes, so on CUDA the whole step (forward, log-softmax,
+draw) replays as one graph. As replies end, the running rows are repacked into the smallest power-of-two bucket that
+holds them (one capture per bucket); a row's draw depends only on its seed and step, never on its slot. Graphs are
+captured per ``generate`` call, so they read that moment's weights. On a CPU the same loop runs eagerly. The tokens
+and log-probs equal the dynamic loop's (fp32, tests/test_static_decode.py)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -27,15 +21,14 @@ STATIC_MODEL_TYPES = ("llama", "qwen2")  # decoders whose forward is embedding, 
 
 class StaticKV:
     """Each layer's keys and values, ``[B, kv_heads, L, head_dim]``, written in place at column ``slot`` (a ``[1]``
-    long tensor, so a captured graph reads its current value): the one method the model's attention calls."""
+    long tensor, so a captured graph reads its current value)."""
 
     def __init__(self, keys: list[Tensor], values: list[Tensor], slot: Tensor):
         self.keys, self.values, self.slot = keys, values, slot
 
     @classmethod
     def from_prefill(cls, layers, length: int, slot: Tensor) -> "StaticKV":
-        """Buffers of ``length`` columns holding the prefill's keys/values (``[(keys, values)]`` per layer, each
-        ``[B, kv_heads, W, head_dim]``) in their first W columns."""
+        """Buffers of ``length`` columns, the prefill's keys/values (each ``[B, kv_heads, W, head_dim]``) first."""
         def widen(t: Tensor) -> Tensor:
             out = t.new_zeros(*t.shape[:2], length, t.shape[3])
             out[:, :, :t.shape[2]] = t
@@ -56,14 +49,12 @@ class StaticKV:
 
 
 def causal_lm(model):
-    """The causal LM under a PEFT wrapper (its LoRA layers stay in place), checked to be one the step runs exactly:
-    a Llama or Qwen2 decoder (``model.embed_tokens``, ``layers``, ``rotary_emb``, ``norm``, ``lm_head``, nothing
-    computed outside them) with full attention through SDPA (the step's boolean mask is SDPA's form; eager attention
-    would add it to the scores).
+    """The causal LM under a PEFT wrapper, checked to be one the step runs exactly: a Llama or Qwen2 decoder (nothing
+    computed outside embedding, layers, norm and head) with full attention through SDPA (the step passes SDPA's boolean
+    mask; eager attention would add it to the scores).
 
     Raises:
-        ValueError: another architecture, another attention implementation or a sliding window, naming it.
-    """
+        ValueError: another architecture, another attention implementation or a sliding window, naming it."""
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(core, "config", None)
     kind = getattr(config, "model_type", type(core).__name__)
@@ -82,8 +73,8 @@ def causal_lm(model):
 
 
 def forward_step(core, token: Tensor, position: Tensor, valid: Tensor, kv: StaticKV) -> Tensor:
-    """Float32 logits ``[B, V]`` of one new token per row: ``token`` / ``position`` ``[B]`` long, ``valid``
-    ``[B, L]`` bool (the columns each row attends to; the step's own column is set here), keys/values in ``kv``."""
+    """Float32 logits ``[B, V]`` of one new token per row: ``token`` / ``position`` ``[B]`` long, ``valid`` ``[B, L]``
+    bool (the columns each row attends to; the step's own is set here)."""
     valid.index_fill_(1, kv.slot, True)
     hidden = core.model.embed_tokens(token[:, None])
     position_ids = position[:, None]
@@ -96,10 +87,9 @@ def forward_step(core, token: Tensor, position: Tensor, valid: Tensor, kv: Stati
 
 
 class _Graph:
-    """``fn(*inputs) -> outputs`` captured once in a CUDA graph (after a warm-up on a side stream, as torch's docs
-    require; ``first`` holds the warm-up's outputs); calling it copies the inputs into the captured ones and replays.
-    Autocast's weight-cast cache is off while capturing (torch's advice for graphs), so a replay casts the weights it
-    reads instead of reusing copies."""
+    """``fn(*inputs) -> outputs`` captured once in a CUDA graph after a warm-up on a side stream (``first``: its
+    outputs); a call copies the inputs in and replays. Autocast's cast cache is off while capturing (torch's advice for
+    graphs)."""
 
     def __init__(self, fn: Callable[..., tuple[Tensor, ...]], inputs: list[Tensor]):
         self.inputs = [t.clone() for t in inputs]
@@ -109,8 +99,7 @@ class _Graph:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                # the warm-up (lazy initialisations happen outside the capture) is this step: capturing executes
-                # nothing, so its outputs are the step's result (``first``) and the first replay is the next step
+                # the warm-up is this step: capturing executes nothing, so the first replay is the next step
                 self.first = fn(*[t.clone() for t in inputs])
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
@@ -130,14 +119,12 @@ class _Graph:
 def decode_static(model, layers: list[tuple[Tensor, Tensor]], logits: Tensor, mask: Tensor, replies,
                   sampler: Sampler, max_new_tokens: int, synced: bool, graphs: bool) -> None:
     """``RolloutEngine.decode``'s loop over ``StaticKV``: ``layers`` the prefill's keys/values (``[B, kv_heads, W,
-    head_dim]`` each), ``logits`` ``[B, V]`` its last position's, ``mask`` ``[B, W]``; writes into ``replies``
-    (``rollout_engine.Replies``) what ``sampler`` draws. ``graphs``: capture each bucket's step in a CUDA graph
-    (seeded streams on CUDA or greedy only: torch's global generator draws one batch-shaped sample per step, so
-    those rows run eagerly, every row to the end, as in the dynamic loop).
+    head_dim]`` each), ``logits`` ``[B, V]`` its last position's, ``mask`` ``[B, W]``. ``graphs``: one CUDA graph per
+    bucket, for seeded streams on CUDA or greedy only (torch's global generator draws one batch-shaped sample per step,
+    so those rows run eagerly, every row to the end).
 
     Raises:
-        ValueError: the model is not a decoder of the supported shape (``causal_lm``).
-    """
+        ValueError: the model is not a decoder of the supported shape (``causal_lm``)."""
     core = causal_lm(model)
     batch, width = mask.shape
     device = mask.device
