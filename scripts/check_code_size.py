@@ -5,7 +5,7 @@
     python scripts/check_code_size.py --max-function 40 --function-dirs src/models
 
 Data tables (files listed in ``DATA_TABLES``) are exempt from the file limit; a function's docstring does not count
-towards its length. Prints the lines of src/ in all; exits 1 when anything is over.
+towards its length. Prints the lines of src/ in all, which may not pass ``--max-src``; exits 1 when anything is over.
 """
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-file", type=int, default=400)
     parser.add_argument("--max-function", type=int, default=60)
+    # the core reads in one sitting: src/ was cut to <= 14,000 lines (issue 58); later work keeps it under this
+    parser.add_argument("--max-src", type=int, default=14_500)
     parser.add_argument("--file-dirs", nargs="+", default=["src", "studies", "scripts"])
     parser.add_argument("--function-dirs", nargs="+", default=["src", "studies", "scripts"])
     args = parser.parse_args()
@@ -61,6 +63,9 @@ def main() -> int:
                 print(f"function {path.relative_to(ROOT).as_posix()}::{name}: {n} lines (> {args.max_function})")
                 over += 1
     total = sum(len(p.read_text().splitlines()) for p in (ROOT / "src").rglob("*.py"))
+    if total > args.max_src:
+        print(f"src/: {total} lines (> {args.max_src}): is a rule or default written a second time?")
+        over += 1
     print(f"src/: {total} lines in all; " + (f"{over} over the limits" if over else "all within the limits"))
     return 1 if over else 0
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from src.envs.base import replay
+from src.envs.base import environment_class, replay
 from src.envs.scienceworld_tasks import resolve_task
 from src.utils.io import json_digest, write_json_atomic
 
@@ -82,9 +82,7 @@ def ensure_gold(tasks: list[dict[str, Any]], gold_dir: str | os.PathLike, simpli
 
 def env_gold(tasks: list[dict[str, Any]], env_cfg: dict[str, Any], gold_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """``ensure_gold`` of ``tasks`` with the simplification and JVM heap of the environment config ``env_cfg``."""
-    from src.envs.scienceworld import ScienceWorldEnv
-
-    env_cfg = ScienceWorldEnv.with_defaults(env_cfg)
+    env_cfg = environment_class(env_cfg).with_defaults(env_cfg)
     return ensure_gold(tasks, gold_dir, env_cfg["simplification"], env_cfg["jvm_heap"])
 
 
