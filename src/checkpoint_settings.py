@@ -2,12 +2,10 @@
 ``RUN_GROUPS`` settings come from the checkpoint (docs/evaluation.md), so a run is evaluated without repeating its
 experiment and overrides.
 
-What the command line sets still applies: a ``key=value`` override of one of those groups, and a group chosen by name
-(``env=webshop``). Settings that name this machine's directories (an interpolation of ``paths.*`` or of an
-environment variable, e.g. WebShop's ``env.data_dir``) keep this config's value, and a setting that follows another
-one (``data.max_steps: ${env.max_steps}``) keeps following it where that gives the checkpoint's value or where the
-command line set the setting it follows. Settings a machine chooses for itself (``THIS_MACHINE``: the rollout
-precision the training machine resolved from ``auto``) keep this config's value too.
+The command line's overrides and groups still apply. Settings that name this machine's directories (``paths.*``
+or environment-variable interpolations) and ``THIS_MACHINE``'s keep this config's value; an interpolation
+(``data.max_steps: ${env.max_steps}``) keeps following where that gives the checkpoint's value or the command line
+set its source.
 """
 from __future__ import annotations
 

@@ -88,11 +88,8 @@ def _trained(ckpt: dict[str, Any], group: str, key: str, configured: Any) -> Any
 
 def _write_model(policy, out: Path, adapter_only: bool, dtype: str | None) -> dict[str, Any]:
     """Save the model (merged, or the adapter alone) into ``out``; returns ``{"kind", "dtype"}`` (and, for a merged
-    LoRA saved below float32, ``update_kept``).
-
-    LoRA is merged in float32 and, with ``dtype`` null, saved in float32 (a full fine-tune in its master dtype), so
-    the export holds exactly what training changed; a ``dtype`` below that rounds away every update entry below half
-    an ulp of its weight (docs/export.md#what-the-export-keeps), with a warning.
+    LoRA saved below float32, ``update_kept``). LoRA is merged in float32, so with ``dtype`` null the export holds
+    exactly what training changed; a lower ``dtype`` rounds small updates away (docs/export.md#what-the-export-keeps).
     """
     from src.models.precision import torch_dtype
 

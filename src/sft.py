@@ -1,8 +1,7 @@
 """Imitation warm start: build (or reuse) the fine-tuned policy an RL run starts from (``src/warm_start.py``).
 
-    python src/sft.py experiment=webshop          # build (or reuse) the warm start of `src/train.py experiment=webshop`
-    python src/sft.py experiment=scienceworld
-    python src/train.py experiment=webshop        # builds it on first use, then starts RL from it
+    python src/sft.py experiment=webshop          # the warm start of `src/train.py experiment=webshop`, which
+                                                  # also builds it on first use
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""``trainer.precision=auto``: bf16 compute only where this machine runs it faster than fp32. A CPU without AMX or AVX512-BF16 emulates bf16 and runs it 10–70× *slower* than fp32, so at start-up a short timed
+"""``trainer.precision=auto``: bf16 compute only where this machine runs it faster than fp32.
+
+A CPU without AMX or AVX512-BF16 emulates bf16 and runs it 10–70× *slower* than fp32, so at start-up a short timed
 probe multiplies two matrices in both dtypes and the faster one wins. An explicit ``trainer.precision`` is never
 changed. Trainable parameters stay fp32 master weights either way (``src/models/precision.py``).
 

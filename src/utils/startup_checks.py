@@ -26,10 +26,8 @@ def _is_all(value) -> bool:
 
 
 def check_trainer_options(cfg: DictConfig) -> None:
-    """Refuse batch-level Lightning options with the reason, and turn ``fast_dev_run`` into real iterations.
-
-    ``trainer.fast_dev_run=N`` (True = 1) runs N whole iterations with validation, without loggers or checkpoints
-    (Lightning's own would stop after N micro-batches, before any optimizer step). ``cfg`` is changed in place.
+    """Refuse batch-level Lightning options, and turn ``trainer.fast_dev_run=N`` (True = 1) into N whole iterations
+    with validation, without loggers or checkpoints (Lightning's would stop before any optimizer step), in place.
 
     Raises:
         ValueError: naming each refused option, why, and what to use instead.
@@ -81,7 +79,7 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda")  # what this project runs on (the 
 
 def hardware_problems(trainer: dict) -> list[str]:
     """``trainer.accelerator``, ``trainer.strategy`` and ``trainer.devices`` values Lightning would refuse only once
-    the model is built (or, for ``tpu``, that this project does not run on)."""
+    the model is built, or that this project does not run on."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     problems = []
