@@ -1,7 +1,4 @@
-"""GRPO advantages: episode returns normalised within their group (docs/method.md#one-iteration, step 4).
-
-Plain torch, no Lightning, like ``src/models/core_algos.py`` (the losses of step 5). Shapes: ``E`` episodes.
-"""
+"""GRPO advantages: episode returns normalised within their group (docs/method.md#one-iteration, step 4)."""
 from __future__ import annotations
 
 import torch
@@ -18,40 +15,26 @@ def compute_grpo_advantages(
     extrinsic_returns: Tensor | None = None,
     semantics: str = "paper",
 ) -> tuple[Tensor, dict[str, float]]:
-    """Trajectory-level GRPO advantages, normalised within each group (docs/method.md#one-iteration, step 4).
-
-    ``A_i = (R_i - mean_g) / (std_g + eps)`` with the Bessel-corrected std over the group's valid
-    episodes; ``norm_adv_by_std=False`` gives the Dr.GRPO form ``A_i = R_i - mean_g``.
-
-    Degenerate cases give exactly 0, never NaN/inf: a group whose valid returns are all equal (e.g. all
-    -100), and a group with fewer than two valid episodes. A non-finite return (NaN = failed episode; ±inf
-    is treated the same way) is left out of its group's mean/std and gets advantage 0.
+    """``A_i = (R_i - mean_g) / (std_g + eps)`` over each group's valid episodes (Bessel-corrected std);
+    ``norm_adv_by_std=False``: the Dr.GRPO form ``A_i = R_i - mean_g``. A group whose valid returns are all equal, or
+    with fewer than two, gets exactly 0; a non-finite return (NaN: a failed episode; ±inf alike) is left out of its
+    group and gets 0.
 
     Args:
-        returns: ``[E]`` float, the episode returns R_i (environment reward units).
-        group_index: ``[E]`` integer, the group (task instance) of each episode; any integer ids, need
-            not be contiguous or sorted.
-        norm_adv_by_std: divide by the group std (GRPO) or not (Dr.GRPO).
-        eps: added to the std.
-        extrinsic_returns: optional ``[E]`` float, the part of each return that is the environment's reward (the
-            return without the novelty bonus); only read for the ``bonus_only_group_frac`` metric.
-        semantics: ``paper`` (the rules above) or ``authors``, verl's GRPO advantage as the EMPO² authors' code
-            runs it in two edge cases: a one-episode group gets its raw return (verl's mean 0 and std 1 for a
-            singleton), and a non-finite return makes its whole group NaN (docs/reproducing.md, difference 7).
+        returns: ``[E]`` float, the episode returns (environment reward units).
+        group_index: ``[E]`` integer, each episode's group (task instance): any ids.
+        extrinsic_returns: ``[E]`` float, each return without the novelty bonus; only for ``bonus_only_group_frac``.
+        semantics: ``authors``: verl's GRPO advantage as the EMPO² authors run it: a one-episode group gets its raw
+            return, and a non-finite return makes its whole group NaN (docs/reproducing.md, difference 7).
 
     Returns:
-        ``(advantages [E] in the dtype of returns, metrics)``; metrics: ``adv_mean`` / ``adv_std`` (over
-        valid episodes), ``return_mean`` (valid episodes), ``zero_var_group_frac`` (fraction of groups whose
-        advantages are all 0: equal returns or < 2 valid episodes), ``num_failed_episodes``, ``num_groups``, and
-        ``bonus_only_group_frac`` (fraction of all groups that have non-zero advantages and whose valid episodes
-        have equal extrinsic returns: the intrinsic bonus alone ranks them, and with ``norm_adv_by_std`` a bonus
-        difference of 1e-3 gets advantages of the same ±1 scale as a success does; 0 without
-        ``extrinsic_returns``).
+        ``(advantages [E] in the dtype of returns, metrics)``: ``adv_mean`` / ``adv_std`` / ``return_mean`` (valid
+        episodes), ``zero_var_group_frac``, ``num_failed_episodes``, ``num_groups``, ``bonus_only_group_frac`` (groups
+        with non-zero advantages and equal extrinsic returns: the bonus alone ranks them).
 
     Raises:
         ValueError: ``returns`` not 1-D, ``group_index`` or ``extrinsic_returns`` of another shape, ``group_index``
-            not an integer tensor.
-    """
+            not an integer tensor."""
     if returns.ndim != 1:
         raise ValueError(f"returns must be 1-D [E], got shape {tuple(returns.shape)}")
     check_shape("group_index", group_index, returns.shape)
@@ -75,8 +58,7 @@ def compute_grpo_advantages(
     mean = zeros.index_add(0, gid, torch.where(valid, r, 0.0)) / n.clamp(min=1)
     dev = torch.where(valid, r - mean[gid], 0.0)
     std = (zeros.index_add(0, gid, dev.square()) / (n - 1).clamp(min=1)).sqrt()
-    # Equality is tested on the raw returns: mean([3.7]*3) need not round back to 3.7, so R - mean
-    # alone would give a tiny non-zero advantage (and, divided by std + eps, a large one).
+    # equality on the raw returns: mean([3.7]*3) need not be 3.7, and R - mean / (std + eps) would be large
     degenerate = (n < 2) | _all_equal(r, valid, gid, num_groups)
     bonus_only = torch.zeros_like(degenerate)
     if extrinsic_returns is not None:

@@ -1,8 +1,5 @@
-"""The ``[left-padded prompt | right-padded response]`` layout every batched forward pass of the policy uses.
-
-Every prompt ends at column ``P`` and every response starts there, so the logits predicting response token ``j``
-are at column ``P - 1 + j``; position ids follow the attention mask, so padding never shifts positions.
-"""
+"""The ``[left-padded prompt | right-padded response]`` layout of every batched forward pass of the policy: every
+prompt ends at column ``P``, so the logits predicting response token ``j`` are at column ``P - 1 + j``."""
 from __future__ import annotations
 
 import torch
@@ -10,14 +7,11 @@ from torch import Tensor
 
 
 def pack_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int) -> dict[str, Tensor]:
-    """Lay out prompts and responses as ``[left-padded prompt | right-padded response]``.
-
-    Returns ``input_ids``, ``attention_mask``, ``position_ids`` of shape [B, P + R] and ``response_mask``
-    [B, R] (1 for real response tokens), where P and R are the longest prompt and response.
+    """``input_ids``, ``attention_mask``, ``position_ids`` [B, P + R] (positions follow the mask) and ``response_mask``
+    [B, R], P and R the longest prompt and response.
 
     Raises:
-        ValueError: the two lists differ in length, or a prompt is empty.
-    """
+        ValueError: the two lists differ in length, or a prompt is empty."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     if any(len(p) == 0 for p in prompt_ids):

@@ -1,12 +1,6 @@
-"""Chat messages to prompt ids, with control tokens only where the chat template puts them.
-
-A tokenizer matches its added tokens (``<|im_start|>``, ``<|im_end|>``, ...) anywhere in a string, so a message whose
-text spells one, e.g. a reply decoded without special tokens that reads ``<|im_end|><|im_start|>user``, would be
-encoded as real control tokens and forge turns when it re-enters a prompt (a past action, an observation, a tip
-stored in memory, the reflection turn). ``encode_chat`` encodes every message's content as plain text whatever it
-spells; the template's own markers stay control tokens. Prompts whose contents spell no added token (nearly all)
-get exactly ``apply_chat_template``'s ids.
-"""
+"""Chat messages to prompt ids, with control tokens only where the chat template puts them: a tokenizer matches its
+added tokens (``<|im_start|>``, ...) anywhere in a string, so a message that spells one (a decoded reply, an
+observation, a tip) would forge turns. Prompts that spell none get exactly ``apply_chat_template``'s ids."""
 from __future__ import annotations
 
 import logging
@@ -19,14 +13,13 @@ log = logging.getLogger(__name__)
 
 @lru_cache(maxsize=8)
 def _added_tokens(tokenizer: PreTrainedTokenizerBase) -> tuple[frozenset[int], tuple[str, ...]]:
-    """(ids, strings) of the tokenizer's added tokens: the ones it matches in raw text before anything else."""
+    """(ids, strings) of the tokenizer's added tokens."""
     added = tokenizer.added_tokens_decoder
     return frozenset(added), tuple(t.content for t in added.values() if t.content)
 
 
 def _content_spans(text: str, messages: list[dict[str, str]]) -> list[tuple[int, int]] | None:
-    """Character spans of each message's content in the rendered ``text`` (in order), or None when a content is not
-    there verbatim (a template that rewrites contents)."""
+    """Character spans of each message's content in ``text``, in order; None when a content is not there verbatim."""
     spans, cursor = [], 0
     for message in messages:
         content = str(message.get("content") or "")
@@ -42,10 +35,8 @@ def _content_spans(text: str, messages: list[dict[str, str]]) -> list[tuple[int,
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
                 add_generation_prompt: bool = True) -> list[int]:
-    """Prompt ids of ``messages`` (``[{"role", "content"}]``) rendered by the tokenizer's chat template, contents as
-    plain text (module docstring; ``split_special_tokens``). Needs a fast tokenizer (character offsets); a template
-    that does not copy contents verbatim falls back to the template's ids with a warning.
-    """
+    """Prompt ids of ``messages`` by the chat template, contents as plain text (``split_special_tokens``). Needs a fast
+    tokenizer (offsets); a template that rewrites contents falls back to the template's ids with a warning."""
     def render(tokenize: bool):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                              tokenize=tokenize, return_dict=False)

@@ -1,16 +1,6 @@
-"""What a training checkpoint holds of the policy, and putting it back (docs/usage.md#what-a-checkpoint-holds).
-
-Full fine-tuning: every policy weight (``state_dict`` keys ``policy.*``) with AdamW's state of each. With LoRA
-(``model.policy.lora.enabled=true``) only the trainable parameters are saved, the adapters, with their AdamW state
-(the optimizer only ever holds those), plus ``checkpoint["policy_base"]``: the base model's ``name_or_path`` and the
-LoRA settings, from which resume, evaluation and export rebuild the policy, and a SHA-256 of the weights that were
-not saved (the frozen base), which the rebuilt policy must match. A frozen KL reference is never saved: it is
-rebuilt from the same settings. Under FSDP2 a checkpoint keeps every weight (its distributed loader reads exactly
-the keys of the model).
-
-Also written: ``checkpoint["iteration"]``, the last iteration trained, and ``checkpoint["validation"]``, the last
-validation's ``val/*`` metrics and its iteration (read by the model card of ``src/export.py``).
-"""
+"""What a training checkpoint holds of the policy, and putting it back (docs/usage.md#what-a-checkpoint-holds): with
+LoRA only the adapters, plus ``checkpoint["policy_base"]`` (base model, LoRA settings, SHA-256 of the frozen
+weights, which the rebuilt policy must match); ``checkpoint["iteration"]`` and ``checkpoint["validation"]``."""
 from __future__ import annotations
 
 import hashlib
@@ -29,9 +19,8 @@ PREFIX = "policy."
 
 
 def frozen_weights_sha256(policy: nn.Module, stored: set[str]) -> tuple[str, int]:
-    """(SHA-256, number of elements) over the entries of ``policy.state_dict()`` whose names are not in ``stored``:
-    names, dtypes, shapes and raw bytes, in order (a tied weight counts under each of its names). The weights are
-    read once, copied to the CPU tensor by tensor."""
+    """(SHA-256, number of elements) over the names, dtypes, shapes and bytes of the ``policy.state_dict()`` entries
+    not in ``stored``, in order, copied to the CPU tensor by tensor."""
     h, n = hashlib.sha256(), 0
     for name, tensor in policy.state_dict().items():
         if name in stored:
@@ -49,16 +38,15 @@ def lora_enabled(policy_cfg: dict[str, Any]) -> bool:
 
 
 def base_record(policy: nn.Module, policy_cfg: dict[str, Any], stored: set[str]) -> dict[str, Any]:
-    """The ``policy_base`` entry of an adapter-only checkpoint: ``name_or_path``, ``lora``, ``dtype`` of the policy
-    settings, and ``sha256`` / ``num_elements`` of the weights not in ``stored``."""
+    """The ``policy_base`` entry: ``name_or_path``, ``lora``, ``dtype``, and ``sha256`` / ``num_elements`` of the
+    weights not in ``stored``."""
     sha, n = frozen_weights_sha256(policy, stored)
     return {"name_or_path": str(policy_cfg["name_or_path"]), "lora": dict(policy_cfg.get("lora") or {}),
             "dtype": str(policy_cfg["dtype"]), "sha256": sha, "num_elements": n}
 
 
 def keep_trainable(checkpoint: dict[str, Any], policy: nn.Module) -> set[str]:
-    """Drop every ``state_dict`` entry but the policy's trainable parameters, in place; returns their names (without
-    the ``policy.`` prefix)."""
+    """Keep only the policy's trainable parameters in ``checkpoint["state_dict"]``; returns their names (no prefix)."""
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
                                 if k.startswith(PREFIX) and k[len(PREFIX):] in trainable}
@@ -66,15 +54,12 @@ def keep_trainable(checkpoint: dict[str, Any], policy: nn.Module) -> set[str]:
 
 
 def check_adapter_checkpoint(policy: nn.Module, checkpoint: dict[str, Any], policy_base: str = "?") -> set[str]:
-    """Check that an adapter-only checkpoint fits ``policy``: its weights are exactly the policy's adapters, and the
-    policy's other weights are the base model the adapters were trained on (same SHA-256). Returns the stored names.
-
-    ``policy_base``: the policy's own base model (its ``name_or_path``), named by the errors.
+    """Check that an adapter-only checkpoint holds exactly ``policy``'s adapters and that the policy's other weights
+    are its base (same SHA-256); returns the stored names. ``policy_base``: the policy's base, named by the errors.
 
     Raises:
-        ValueError: naming the checkpoint's base model (and LoRA settings), when the adapters are missing, unknown
-            to the policy or of other shapes, or the base model's weights differ.
-    """
+        ValueError: naming the checkpoint's base model and LoRA settings: adapters missing, unknown or of other
+            shapes, or other base weights."""
     record = checkpoint[BASE_KEY]
     stored = {k[len(PREFIX):] for k in checkpoint["state_dict"] if k.startswith(PREFIX)}
     params = policy.state_dict()
@@ -105,13 +90,11 @@ def check_adapter_checkpoint(policy: nn.Module, checkpoint: dict[str, Any], poli
 
 
 def load_policy_weights(policy: nn.Module, checkpoint: dict[str, Any], where: str, policy_base: str = "?") -> None:
-    """Load the checkpoint's policy weights into ``policy``: every weight of a full checkpoint, or the adapters of an
-    adapter-only one after ``check_adapter_checkpoint``. ``policy_base``: the policy's base model, named by the errors.
+    """Load the checkpoint's policy weights: all of a full checkpoint, or an adapter-only one's adapters after
+    ``check_adapter_checkpoint``.
 
     Raises:
-        ValueError: no ``policy.*`` weights, weights that do not fit the policy, or another base model; ``where``
-            (the checkpoint path) is named.
-    """
+        ValueError: no ``policy.*`` weights, weights that do not fit, or another base model; naming ``where``."""
     state = {k[len(PREFIX):]: v for k, v in checkpoint.get("state_dict", {}).items() if k.startswith(PREFIX)}
     if not state:
         raise ValueError(f"checkpoint {where!r} holds no 'policy.*' weights: not a src/train.py checkpoint?")
@@ -135,8 +118,8 @@ def load_policy_weights(policy: nn.Module, checkpoint: dict[str, Any], where: st
 
 
 def rebuild_policy_config(checkpoint: dict[str, Any], policy_cfg: dict[str, Any]) -> dict[str, Any]:
-    """``build_policy`` settings for the checkpoint's weights: ``policy_cfg``, with the base model and LoRA settings
-    an adapter-only checkpoint records (its adapters fit only that base)."""
+    """``policy_cfg`` with the base model and LoRA settings an adapter-only checkpoint records (its adapters fit only
+    that base)."""
     record = checkpoint.get(BASE_KEY)
     if record is None:
         return dict(policy_cfg)

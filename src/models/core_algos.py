@@ -18,9 +18,8 @@ ROLLOUT_IS_LEVELS = ("none", "token", "sequence")  # rollout importance-sampling
 UPDATE_MODES = ("on_policy", "on_policy_with_tips", "off_policy")
 
 
-# exp() of a float32 log-ratio overflows to inf above ~88; a stale or off-policy token can reach that, and
-# inf * 0 (a zero advantage) is NaN. |log ρ| = 20 (ρ ≈ 5e8 or 2e-9) is far outside every clip range, so
-# the clamp changes no loss value that matters: those tokens are clipped (zero gradient) or have ρ·A ≈ 0.
+# exp() of a float32 log-ratio overflows above ~88, and inf * 0 (a zero advantage) is NaN. |log ρ| = 20 is far
+# outside every clip range: the clamp changes no loss value that matters (such tokens are clipped or have ρ·A ≈ 0).
 _MAX_LOG_RATIO = 20.0
 
 
@@ -41,17 +40,10 @@ def low_prob_token_mask(
     log_threshold: float = -5.0,
     level: str = "token",
 ) -> Tensor:
-    """Keep-mask of low-probability token masking (docs/method.md#low-probability-token-masking): ``token``
-    keeps response tokens with ``log_prob >= log_threshold``; ``sequence`` keeps a whole row only if its minimum
-    response-token log-prob is ``>= log_threshold``.
-
-    Args:
-        log_probs: ``[B, T]`` current-policy token log-probs (nats); the mask never carries a gradient.
-        response_mask: ``[B, T]`` 0/1 or bool.
-        log_threshold: log δ (default -5, δ ≈ 0.0067).
-
-    Returns:
-        ``[B, T]`` bool, True where the token keeps its policy-gradient term; always False on padding.
+    """Keep-mask ``[B, T]`` (bool, False on padding) of low-probability token masking
+    (docs/method.md#low-probability-token-masking): ``token`` keeps response tokens with ``log_prob >= log_threshold``
+    (log δ, default -5: δ ≈ 0.0067); ``sequence`` keeps a whole row only if its minimum response-token log-prob is
+    ``>= log_threshold``. ``log_probs``: ``[B, T]`` current-policy token log-probs (nats), never a gradient.
 
     Raises:
         ValueError: unknown ``level``; shapes differ."""
@@ -91,15 +83,11 @@ def aggregate_loss(
     batch_num_tokens: int | float | Tensor | None = None,
     global_batch_size: int | float | Tensor | None = None,
 ) -> Tensor:
-    """Reduce a per-token loss ``[B, T]`` to a scalar in its dtype (docs/method.md#one-iteration, step 8).
-
-    - ``token-mean``: sum of all masked tokens / token count.
-    - ``seq-mean-token-mean``: per-row mean over its tokens, then sum over rows / sequence count.
-    - ``seq-mean-token-sum``: per-row sum over its tokens, then sum over rows / sequence count.
-
-    The counts default to the local ones (``batch_num_tokens``: ``mask.sum()``; ``global_batch_size``: rows with a
-    masked token, so an empty row adds 0, never NaN); with the global counts the loss is a partial sum. Values outside
-    ``mask`` (even NaN) are ignored.
+    """Reduce a per-token loss ``[B, T]`` to a scalar in its dtype (docs/method.md#one-iteration, step 8):
+    ``token-mean`` sums all masked tokens / token count; ``seq-mean-token-mean`` / ``seq-mean-token-sum`` take each
+    row's mean / sum over its tokens, then sum over rows / sequence count. The counts default to the local ones (rows
+    with a masked token: an empty row adds 0, never NaN); with the global counts the loss is a partial sum. Values
+    outside ``mask`` (even NaN) are ignored.
 
     Raises:
         ValueError: unknown mode, shapes differ, or a python-number count ``<= 0``."""
@@ -136,12 +124,10 @@ def compute_policy_loss(
     batch_num_tokens: int | float | Tensor | None = None,
     global_batch_size: int | float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip policy loss with asymmetric clipping and dual clip (docs/method.md#one-iteration, step 8).
-
-    Per response token, ``ρ = exp(logπ - logπ_old)``, ``L = -min(ρA, clip(ρ, 1 - clip_ratio_low, 1 + clip_ratio_high)
-    A)``, and for ``A < 0`` also ``L = min(L, -clip_ratio_c · A)``. Tokens with ``keep_mask`` False
-    (:func:`low_prob_token_mask`) get ``L = 0`` but stay in the denominator, so the global counts can be computed before
-    the forward pass.
+    """PPO-clip policy loss with asymmetric clipping and dual clip (docs/method.md#one-iteration, step 8): per response
+    token ``ρ = exp(logπ - logπ_old)``, ``L = -min(ρA, clip(ρ, 1 - clip_ratio_low, 1 + clip_ratio_high) A)``, for
+    ``A < 0`` also ``L = min(L, -clip_ratio_c · A)``. Tokens with ``keep_mask`` False get ``L = 0`` but stay in the
+    denominator, so the global counts can be computed before the forward pass.
 
     Args:
         old_log_prob: ``[B, T]`` behaviour-policy (π_old) token log-probs (detached here).
@@ -234,12 +220,10 @@ def rollout_is_weights(
     cap: float = 2.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Truncated importance weights of the trainer's π_old against the distribution that sampled the tokens (TIS;
-    docs/method.md#rollout-importance-sampling-correction).
-
-    The rollout and the trainer compute a token's log-prob with different forward implementations (KV cache,
-    precision, kernels), so they differ by ``Δ = old_log_prob − rollout_log_prob`` (``[B, T]`` each, nats). ``token``:
-    ``w_t = min(exp(Δ_t), C)``; ``sequence``: ``w = min(exp(Σ_t Δ_t), C)`` for every token of the row. The exponent is
-    clamped at 20 (a cap above e^20 acts as e^20); ``Δ = 0`` gives exactly 1, a truncated weight exactly C.
+    docs/method.md#rollout-importance-sampling-correction): rollout and trainer forwards differ (KV cache, precision,
+    kernels), by ``Δ = old_log_prob − rollout_log_prob`` (``[B, T]`` each, nats). ``token``:
+    ``w_t = min(exp(Δ_t), C)``; ``sequence``: ``w = min(exp(Σ_t Δ_t), C)`` for every token of the row (exponent
+    clamped at 20).
 
     Returns:
         ``(weights [B, T], metrics)``; weights in the inputs' promoted dtype (at least float32), 1 outside

@@ -1,9 +1,6 @@
-"""Training without dropout: every dropout probability of a policy set to 0 when it is built.
-
-In train mode any dropout makes the first update's PPO ratio differ from 1 (the old log-probs were taken without
-it): ``lora.dropout=0.1`` gave ratio_max 1.043, ``attention_dropout=0.1`` 1.022. RL frameworks (TRL, verl) turn
-dropout off for the policy; so does ``build_policy`` with these two helpers (docs/robustness.md).
-"""
+"""Every dropout probability of a policy set to 0 when it is built: in train mode any dropout makes the first
+update's PPO ratio differ from 1 (the old log-probs were taken without it). TRL and verl do the same
+(docs/robustness.md)."""
 from __future__ import annotations
 
 from torch import nn
@@ -11,11 +8,8 @@ from transformers import PretrainedConfig
 
 
 def zero_config_dropout(config: PretrainedConfig, prefix: str = "") -> dict[str, float]:
-    """Set every non-zero dropout probability of a model config to 0, in place, nested configs included.
-
-    Dropout fields are the numeric ones whose name contains ``dropout`` or ends in ``pdrop`` (``attention_dropout``,
-    ``hidden_dropout_prob``, ``resid_pdrop`` ...). Returns ``{field: old value}`` of the fields changed.
-    """
+    """Set every non-zero dropout field of a config (numeric, named ``*dropout*`` or ``*pdrop``) to 0, in place, nested
+    configs included; returns ``{field: old value}``."""
     zeroed = {}
     for key, value in list(vars(config).items()):
         if isinstance(value, PretrainedConfig):
@@ -28,11 +22,8 @@ def zero_config_dropout(config: PretrainedConfig, prefix: str = "") -> dict[str,
 
 
 def zero_module_dropout(model: nn.Module) -> dict[float, int]:
-    """Set ``p`` of every dropout module (``nn.Dropout`` and its relatives) and every float module attribute named
-    ``*dropout*`` (some layers copy the config's value at construction) to 0, in place.
-
-    Returns ``{old probability: number of modules or attributes}`` of what was changed.
-    """
+    """Set ``p`` of every dropout module and every float attribute named ``*dropout*`` (some layers copy the config's
+    value) to 0, in place; returns ``{old probability: count}``."""
     zeroed: dict[float, int] = {}
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:

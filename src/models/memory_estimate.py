@@ -1,19 +1,16 @@
 """Start-up check: do the model states fit in one device's memory for the chosen model, strategy and LoRA setting?
-
-Per device, in bytes (P: parameters of the model, A: LoRA adapter parameters, W: data-parallel world size,
-s = W when the strategy shards (FSDP, FSDP2) and 1 when it replicates (DDP, one device)):
+Per device, in bytes (P: model parameters, A: LoRA adapter parameters, W: data-parallel world size, s = W when the
+strategy shards (FSDP, FSDP2), else 1):
 
 - full fine-tuning: fp32 master weights ``4P/s`` + gradients ``4P/s`` + AdamW's two moments ``8P/s`` + DDP's
   gradient buckets ``4P`` (W > 1) + a frozen KL reference in the loading dtype ``2P/s`` (bf16) when ``kl_coef > 0``;
 - LoRA: the frozen base ``2P/s`` (bf16) + ``16A/s`` for the adapters (+ ``4A`` DDP buckets); the reference is the
   base with adapters off, or a frozen merged copy ``2P/s`` when LoRA continues a loaded adapter;
-- FSDP: the root module plus two decoder layers (current and prefetched) gathered, with their gradients, in the
-  compute dtype;
+- FSDP: the root module plus two decoder layers gathered, with their gradients, in the compute dtype;
 - bf16 decoding steps: a bf16 copy, ``2`` bytes per parameter not already bf16 (``rollout_engine.InferenceCopy``).
 
-Parameters are counted on the meta device from ``config.json`` alone (nothing read or downloaded). Activations, the
-KV cache and the CUDA context are not estimated: a run is refused when the model states alone exceed
-``usable_fraction`` of the device memory."""
+Parameters are counted on the meta device from ``config.json`` alone. Activations, the KV cache and the CUDA context
+are not estimated: a run is refused when the model states alone exceed ``usable_fraction`` of the device memory."""
 from __future__ import annotations
 
 import functools

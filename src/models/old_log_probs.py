@@ -1,7 +1,5 @@
 """π_old (and the KL reference's log-probs) of an iteration's samples, before the update
-(docs/method.md#one-iteration, step 6). Called by the iteration (``src/data/iteration.py``) with the policy and the
-reference handed to it; nothing here knows of Lightning.
-"""
+(docs/method.md#one-iteration, step 6), for ``src/data/iteration.py``."""
 from __future__ import annotations
 
 import math
@@ -15,9 +13,8 @@ from src.utils.distributed import all_reduce
 
 
 def scoring_chunks(samples: list[StepSample], policy: Policy, chunk_size: int = 8) -> list[list[StepSample]]:
-    """The chunks ``score_samples`` runs one forward pass each on, in prompt order (``prompt_order``: a chunk's common
-    prompt prefix is computed once). Under FSDP (``policy.synced``) every rank gets the same number of chunks: a rank
-    with fewer samples scores a throw-away padding sample to join the other ranks' forward passes."""
+    """``score_samples``' chunks, in prompt order (a chunk's common prefix is computed once). Under FSDP every rank gets
+    the same number: a rank short of samples scores a throw-away padding sample."""
     samples = sorted(samples, key=prompt_order)
     n_chunks = math.ceil(len(samples) / chunk_size)
     if policy.synced:  # sharded weights: every rank runs the same number of forward passes
@@ -28,9 +25,8 @@ def scoring_chunks(samples: list[StepSample], policy: Policy, chunk_size: int = 
 
 def response_log_probs(policy: Policy, samples: list[StepSample], prompt: str, temperature: float,
                        **kwargs) -> list[torch.Tensor]:
-    """Each sample's response log-probs (float32 ``[T_i]`` on the CPU, nats) under its prompt ``prompt`` (an attribute
-    name: ``old_prompt_ids`` or ``update_prompt_ids``), one forward pass; the batch's common prompt prefix is
-    computed once except under FSDP, where every rank must run the same forward calls."""
+    """Each sample's response log-probs (float32 ``[T_i]`` on the CPU, nats) under its ``prompt`` attribute
+    (``old_prompt_ids`` or ``update_prompt_ids``), one forward pass."""
     out = policy.log_probs([getattr(s, prompt) for s in samples], [s.response_ids for s in samples],
                            temperature=temperature, share_prefix=not policy.synced, **kwargs)
     return [out["log_probs"][i, : len(s.response_ids)].float().cpu() for i, s in enumerate(samples)]
@@ -39,16 +35,10 @@ def response_log_probs(policy: Policy, samples: list[StepSample], prompt: str, t
 @torch.no_grad()
 def score_samples(samples: list[StepSample], policy: Policy, reference: Policy | None, algorithm: AlgorithmConfig,
                   chunk_size: int = 8) -> None:
-    """Set ``old_log_probs`` (and ``ref_log_probs`` when ``algorithm.kl_coef > 0``) of each sample, in place, one
-    forward pass per chunk of ``scoring_chunks`` (at most ``chunk_size`` samples).
-
-    Old log-probs are recomputed over the behaviour prompt (``old_prompt_ids``: with tips, or without under
-    ``off_policy_old_log_prob: without_tips``), so the first update's ratio is exactly 1 where nothing changed. With
-    ``algorithm.recompute_old_log_probs: false`` the rollout log-probs are used wherever the behaviour prompt is the
-    rollout prompt (they agree to ~1e-4 in fp32, tests/test_rollout.py); not under FSDP, where every rank must run the
-    same forward passes. The KL reference is ``reference`` (a frozen copy) or, when None, ``policy`` with its LoRA
-    adapters off.
-    """
+    """Set ``old_log_probs`` (and ``ref_log_probs`` when ``algorithm.kl_coef > 0``) of each sample, in place: over the
+    behaviour prompt (``old_prompt_ids``), so the first update's ratio is exactly 1, or, with
+    ``algorithm.recompute_old_log_probs: false`` and not under FSDP, the rollout's where that is the rollout prompt.
+    The KL reference is ``reference``, or ``policy`` with its LoRA adapters off."""
     reuse = not algorithm.recompute_old_log_probs and not policy.synced
     for chunk in scoring_chunks(samples, policy, chunk_size):
         need = []

@@ -55,13 +55,9 @@ class Generation:
 
 
 class Policy(nn.Module):
-    """A causal LM policy with its tokenizer (which must have a chat template).
-
-    Args:
-        max_response_tokens: cap on generated tokens per step (the paper: 32 ScienceWorld, 512 WebShop).
-        max_prompt_tokens: longer prompts keep their last ids (counted in ``num_prompts_truncated``).
-        temperature: default sampling temperature (rollout 1.0, evaluation 0.4 in the paper).
-        engine: the rollout engine's settings (``model.policy.rollout_precision`` and ``cuda_graphs``)."""
+    """A causal LM policy with its tokenizer (which must have a chat template). ``max_response_tokens``: per step (the
+    paper: 32 ScienceWorld, 512 WebShop); ``max_prompt_tokens``: longer prompts keep their last ids (counted in
+    ``num_prompts_truncated``); ``temperature``: the default (the paper: rollout 1.0, evaluation 0.4)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                  max_response_tokens: int = PolicyConfig.max_response_tokens,
@@ -120,18 +116,16 @@ class Policy(nn.Module):
                  do_sample: bool = True, keep_prompt_kv: bool = False,
                  prefix_kv: list[PromptKV | None] | None = None, seeds: list[int] | None = None,
                  shared: SharedPrefixes | None = None) -> Generation:
-        """Sample one response per prompt in one batched call (the rollout engine, ``src/models/rollout_engine.py``).
+        """Sample one response per prompt in one batched call (``src/models/rollout_engine.py``), from exactly
+        ``softmax(logits / temperature)`` over the full vocabulary, the distribution the trainer scores
+        (generation_config is ignored). ``do_sample=False``: greedy, log-probs still at ``temperature``. ``seeds`` (one
+        per prompt): each row draws from its own stream (``RowStreams``), whatever the other prompts, and an ended row
+        leaves the batch.
 
-        Tokens are drawn from exactly ``softmax(logits / temperature)`` over the full vocabulary, the distribution the
-        trainer scores; the checkpoint's generation_config is ignored (with a warning). Extra memory O(B·V).
-        ``do_sample=False`` is greedy (log-probs still at ``temperature``). ``seeds`` (one per prompt): each row draws
-        from its own stream (``RowStreams``), independent of the other prompts, and an ended row leaves the batch;
-        without them torch's global generator draws.
-
-        Prefix caching (``src/models/prompt_cache.py``): ``keep_prompt_kv=True`` keeps the prompts' keys/values
-        (``Generation.prompt_kv(i)``); ``prefix_kv[i]``, kept from a call with the same weights, stands for the first
-        ``prefix_kv[i].length`` ids of prompt i. ``shared`` (one per rollout, not under FSDP) computes the prefixes rows
-        share once and reuses them across calls (``SharedPrefixes``). Either gives the same tokens up to float rounding.
+        Prefix caching (``src/models/prompt_cache.py``): ``keep_prompt_kv`` keeps the prompts' keys/values
+        (``Generation.prompt_kv``); ``prefix_kv[i]``, kept under the same weights, stands for prompt i's first
+        ``prefix_kv[i].length`` ids; ``shared`` (one per rollout, not under FSDP) computes the prefixes rows share once
+        (``SharedPrefixes``). Either gives the same tokens up to float rounding.
 
         Raises:
             ValueError: ``temperature <= 0``, or not one seed per prompt."""
@@ -190,8 +184,7 @@ class Policy(nn.Module):
             attention_mask = torch.cat([attention_mask.new_ones(len(prompt_ids), n_shared), attention_mask], dim=1)
             position_ids = position_ids + n_shared
         with self.model.disable_adapter() if disable_adapters else contextlib.nullcontext():
-            # Responses are right-aligned after column P, so only the last R + 1 positions' logits are needed;
-            # asking for just those avoids a [B, P + R, V] tensor (GBs for long prompts).
+            # only the last R + 1 positions predict response tokens: no [B, P + R, V] tensor (GBs for long prompts)
             logits = self.model(input_ids=batch["input_ids"], attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=False, logits_to_keep=r_len + 1, **extra).logits
         logits = logits[:, :-1]
@@ -241,14 +234,9 @@ def reference_is_a_copy(policy: dict[str, Any]) -> bool:
 
 def build_policy(trainable: bool = True, **settings: Any) -> Policy:
     """Load tokenizer + causal LM (optionally with PEFT LoRA) into a ``Policy``; ``settings``: the ``model.policy`` keys
-    (``PolicyConfig``).
-
-    Trainable parameters (all, or the LoRA adapters) are ``master_dtype``; frozen weights (the LoRA base, or the whole
-    model with ``trainable=False``, e.g. the KL reference) stay in ``dtype`` (``src/models/precision.py``). Every
-    dropout probability is set to 0, with a warning naming what was non-zero (``src/models/dropout.py``).
-
-    ``name_or_path`` may be a PEFT adapter directory (e.g. an SFT result). With LoRA on, that adapter itself is trained
-    (its own r, alpha and target modules); with LoRA off it is merged into the base weights.
+    (``PolicyConfig``). Trainable parameters are ``master_dtype``, frozen ones ``dtype`` (``src/models/precision.py``);
+    every dropout probability is set to 0 with a warning (``src/models/dropout.py``). ``name_or_path`` may be a PEFT
+    adapter directory: with LoRA on that adapter is trained (its own r, alpha, targets), with LoRA off it is merged.
 
     Raises:
         ValueError: a bad setting (``PolicyConfig``); ``dtype`` or ``master_dtype`` is not a floating-point torch

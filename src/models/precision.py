@@ -1,15 +1,7 @@
-"""Which tensors are float32 and which bf16 (the precision rule of every training path).
-
-- Trainable parameters are float32 *master weights* (``model.policy.master_dtype``): AdamW at lr 1e-6 changes a
-  N(0, 0.02) weight by far less than bf16's resolution (8 bits of mantissa), so a bf16 parameter keeps ~2% of
-  its updates and an fp32 one all of them. Gradients and AdamW states follow the parameter dtype.
-- Compute is bf16 where the Trainer asks for it: ``bf16-mixed`` autocasts matmuls (one GPU, DDP, CPU); under
-  FSDP2 (``trainer=fsdp``) the sharded fp32 master parameters are all-gathered in bf16 for compute and gradients
-  are reduced in fp32 (:func:`fsdp_mixed_precision`, the verl/torchtitan setting).
-- Frozen weights stay in the loading dtype ``model.policy.dtype`` (bf16 at paper scale): the LoRA base model and
-  the frozen KL reference.
-- Log-probs are computed from logits upcast to float32 (``log_probs.log_probs_from_logits``).
-"""
+"""Which tensors are float32 and which bf16. Trainable parameters are float32 *master weights*
+(``model.policy.master_dtype``): AdamW at lr 1e-6 changes a N(0, 0.02) weight by far less than bf16's resolution,
+so a bf16 parameter keeps ~2% of its updates. Compute is bf16 where the Trainer asks for it; frozen weights stay in
+the loading dtype ``model.policy.dtype``; log-probs come from logits upcast to float32."""
 from __future__ import annotations
 
 import logging
@@ -24,8 +16,7 @@ def torch_dtype(name: str) -> torch.dtype:
     """``"bfloat16"`` → ``torch.bfloat16``.
 
     Raises:
-        ValueError: ``name`` is not a floating-point torch dtype.
-    """
+        ValueError: ``name`` is not a floating-point torch dtype."""
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype {name!r} is not a floating-point torch dtype; expected e.g. 'float32' or 'bfloat16'")
@@ -44,9 +35,9 @@ def master_dtype(name: str) -> torch.dtype:
 
 
 def fsdp_mixed_precision(trainer_precision: str):
-    """FSDP2 ``MixedPrecisionPolicy`` for a Lightning precision string: under ``bf16-mixed`` (``16-mixed``),
-    parameters are all-gathered in bf16 (fp16) for compute and gradients reduce-scattered in fp32, while the
-    sharded parameters (the optimizer's master weights) keep their own dtype. Otherwise no casting."""
+    """FSDP2 ``MixedPrecisionPolicy`` for a Lightning precision: under ``bf16-mixed`` (``16-mixed``) parameters are
+    all-gathered in bf16 (fp16) and gradients reduce-scattered in fp32, the sharded master weights keeping their dtype
+    (the verl/torchtitan setting); otherwise no casting."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     precision = str(trainer_precision)
@@ -58,14 +49,11 @@ def fsdp_mixed_precision(trainer_precision: str):
 
 
 def check_trainable_dtype(model: nn.Module, expected: torch.dtype, trainer_precision: str) -> str:
-    """Raise unless every trainable parameter is ``expected``; return a one-line summary of the layout.
-
-    Run once training is set up (after any precision plugin or sharding touched the parameters).
+    """A one-line summary of the parameter layout, once training is set up (after any precision plugin or sharding).
 
     Raises:
-        RuntimeError: a trainable parameter has another dtype (e.g. ``trainer.precision=bf16-true`` casts the
-            whole model to bf16).
-    """
+        RuntimeError: a trainable parameter is not ``expected`` (e.g. ``trainer.precision=bf16-true`` casts the whole
+            model to bf16)."""
     counts: dict[tuple[bool, torch.dtype], int] = {}
     for p in model.parameters():
         key = (p.requires_grad, p.dtype)

@@ -1,12 +1,7 @@
-"""Reusing a prompt's attention keys/values in a later generation (prefix caching).
-
-After a rollout step the model has already computed the keys/values of every prompt; the reflection on a finished
-episode (tip writing, docs/method.md#memory) continues the episode's last prompt, so that prompt's keys/values are kept
-(``PromptKV``) and the reflection only computes its new tokens. A batch mixing prompts with and without a kept
-prefix is laid out as ``[left-padded prefix | left-padded rest]``: the prefix block comes from the kept caches,
-the rest is fed to the model, and position ids follow the attention mask, so the padding between the two blocks
-changes nothing (checked against generation from the whole prompt in ``tests/test_policy.py``).
-"""
+"""Reusing a prompt's attention keys/values in a later generation (prefix caching): a reflection continues its
+episode's last prompt (docs/method.md#memory), and the episodes of a task share their prompts' beginning. A batch
+mixing prompts with and without a kept prefix is laid out as ``[left-padded prefix | left-padded rest]``; position
+ids follow the attention mask, so the padding between the blocks changes nothing (tests/test_policy.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,17 +20,16 @@ class PromptKV:
 
 
 def row_prompt_kv(layers: list[tuple[Tensor, Tensor]], row: int, spans: list[tuple[int, int]]) -> PromptKV:
-    """Copy row ``row``'s prompt keys/values out of a batch's ``layers`` (``[(keys, values)]`` per layer, each
-    [B, kv_heads, T, head_dim]): the columns of ``spans`` (``prompt_spans``), in order."""
+    """A copy of row ``row``'s prompt keys/values (``layers``: each [B, kv_heads, T, head_dim]), the columns of
+    ``spans`` in order."""
     layers = [(torch.cat([keys[row:row + 1, :, a:b] for a, b in spans], dim=2),
                torch.cat([values[row:row + 1, :, a:b] for a, b in spans], dim=2)) for keys, values in layers]
     return PromptKV(layers, sum(b - a for a, b in spans))
 
 
 def prompt_spans(prompt_lengths: list[int], prefix_lengths: list[int], width: int) -> list[list[tuple[int, int]]]:
-    """Where each prompt's ids sit in a generation batch of ``width`` columns: one span in a left-padded batch (all
-    prefix lengths 0), else the kept prefix's span in the prefix block and the rest's in the rest block
-    (``batch_with_prefixes``'s layout)."""
+    """Each prompt's column spans in a generation batch of ``width`` columns: one in a left-padded batch, else the
+    kept prefix's in the prefix block and the rest's in the rest block (``batch_with_prefixes``)."""
     t_len = max(prefix_lengths)
     spans = []
     for n_prompt, n_prefix in zip(prompt_lengths, prefix_lengths):
@@ -46,15 +40,11 @@ def prompt_spans(prompt_lengths: list[int], prefix_lengths: list[int], width: in
 
 def batch_with_prefixes(prompt_ids: list[list[int]], prefixes: list[PromptKV | None], pad_token_id: int,
                         config) -> tuple[dict[str, Tensor], DynamicCache]:
-    """Inputs and cache for generating from prompts whose first ``prefixes[i].length`` ids are already cached.
-
-    Returns ``({"input_ids", "attention_mask"} [B, T + R], cache of length T)``: T the longest prefix, R the longest
-    rest. Rows without a prefix have an all-padding prefix block.
+    """``({"input_ids", "attention_mask"} [B, T + R], cache of length T)`` for prompts whose first
+    ``prefixes[i].length`` ids are cached: T the longest prefix (all padding for rows without one), R the longest rest.
 
     Raises:
-        ValueError: lengths differ, or a prefix covers its whole prompt (the last prompt token must be fed to get
-            the first response token's logits).
-    """
+        ValueError: lengths differ, or a prefix covers its whole prompt (its last token must be fed)."""
     if len(prefixes) != len(prompt_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(prefixes)} prefixes")
     lengths = [0 if p is None else p.length for p in prefixes]
@@ -86,7 +76,7 @@ def batch_with_prefixes(prompt_ids: list[list[int]], prefixes: list[PromptKV | N
 
 
 def slice_prompt_kv(kv: PromptKV, length: int) -> PromptKV:
-    """The keys/values of the first ``length`` positions of ``kv`` (views, not copies)."""
+    """The first ``length`` positions of ``kv`` (views)."""
     return PromptKV([(k[:, :, :length], v[:, :, :length]) for k, v in kv.layers], length)
 
 
@@ -97,14 +87,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def shared_runs(prompt_ids: list[list[int]], min_length: int) -> list[tuple[list[int], int]]:
-    """Runs of rows whose prompts share a prefix of at least ``min_length`` ids, each computed once:
-    ``[(rows, prefix length)]``, each row in at most one run, a run's prefix leaving each prompt's last id (it must be
-    fed to predict the first response token).
-
-    Rows are taken in token order and cut into the runs that save the most ids (k rows sharing L ids save
-    (k - 1)·L; exact, by dynamic programming over the cut points): the episodes of a task (same system prompt and task
-    text; at their first step the same whole prompt) form one run, not one with every other task over the system
-    prompt alone."""
+    """Runs of rows whose prompts share at least ``min_length`` ids, ``[(rows, prefix length)]``, each row in at most
+    one run, a prefix leaving each prompt's last id. The rows, in token order, are cut where the ids saved ((k - 1)·L
+    for k rows sharing L) are most (dynamic programming): a task's episodes form one run, not one with every other task
+    over the system prompt alone."""
     order = sorted(range(len(prompt_ids)), key=lambda i: prompt_ids[i])
     m = len(order)
     # lcp[j]: what rows j and j + 1 (in order) share, leaving each one's last id
@@ -131,16 +117,10 @@ def shared_runs(prompt_ids: list[list[int]], min_length: int) -> list[tuple[list
 
 
 class SharedPrefixes:
-    """Keys/values of the prompt prefixes that rows of a generation share, computed once per prefix and reused by
-    every row and by later calls while the weights stay the same (one rollout: ``run_episodes`` makes one).
-
-    ``for_batch`` finds the runs of rows with a common prefix of at least ``min_length`` ids (``shared_runs``) and
-    gives each run's rows one ``PromptKV`` for ``Policy.generate(prefix_kv=...)``: taken from a prefix kept from the
-    previous call where that one covers it (a slice), continued from the part a kept prefix covers, else computed
-    whole; a row in no run reuses the longest kept prefix it starts with. Only the last call's prefixes are kept (the
-    tasks of a rollout's episodes: bounded memory). ``prompt_tokens`` and ``computed_tokens`` count the prompt ids
-    seen and the ones the model had to compute.
-    """
+    """Keys/values of the prompt prefixes that rows of a generation share, computed once and reused while the weights
+    stay the same (one per rollout): ``for_batch`` gives each ``shared_runs`` run one ``PromptKV``, from the last call's
+    where they cover it; a row in no run reuses the longest kept prefix it starts with. Only the last call's prefixes
+    are kept. ``prompt_tokens`` / ``computed_tokens``: prompt ids seen / computed."""
 
     def __init__(self, min_length: int = 16):
         self.min_length = int(min_length)
@@ -149,7 +129,7 @@ class SharedPrefixes:
         self.computed_tokens = 0
 
     def _longest_kept(self, ids: list[int], limit: int) -> PromptKV | None:
-        """The longest kept prefix ``ids`` starts with, sliced to at most ``limit`` ids (None under ``min_length``)."""
+        """The longest kept prefix of ``ids``, at most ``limit`` ids (None under ``min_length``)."""
         best = None
         for kept_ids, kv in self.kept:
             n = min(common_prefix(kept_ids, ids), limit)
@@ -158,9 +138,8 @@ class SharedPrefixes:
         return best
 
     def for_batch(self, compute, prompt_ids: list[list[int]]) -> list[PromptKV | None] | None:
-        """One ``PromptKV`` (or None) per row, or None when no row has one. ``compute(ids, past)`` runs the model on
-        ``ids`` continuing ``past`` (a ``PromptKV`` of their first ``past.length`` ids, or None) and returns the
-        ``PromptKV`` of all of ``ids``."""
+        """One ``PromptKV`` (or None) per row, None when no row has one. ``compute(ids, past)`` returns the ``PromptKV``
+        of ``ids`` continuing ``past`` (of their first ``past.length`` ids, or None)."""
         out: list[PromptKV | None] = [None] * len(prompt_ids)
         kept: list[tuple[list[int], PromptKV]] = []
         for rows, n in shared_runs(prompt_ids, self.min_length):

@@ -1,15 +1,11 @@
 """The rollout engine behind ``Policy.generate``: how a batch of prompts becomes replies (``RolloutEngine``).
 
-- **Decoding** (gpt-fast's shape): one prefill, then a loop over the model's own forward that draws one token per row
-  from ``log_softmax(logits / T)``, the log-probs the trainer scores (``sampling.Sampler``); no checkpoint
-  ``generation_config`` is read. A row ends at its first EOS (kept: the policy learns to stop); with seeded streams
-  it then leaves the batch. Without seeds every row stays to the end: torch's generator draws one batch-shaped
-  sample per step, and a smaller batch would change the other rows' draws.
-- **Each phase's precision** (``model.policy.rollout_precision``). A prefill multiplies hundreds of prompt tokens at
-  once (compute-bound: bf16 wins on CPUs with AVX512-BF16 or AMX), a decoding step a few rows (bound by the bytes of
-  the weights): a bf16 prefill runs under autocast, bf16 decoding steps run a bf16 copy of the weights
-  (``InferenceCopy``), since autocast would cast frozen weights again at every step. The loss's log-probs still come
-  from the training forward; ``algorithm.rollout_is`` covers the mismatch."""
+Decoding (gpt-fast's shape) is one prefill, then a loop over the model's own forward drawing one token per row
+(``sampling.Sampler``). A row ends at its first EOS (kept: the policy learns to stop); with seeded streams it then
+leaves the batch; without, every row stays: torch's generator draws one batch-shaped sample per step, and a smaller
+batch would change the other rows' draws. Each phase has its precision (``model.policy.rollout_precision``): a
+prefill is compute-bound (bf16 autocast wins on CPUs with AVX512-BF16 or AMX), a decoding step bound by the weights'
+bytes (bf16 steps run a bf16 copy, ``InferenceCopy``: autocast would cast frozen weights again every step)."""
 from __future__ import annotations
 
 import contextlib
@@ -47,10 +43,9 @@ class EngineSettings:
 
 @dataclass
 class Decoded:
-    """``tokens`` / ``log_probs``: ``[B, T]`` (long, float32 nats), row i's response in its first ``lengths[i]``
-    columns (EOS included); ``truncated[i]``: no EOS within the budget; ``kv`` (with ``keep_prompt_kv``): the prompts'
-    keys/values after the prefill, ``[(keys, values)]`` per layer, each ``[B, kv_heads, width, head_dim]``, and each
-    prompt's column spans in them (``prompt_spans``)."""
+    """``tokens`` / ``log_probs``: ``[B, T]`` (long, float32 nats), row i's response (EOS included) in its first
+    ``lengths[i]`` columns, ``truncated[i]`` without EOS; ``kv`` (``keep_prompt_kv``): the prompts' keys/values after
+    the prefill, each layer's ``[B, kv_heads, width, head_dim]``, and each prompt's column spans in them."""
 
     tokens: Tensor
     log_probs: Tensor
@@ -289,8 +284,7 @@ def rollout_precision(value: str, device_type: str) -> str:
 
 def resolve_rollout_precision(cfg) -> str | None:
     """Write this machine's choice for ``model.policy.rollout_precision=auto`` into ``cfg`` (under FSDP after
-    ``rollout_precision_under_fsdp``), so the logged config and the ``rollout_precision_used`` tag say what ran. Returns
-    it (None without a policy).
+    ``rollout_precision_under_fsdp``), so the logged config says what ran; returns it (None without a policy).
 
     Raises:
         ValueError: an unknown value."""
@@ -313,13 +307,11 @@ def resolve_rollout_precision(cfg) -> str | None:
 
 
 class InferenceCopy:
-    """A copy of one model in ``dtype`` for bf16 decoding steps, built at first use: a step's time is the weights'
-    bytes, which bf16 halves (docs/performance.md). It copies only the parameters of another dtype (a bf16 LoRA base is
-    shared) and keeps the buffers (a bf16 rotary ``inv_freq`` would shift late positions' phase by radians).
-
-    Refreshed from the live weights at every ``generate`` call, so no update path leaves it stale (a fused optimizer
-    and ``.data`` writes bump no version counter); rebuilt when the model, a parameter object, shape, device, dtype or
-    a PEFT layer's adapter state changes."""
+    """A copy of one model in ``dtype`` for bf16 decoding steps, whose time is the weights' bytes (docs/performance.md).
+    Only parameters of another dtype are copied (a bf16 LoRA base is shared); buffers are kept (a bf16 rotary
+    ``inv_freq`` would shift late positions' phase). Refreshed from the live weights at every ``generate`` call (a
+    fused optimizer and ``.data`` writes bump no version counter); rebuilt when the model, a parameter object, shape,
+    device, dtype or a PEFT layer's adapter state changes."""
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16):
         self.dtype = dtype

@@ -1,12 +1,7 @@
-"""What sampling may and may not read, how a step draws (``Sampler``), and the random streams of seeded rows.
-
-The trainer scores every sampled token with ``log_softmax(logits / T)`` over the full vocabulary (old and behaviour
-log-probs of the clipped loss, docs/method.md#one-iteration), so the tokens must be drawn from that same distribution.
-The rollout engine (``src/models/rollout_engine.py``) reads nothing but the logits and the temperature; a checkpoint's
-``generation_config`` may carry defaults that would change the distribution (Qwen2.5-7B-Instruct ships
-``repetition_penalty: 1.05``, ``top_k: 20``, ``top_p: 0.8``; others ``min_p``, ``no_repeat_ngram_size``, ...), and
-``Policy`` warns once that they are ignored (``dropped_generation_defaults``).
-"""
+"""What sampling may read, how a step draws (``Sampler``), and the random streams of seeded rows. The trainer scores
+every token with ``log_softmax(logits / T)`` over the full vocabulary, so tokens are drawn from exactly that: a
+checkpoint's ``generation_config`` (Qwen2.5-7B-Instruct's ``top_k: 20``, ``top_p: 0.8``, ...) is ignored, with
+a warning (``dropped_generation_defaults``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,15 +11,13 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig
 
-# generation_config fields that do not change which token is drawn (token ids and bookkeeping).
 NEUTRAL_GENERATION_KEYS = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
                                      "use_cache", "output_attentions", "output_hidden_states",
                                      "transformers_version", "_from_model_config"})
 
 
 def dropped_generation_defaults(generation_config: GenerationConfig | None) -> dict[str, Any]:
-    """The checkpoint's generation settings that policy sampling ignores: every field that differs from
-    transformers' defaults, except token ids and bookkeeping (:data:`NEUTRAL_GENERATION_KEYS`)."""
+    """The checkpoint's generation settings that differ from transformers' defaults, token ids and bookkeeping aside."""
     if generation_config is None:
         return {}
     defaults = GenerationConfig._get_default_generation_params()
@@ -57,14 +50,10 @@ def splitmix64(x: Tensor) -> Tensor:
 
 def counter_exponentials(seeds: Tensor, step: int | Tensor, size: int) -> Tensor:
     """``[B, size]`` float64 draws of Exp(1), entry (i, k) a function of (``seeds[i]``, ``step``, k) alone: the k-th
-    output of splitmix64 started from the state ``seeds[i] * _SEED + step * _STEP``, its top 53 bits as a uniform u in
-    (0, 1), then -log u. With seed 0 at step 0 this is splitmix64's reference sequence from state 0.
-
-    A counter-based generator: a row's draws depend on nothing else in the batch and no generator state is kept, so
-    a whole batch is a few element-wise kernels (on a GPU, per-row ``torch.Generator`` calls made every decoding step
-    of a 7B model 2.3-4x slower: docs/performance.md). ``seeds``: ``[B]`` int64 on the target device; ``step`` an int
-    or a 0-d / ``[1]`` int64 tensor (what a captured CUDA graph reads; the same draws: int64 products wrap alike).
-    """
+    output of splitmix64 from the state ``seeds[i] * _SEED + step * _STEP``, its top 53 bits as u in (0, 1), then -log
+    u (seed 0, step 0: splitmix64's reference sequence). Counter-based, so a batch is a few element-wise kernels
+    (per-row ``torch.Generator`` calls are slow on a GPU: docs/performance.md). ``seeds``: ``[B]`` int64; ``step``: an
+    int or a 0-d / ``[1]`` int64 tensor (what a captured CUDA graph reads; the same draws)."""
     index = torch.arange(1, size + 1, dtype=torch.int64, device=seeds.device)
     offset = step * _STEP if isinstance(step, Tensor) else int64(step * _STEP)
     x = splitmix64(seeds[:, None] * _SEED + (index * _GAMMA + offset))
@@ -72,15 +61,12 @@ def counter_exponentials(seeds: Tensor, step: int | Tensor, size: int) -> Tensor
 
 
 class RowStreams:
-    """Each row's random stream for the exponential race ``argmax(logits / T - log E)``, ``E ~ Exp(1)`` (it picks
-    token k with probability ``softmax(logits / T)[k]``): on a CUDA GPU the counter-based ``counter_exponentials``
-    (``counter=True``: a batch is a few element-wise kernels), elsewhere one ``torch.Generator`` per row (on a CPU the
-    counter's int64 arithmetic is ~10x slower than torch's sampler; Apple's MPS has no float64). The two draw different
-    tokens for the same seeds, each the same in every batch.
+    """Each row's stream for the exponential race ``argmax(logits / T - log E)``, ``E ~ Exp(1)`` (token k with
+    probability ``softmax(logits / T)[k]``): ``counter_exponentials`` on CUDA, else a ``torch.Generator`` per row (the
+    counter's int64 arithmetic is slow on a CPU; MPS has no float64). The two draw different tokens for the same seeds.
 
     Raises:
-        ValueError: a temperature <= 0.
-    """
+        ValueError: a temperature <= 0."""
 
     def __init__(self, seeds: list[int], temperature: float, device: torch.device | str = "cpu",
                  counter: bool | None = None):
@@ -94,8 +80,7 @@ class RowStreams:
             self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
     def draw(self, logits: Tensor, rows: Tensor, step: int) -> Tensor:
-        """``[n]`` tokens of the ``n`` rows ``rows`` (their indices among the seeds) at decoding step ``step`` from
-        ``logits`` ``[n, V]``."""
+        """``[n]`` tokens of the rows ``rows`` (indices among the seeds) at ``step`` from ``logits`` ``[n, V]``."""
         if self.counter:
             log_race = counter_exponentials(self.seeds[rows.to(self.seeds.device)], step, logits.shape[-1]).log_()
         else:
@@ -108,16 +93,16 @@ class RowStreams:
 
 @dataclass
 class Sampler:
-    """How every step of one ``generate`` call draws: at ``temperature``, from each row's seeded stream
-    (``streams``, ``do_sample`` only), torch's global generator (``do_sample`` without streams), or greedily."""
+    """How one ``generate`` call draws: from each row's ``streams``, torch's global generator (``do_sample`` without
+    streams), or greedily."""
 
     temperature: float
     do_sample: bool = True
     streams: RowStreams | None = None
 
     def pick(self, logits: Tensor, rows: Tensor, step: int | Tensor) -> tuple[Tensor, Tensor]:
-        """The ``[n]`` tokens drawn from ``logits`` ``[n, V]`` (float32) for the rows ``rows`` at ``step`` and their
-        log-probs under ``log_softmax(logits / temperature)``."""
+        """The ``[n]`` tokens drawn from ``logits`` ``[n, V]`` (float32) for ``rows`` at ``step``, and their log-probs
+        under ``log_softmax(logits / temperature)``."""
         log_softmax = torch.log_softmax(logits / self.temperature, dim=-1)
         if self.streams is not None:
             chosen = self.streams.draw(logits, rows, step)

@@ -72,11 +72,8 @@ def micro_batches(batch: list[SFTExample], max_tokens: int | None) -> list[list[
 
 class SFTModule(L.LightningModule):
     """Cross-entropy fine-tuning of a ``Policy`` on ``SFTExample`` batches, AdamW, one optimizer step per batch, its
-    gradient accumulated over ``micro_batches`` of at most ``micro_batch_tokens`` padded tokens.
-
-    Logs ``train/loss`` (nats per target token), ``train/target_tokens``, ``train/tokens_per_s`` (the previous batch's
-    tokens over its wall time) and ``train/epoch_time_s`` (also kept in ``epoch_times``). ``share_prefix``: as
-    ``Policy.log_probs``."""
+    gradient accumulated over ``micro_batches``. Logs ``train/loss`` (nats per target token), ``train/target_tokens``,
+    ``train/tokens_per_s`` (the previous batch's) and ``train/epoch_time_s`` (also in ``epoch_times``)."""
 
     def __init__(self, policy: Policy, lr: float = 1e-4, weight_decay: float = 0.0, share_prefix: bool = True,
                  gradient_clip_val: float | None = None, micro_batch_tokens: int | None = 4096):

@@ -1,12 +1,9 @@
-"""Decoding steps over preallocated keys/values (gpt-fast's shape), each step captured in a CUDA graph on a GPU.
-
-The dynamic loop copies the whole cache to grow it each step and launches every kernel from Python: on a GPU the
-launches, not the bytes, bound a 7B decoding step (docs/performance.md). Here a step writes one column in place
-(``StaticKV``) and runs the model's own layers on fixed shapes, so on CUDA the whole step (forward, log-softmax,
-draw) replays as one graph. As replies end, the running rows are repacked into the smallest power-of-two bucket that
-holds them (one capture per bucket); a row's draw depends only on its seed and step, never on its slot. Graphs are
-captured per ``generate`` call, so they read that moment's weights. On a CPU the same loop runs eagerly. The tokens
-and log-probs equal the dynamic loop's (fp32, tests/test_static_decode.py)."""
+"""Decoding steps over preallocated keys/values (gpt-fast's shape), each captured in a CUDA graph on a GPU, where
+kernel launches, not bytes, bound a 7B decoding step (docs/performance.md). A step writes one column in place
+(``StaticKV``) and runs the model's own layers on fixed shapes. Running rows are repacked into the smallest
+power-of-two bucket that holds them (one capture each); a row's draw depends only on its seed and step, never on
+its slot. Graphs are captured per ``generate`` call, so they read that moment's weights; on a CPU the loop runs
+eagerly. Tokens and log-probs equal the dynamic loop's (fp32, tests/test_static_decode.py)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -118,10 +115,9 @@ class _Graph:
 @torch.no_grad()
 def decode_static(model, layers: list[tuple[Tensor, Tensor]], logits: Tensor, mask: Tensor, replies,
                   sampler: Sampler, max_new_tokens: int, synced: bool, graphs: bool) -> None:
-    """``RolloutEngine.decode``'s loop over ``StaticKV``: ``layers`` the prefill's keys/values (``[B, kv_heads, W,
-    head_dim]`` each), ``logits`` ``[B, V]`` its last position's, ``mask`` ``[B, W]``. ``graphs``: one CUDA graph per
-    bucket, for seeded streams on CUDA or greedy only (torch's global generator draws one batch-shaped sample per step,
-    so those rows run eagerly, every row to the end).
+    """``RolloutEngine.decode``'s loop over ``StaticKV``: ``layers`` the prefill's keys/values (each
+    ``[B, kv_heads, W, head_dim]``), ``logits`` ``[B, V]`` its last, ``mask`` ``[B, W]``. ``graphs``: a CUDA graph per
+    bucket, for seeded streams on CUDA or greedy only (torch's global generator draws a batch-shaped sample per step).
 
     Raises:
         ValueError: the model is not a decoder of the supported shape (``causal_lm``)."""

@@ -27,12 +27,9 @@ class MiniBatchMetrics:
                 s[k] = (total + v * w, weights + w)
 
     def pop(self, prefix: str = "train/", combine=None) -> dict[str, float]:
-        """The mini-batch's values (a mean with no weight is 0), keys prefixed; starts the next mini-batch empty.
-
-        ``combine(flat, how)`` (``src.utils.distributed.combine_over_ranks``) first combines every rank's numbers
-        into the whole global mini-batch's: partial sums and the means' weighted totals and weights are summed,
-        maxima maxed, so each value is the one a single process would compute over all ranks' samples.
-        """
+        """The mini-batch's values, keys prefixed (a mean with no weight is 0); the next mini-batch starts empty.
+        ``combine`` (``combine_over_ranks``) first sums or maxes every rank's numbers, so each value is the one a single
+        process would compute over all ranks' samples."""
         s, self._stats = self._stats, {}
         flat: dict[str, float] = {}
         for k, v in s.items():
