@@ -2,9 +2,9 @@
 
 ``prepare_run`` is every start-up check of ``src/train.py``: the Lightning options, the GPU and the checkpoint file
 (``src/utils/startup_checks.py``), every setting's value (``check_training_settings``: one ``ConfigError`` listing
-each bad key with its value and what is expected, in the order the groups are built: trainer, data, algorithm,
-environment, model, memory) and the checkpoint's model against the configured one (``check_checkpoint_model``). Nothing here
-loads weights or starts an environment: a checkpoint is memory-mapped, a model known by its ``config.json``.
+each bad key with its value and what is expected; each group's own rules are its schema's, ``Settings.problems``,
+and the rules that span groups are here) and the checkpoint's model against the configured one
+(``check_checkpoint_model``). Nothing here loads weights or starts an environment.
 """
 from __future__ import annotations
 
@@ -279,7 +279,8 @@ def check_resume_settings(cfg: DictConfig, path: Path) -> dict[str, tuple[Any, A
     if not saved:
         return {}
     before, after = flat(saved), flat(resolved_config(cfg))
-    skip = ("ckpt_path", "paths.", "hydra.", "trainer.default_root_dir", "logger.", "callbacks.model_checkpoint.dirpath")
+    skip = ("ckpt_path", "paths.", "hydra.", "trainer.default_root_dir", "logger.",
+            "callbacks.model_checkpoint.dirpath")
     changed = {k: (before[k], after.get(k)) for k in sorted(before)
                if not k.startswith(skip) and k in after and before[k] != after[k]}
     fixed = [f"{k}: {old!r} in the checkpoint, {new!r} now" for k, (old, new) in changed.items() if _fixed(k)]

@@ -76,8 +76,8 @@ class DataConfig(Settings):
                             "so a group of fewer than 2 has no learning signal (every advantage is 0); expected an int "
                             ">= 2 (8 in the paper)")
         if self.max_steps is not None and (not is_int(self.max_steps) or self.max_steps < 1):
-            problems.append(f"data.max_steps={self.max_steps!r}: the step budget the prompt shows; expected an int >= 1 "
-                            "or null")
+            problems.append(f"data.max_steps={self.max_steps!r}: the step budget the prompt shows; expected an int "
+                            ">= 1 or null")
         problems += int_at_least("data.history_length", self.history_length, 0, " (past steps shown in the prompt)")
         if self.history_action not in HISTORY_ACTIONS:
             problems.append(f"data.history_action={self.history_action!r}: expected one of {HISTORY_ACTIONS}")

@@ -103,7 +103,8 @@ class AlgorithmConfig(Settings):
                 problems.append(f"algorithm.{key}={getattr(self, key)!r}: expected a value in [0, 1]")
         if not 0.0 <= self.clip_ratio_low < 1.0 or self.clip_ratio_high < 0.0 or self.clip_ratio_c <= 1.0:
             problems.append(f"algorithm.clip_ratio_low/high/c={float(self.clip_ratio_low)}/"
-                            f"{float(self.clip_ratio_high)}/{float(self.clip_ratio_c)}: expected 0 <= low < 1, high >= 0, c > 1")
+                            f"{float(self.clip_ratio_high)}/{float(self.clip_ratio_c)}: expected 0 <= low < 1, "
+                            "high >= 0, c > 1")
         problems += int_at_least("algorithm.no_signal_patience", self.no_signal_patience, 1)
         problems += int_at_least("algorithm.max_nonfinite_steps", self.max_nonfinite_steps, 1)
         if not self.rollout_is_cap >= 1.0:
