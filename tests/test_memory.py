@@ -668,7 +668,14 @@ def test_the_written_table_holds_the_entries_stored_once_each(embedder, tiny_pol
     batch = MicroBatch(samples=[], loss_scale=1.0, batch_num_tokens=1.0, global_batch_size=1.0, mode="on_policy",
                        iteration=4, rollout_global_step=0, ppo_epoch=0, mini_batch=0, last_micro=True,
                        metrics={"rollout/score": 0.0})
-    memory.on_train_batch_start(trainer, None, batch, 0)
+    logged = {}
+
+    class Module:  # what the hook needs of the LightningModule Lightning hands it: log_dict
+        def log_dict(self, metrics, **kwargs):
+            logged.update(metrics)
+
+    memory.on_train_batch_start(trainer, Module(), batch, 0)
+    assert set(logged) == {"rollout/tip_tables_s", "rollout/tip_write_s"}  # the memory logs its own timings
     stored = memory.tips.entries("t/0")
     assert metrics["tips_written"] == 2 and [t.step for t in stored] == [0, 2]
     rows = read_table(tmp_path / "tips" / "iteration_0004_written.json")
