@@ -73,3 +73,18 @@ class StubEnv(Environment):
 
     def close(self) -> None:
         pass
+
+
+class HangingStubEnv(StubEnv):
+    """A StubEnv whose ``step`` of variation ``hang_variation`` sleeps ``hang_s`` seconds (a hung simulator)."""
+
+    def __init__(self, hang_variation: int = 0, hang_s: float = 60.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hang_variation, self.hang_s = int(hang_variation), float(hang_s)
+
+    def step(self, response: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.variation == self.hang_variation:
+            import time
+
+            time.sleep(self.hang_s)
+        return super().step(response)

@@ -103,6 +103,21 @@ def test_hung_worker_times_out_and_restarts(pool, reference):
     assert pool.reset([(1, TASKS[1])]) == [reference[0][1][0]]
 
 
+def test_hung_worker_read_first_fails_only_its_episode():
+    """A worker hung in ``step`` and read first: the others, which answered at once, keep their results and
+    their processes; only the hung one is timed out and restarted (issue 59)."""
+    cfg = {"_target_": "stub_envs.HangingStubEnv", "num_tasks": 4, "hang_variation": 0, "hang_s": 60}
+    with EnvPool(cfg, num_workers=4, timeout_s=2.0) as pool:
+        pool.reset([(i, {"task_name": "stub", "variation": i}) for i in range(4)])
+        pids, restarts = pool.worker_pids, pool.num_restarts
+        results = pool.step([(i, "wait") for i in range(4)])  # worker 0 (hung) is the first one read
+        assert pool.num_restarts == restarts + 1
+        assert pool.worker_pids[0] != pids[0] and pool.worker_pids[1:] == pids[1:]
+    assert "no answer" in results[0][4]["error"] and math.isnan(results[0][1])
+    for i, (obs, reward, _, _, info) in enumerate(results[1:], 1):
+        assert "error" not in info and (obs, reward) == (f"Variation {i}, step 1.", 0.0)
+
+
 def test_bad_requests(pool):
     with pytest.raises(ValueError, match="worker indices"):
         pool.step([(2, "look around")])

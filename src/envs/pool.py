@@ -19,7 +19,7 @@ import time
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -206,9 +206,9 @@ class EnvPool:
 
     @staticmethod
     def _recv(worker: _Worker, deadline: float) -> tuple | None:
-        """Next message, or None on timeout; raises EOFError/OSError when the worker is gone."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not worker.conn.poll(remaining):
+        """Next message, or None on timeout (a message already waiting is read after the deadline); raises
+        EOFError/OSError when the worker is gone."""
+        if not worker.conn.poll(max(0.0, deadline - time.monotonic())):
             return None
         return worker.conn.recv()
 
@@ -234,42 +234,59 @@ class EnvPool:
             except (OSError, ValueError) as exc:  # broken pipe / closed connection: the worker is gone
                 results[k] = ("error", f"worker {i}: could not send {cmd!r}: {exc!r}; restarted")
                 self._restart(i, repr(exc))
-        for k, (i, _) in enumerate(requests):
-            if results[k] is None:
-                results[k] = self._answer(i, cmd, start)
+        self._gather(cmd, requests, results, start)
         bad_requests = [f"worker {i}: {payload}" for (i, _), (status, payload) in zip(requests, results)
                         if status == "bad_request"]
         if bad_requests:
             raise ValueError(f"EnvPool.{cmd}: " + "; ".join(bad_requests))
         return results  # type: ignore[return-value]
 
-    def _answer(self, i: int, cmd: str, start: float) -> tuple[str, Any]:
+    def _gather(self, cmd: str, requests: list[tuple[int, Any]], results: list, start: float) -> None:
+        """Fill the missing results with the workers' answers as they arrive, each worker against its own deadline
+        (``timeout_s`` from ``start``, or from its "ready"): a hung worker never makes another one late."""
+        starts = {k: start for k, result in enumerate(results) if result is None}
+        while starts:
+            conns = {self._workers[requests[k][0]].conn: k for k in starts}
+            limits = {k: self.timeout_s + (0.0 if self._workers[requests[k][0]].ready else self.start_timeout_s)
+                      for k in starts}
+            first_deadline = min(starts[k] + limits[k] for k in starts)
+            readable = wait(list(conns), max(0.0, first_deadline - time.monotonic()))
+            for conn, k in conns.items():
+                i = requests[k][0]
+                if conn in readable:
+                    results[k] = self._read(i, cmd)
+                    if results[k] is None:  # a restarted worker announcing itself before the answer
+                        # Its start-up (a JVM: a minute on a busy machine) is not part of this call's timeout_s.
+                        starts[k] = time.monotonic()
+                        continue
+                elif time.monotonic() < starts[k] + limits[k] or conn.poll(0):
+                    continue  # not late, or its answer came in since: read on the next round
+                else:
+                    reason = f"worker {i} gave no answer to {cmd!r} within {limits[k]:.0f} s; killed and restarted"
+                    self._restart(i, reason)
+                    results[k] = ("error", reason)
+                del starts[k]
+
+    def _read(self, i: int, cmd: str) -> tuple[str, Any] | None:
+        """Worker ``i``'s next message as a call result, or None for its "ready"."""
         worker = self._workers[i]
-        while True:
-            limit = self.timeout_s + (0.0 if worker.ready else self.start_timeout_s)
-            try:
-                msg = self._recv(worker, start + limit)
-            except (EOFError, OSError):
-                worker.process.join(timeout=1)
-                reason = f"worker {i} died during {cmd!r} (exit code {worker.process.exitcode}); restarted"
-                self._restart(i, reason)
-                return ("error", reason)
-            if msg is None:
-                reason = f"worker {i} gave no answer to {cmd!r} within {limit:.0f} s; killed and restarted"
-                self._restart(i, reason)
-                return ("error", reason)
-            kind, payload = msg
-            if kind == "ready":  # a restarted worker announcing itself before the answer
-                # Its start-up (a JVM: a minute on a busy machine) is not part of this call's timeout_s.
-                worker.ready, start = True, time.monotonic()
-                continue
-            if kind == "episode_error":  # the environment refused this episode's input; the worker is healthy
-                return ("error", f"worker {i} raised during {cmd!r}: {payload}")
-            if kind in ("error", "init_error"):
-                what = "raised" if kind == "error" else "could not build its environment"
-                self._restart(i, payload)
-                return ("error", f"worker {i} {what} during {cmd!r}; restarted:\n{payload}")
-            return (kind, payload)
+        try:
+            kind, payload = worker.conn.recv()
+        except (EOFError, OSError):
+            worker.process.join(timeout=1)
+            reason = f"worker {i} died during {cmd!r} (exit code {worker.process.exitcode}); restarted"
+            self._restart(i, reason)
+            return ("error", reason)
+        if kind == "ready":
+            worker.ready = True
+            return None
+        if kind == "episode_error":  # the environment refused this episode's input; the worker is healthy
+            return ("error", f"worker {i} raised during {cmd!r}: {payload}")
+        if kind in ("error", "init_error"):
+            what = "raised" if kind == "error" else "could not build its environment"
+            self._restart(i, payload)
+            return ("error", f"worker {i} {what} during {cmd!r}; restarted:\n{payload}")
+        return (kind, payload)
 
     def reset(self, requests: list[tuple[int, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
         """Reset worker ``i`` on task dict ``task`` for each ``(i, task)``; returns ``(observation, info)`` each."""
