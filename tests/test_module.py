@@ -3,6 +3,7 @@ the same whatever the micro-batching (the mini-batch's global token count, docs/
 from __future__ import annotations
 
 import copy
+import dataclasses
 from functools import partial
 from pathlib import Path
 
@@ -536,3 +537,33 @@ def test_the_iteration_log_line_counts_skipped_steps_apart(tiny_model_dir, model
     line = next(r.getMessage() for r in caplog.records if r.name == "src.callbacks.iteration_log")
     assert line.startswith("iteration 0 (on_policy): score 0.25, return 0.5, success 0.00; 1 optimizer step(s)")
     assert "1 skipped (train/update_skipped" in line
+
+
+@pytest.mark.parametrize("weight_decay,entropy_coef", [(0.0, 0.0), (0.01, 0.0), (0.01, 0.01)])
+def test_a_mini_batch_without_advantage_leaves_the_policy_alone(tiny_model_dir, model_cache_dir, weight_decay,
+                                                                entropy_coef):
+    """Issue 59: an iteration whose advantages are all 0, kept under the default skip_zero_advantage=false, has no
+    gradient signal; after a real update AdamW's momentum (and weight decay) would still move every weight. The step
+    is skipped (weights and optimizer state bit-identical, logged as train/update_skipped 1) unless another term has a
+    gradient (entropy_coef > 0), when it trains as before."""
+    adamw = partial(torch.optim.AdamW, lr=1e-3, weight_decay=weight_decay)
+    reference = _module(tiny_model_dir, model_cache_dir, adamw, entropy_coef=entropy_coef)
+    samples = _samples(reference)
+    flat = [dataclasses.replace(s, advantage=0.0) for s in copy.deepcopy(samples)]
+    one = copy.deepcopy(reference)
+    _fit(one, _micro_batches(copy.deepcopy(samples), 4))
+    two = copy.deepcopy(reference)
+    logger = _fit_logged(two, _micro_batches(copy.deepcopy(samples), 4) + _micro_batches(flat, 2, iteration=1))
+    assert two.global_step == 2
+    moved = [n for n, p in one.policy.named_parameters() if not torch.equal(p, dict(two.policy.named_parameters())[n])]
+    if entropy_coef > 0:
+        assert moved and logger.series("train/update_skipped") == [0.0, 0.0]
+        return
+    assert not moved, f"{len(moved)} parameters moved by an update without advantage: {moved[:5]}"
+    states = [m.trainer.optimizers[0].state_dict()["state"] for m in (one, two)]
+    assert states[0].keys() == states[1].keys()
+    for k in states[0]:
+        for name, value in states[0][k].items():
+            assert torch.equal(value, states[1][k][name]), (k, name)
+    assert logger.series("train/update_skipped") == [0.0, 1.0]
+    assert logger.series("train/grad_norm")[1] == 0.0

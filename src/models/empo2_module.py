@@ -65,6 +65,7 @@ class EMPO2Module(L.LightningModule):
         self._step_stats = MiniBatchMetrics()
         self._train_tokens = 0
         self._train_time = 0.0
+        self._signal_tokens = 0  # this rank's response tokens with a non-zero advantage in the current mini-batch
         self._nonfinite_streak = 0  # consecutive optimizer steps skipped for a NaN/inf gradient norm
         self._iteration = 0  # iteration of the last micro-batch trained on (named by errors)
         self._val_iteration: int | None = None  # iteration of the last validation
@@ -129,6 +130,7 @@ class EMPO2Module(L.LightningModule):
         self.manual_backward(loss * world * batch.loss_scale)
         if batch.loss_scale > 0:  # padding micro-batches (DDP/FSDP alignment) are not data
             self._step_stats.add(metrics, num_tokens)
+            self._signal_tokens += sum(len(s.response_ids) for s in batch.samples if s.advantage != 0)
         self._train_tokens += sum(s.num_tokens for s in batch.samples)
         if batch.last_micro:
             self._optimizer_step(batch)
@@ -201,14 +203,15 @@ class EMPO2Module(L.LightningModule):
 
     def _optimizer_step(self, batch: MicroBatch) -> None:
         """Clip and apply the mini-batch's gradients; skip the step (gradients None: AdamW leaves weights and state
-        alone) when their norm is NaN or inf. A skipped step still counts in ``global_step`` and is logged and warned
-        about.
+        alone) when the mini-batch has no sample or no signal on any rank (``_has_signal``), or when their norm is NaN
+        or inf (warned about). A skipped step still counts in ``global_step`` and is logged.
 
         Raises:
             RuntimeError: ``algorithm.max_nonfinite_steps`` consecutive steps had a non-finite gradient norm."""
         opt = self.optimizers()
-        if not batch.has_data:
-            # no sample on any rank: AdamW would still move every weight (momentum and weight decay)
+        has_data = batch.has_data and self._has_signal()
+        if not has_data:
+            # nothing to learn on any rank: AdamW would still move every weight (momentum and weight decay)
             opt.zero_grad(set_to_none=True)
         # the norm before clipping; plain and FSDP2 (DTensor) grads
         params = [p for p in self.policy.parameters() if p.grad is not None]
@@ -221,12 +224,12 @@ class EMPO2Module(L.LightningModule):
             # one NaN entry makes every weight NaN after the step (clipping multiplies all gradients by max_norm / nan)
             opt.zero_grad(set_to_none=True)
             self._nonfinite_streak += 1
-        elif batch.has_data:  # a step without data says nothing about whether the gradients recovered
+        elif has_data:  # a step without data says nothing about whether the gradients recovered
             self._nonfinite_streak = 0
         step = self.global_step
         opt.step()
         opt.zero_grad(set_to_none=True)
-        self._log_update(batch, grad_norm, skipped=not finite or not batch.has_data)
+        self._log_update(batch, grad_norm, skipped=not finite or not has_data)
         if finite:
             return
         limit = self.algorithm.max_nonfinite_steps
@@ -243,6 +246,14 @@ class EMPO2Module(L.LightningModule):
                         "(%s); weights and optimizer state are unchanged (%d consecutive, the run stops at "
                         "algorithm.max_nonfinite_steps=%d)", step, batch.iteration, grad_norm,
                         self._nonfinite_streak, limit)
+
+    def _has_signal(self) -> bool:
+        """Whether the mini-batch's loss has a gradient: a response token with a non-zero advantage on some rank (a
+        collective), or a KL or entropy term. The same on every rank; resets this rank's count."""
+        tokens, self._signal_tokens = self._signal_tokens, 0
+        if self.algorithm.kl_coef > 0 or self.algorithm.entropy_coef > 0:
+            return True
+        return all_reduce([float(tokens)])[0] > 0
 
     def _log_rollout_metrics(self, batch: MicroBatch) -> None:
         """The iteration's rollout and memory metrics at the iteration's step; ``rollout/mode``: the mode's index in
