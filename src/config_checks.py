@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,44 @@ def rank_problems(trainer: dict[str, Any], data: dict[str, Any]) -> list[str]:
                 + (f" x trainer.num_nodes={nodes}" if nodes != 1 else "")
                 + f": {world - tasks} of the {world} ranks would play no episode in any iteration (task k runs on "
                 f"rank k mod {world}); expected data.tasks_per_iteration >= {world}, or fewer devices"]
+    return []
+
+
+MAX_SEED = 2**32 - 1
+
+
+def worker_problems(trainer: dict[str, Any], data: dict[str, Any], env: dict[str, Any]) -> list[str]:
+    """The environment workers of each rank: enough for an iteration's episodes at once (task k runs on rank k mod
+    world, ``RolloutDataModule.setup``), and no more than this machine's memory could hold once each simulator has
+    grown to its cap (the ranks of one machine share it: ``Environment.worker_bytes``)."""
+    import psutil
+
+    from src.envs.base import environment_class
+
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    tasks, group = data.get("tasks_per_iteration"), data.get("group_size")
+    if not all(is_int(v) and v >= 1 for v in (tasks, group)) or not env:
+        return []
+    ranks = devices if is_int(devices) and devices >= 1 else 1
+    world = ranks * (nodes if is_int(nodes) and nodes >= 1 else 1)
+    val = data.get("val") or {}
+    needed = max(math.ceil(tasks / world) * group,
+                 math.ceil(int(val.get("num_tasks") or 0) / world) * int(val.get("episodes_per_task") or 0))
+    workers = data.get("num_env_workers")
+    if is_int(workers) and 1 <= workers < needed:
+        return [f"data.num_env_workers={workers}: each rank plays {needed} episodes at once (data.tasks_per_iteration="
+                f"{tasks} over {world} rank(s) x data.group_size={group}, or the validation's); expected null (as many "
+                f"as needed) or an int >= {needed}"]
+    try:
+        each = environment_class(env).worker_bytes(env)
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
+        return []  # env_problems names a bad environment
+    count, memory = (workers if is_int(workers) else needed) * ranks, psutil.virtual_memory().total
+    if each and count * each > memory:
+        return [f"data.tasks_per_iteration={tasks} x data.group_size={group} starts {count} environment workers on "
+                f"this machine, up to ~{each / 2**30:.1f} GiB each (env.jvm_heap and the simulator's own): "
+                f"{count * each / 2**30:.0f} GiB, but the machine has {memory / 2**30:.0f} GiB; expected at most "
+                f"{max(1, memory // each)} workers here (fewer tasks per iteration, a smaller group or more machines)"]
     return []
 
 
@@ -174,10 +213,13 @@ def check_training_settings(cfg: DictConfig) -> None:
     seed = cfg.get("seed")
     problems = [] if is_int(seed) and seed >= 0 else [
         f"seed={seed!r}: expected an int >= 0 (it seeds every random stream of the run: modes, tasks, tokens)"]
+    if is_int(seed) and seed > MAX_SEED:
+        problems.append(f"seed={seed}: NumPy and Lightning seed with 32 bits; expected an int <= {MAX_SEED}")
     problems += trainer_problems(_container(cfg.get("trainer")))
     problems += group_problems(DataConfig, _container(cfg.get("data")))
     problems += rank_problems(_container(cfg.get("trainer")), _container(cfg.get("data")))
     problems += env_problems(_container(cfg.get("env")))
+    problems += worker_problems(_container(cfg.get("trainer")), _container(cfg.get("data")), _container(cfg.get("env")))
     problems += algorithm_problems(cfg)
     problems += model_problems(_container(cfg.get("model")))
     problems += generation_problems(_container(cfg.get("trainer")), _container(cfg.get("model")))

@@ -217,6 +217,17 @@ BAD_SETTINGS = [
     (["trainer.strategy=dpp"], r"trainer.strategy='dpp': not a Lightning strategy; did you mean 'ddp'\?"),
     (["trainer.devices=0"], r"trainer.devices=0: expected an int >= 1 \(-1: all\), 'auto' or a list"),
     (["trainer.accelerator=tpu", "trainer.precision=32-true"], r"trainer.accelerator='tpu': expected one of \['auto', 'cpu', 'gpu', 'cuda'\]"),
+    (["seed=99999999999"], r"seed=99999999999: NumPy and Lightning seed with 32 bits; expected an int <= 4294967295"),
+    (["algorithm.kl_coef=-1"], r"algorithm.kl_coef=-1: the weight of the KL penalty.*expected a number >= 0"),
+    (["algorithm.lowprob_log_threshold=5"], r"algorithm.lowprob_log_threshold=5: log δ, a log-probability \(-5 in the paper\); expected a number <= 0"),
+    (["algorithm.no_signal_patience=2.5"], r"algorithm.no_signal_patience=2.5: expected an int >= 1"),
+    (["env.jvm_heap=1m"], r"env.jvm_heap='1m': too small for a simulator's JVM \(it dies at start-up\); expected at least 128m"),
+    (["memory.novelty.coef=1e300"], r"memory.novelty.coef=1e\+300: the bonus for a new state.*expected a number in \[0, 1000\]"),
+    (["+memory.novelty.bogus=1"], r"memory.novelty.bogus: not a memory.novelty setting; expected keys among \['capacity', "),
+    (["data.pool_timeout_s=0"], r"data.pool_timeout_s=0: the seconds an environment worker may take for one call before it is restarted; expected a number > 0"),
+    (["data.num_env_workers=-3"], r"data.num_env_workers=-3: expected an int >= 1 or null"),
+    (["data.num_env_workers=1"], r"data.num_env_workers=1: each rank plays 8 episodes at once .*expected null \(as many as needed\) or an int >= 8"),
+    (["data.tasks_per_iteration=50"], r"data.tasks_per_iteration=50 x data.group_size=4 starts 200 environment workers on this machine.*expected at most"),
 ]
 
 

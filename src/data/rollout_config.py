@@ -81,6 +81,10 @@ class DataConfig(Settings):
         problems += int_at_least("data.history_length", self.history_length, 0, " (past steps shown in the prompt)")
         if self.history_action not in HISTORY_ACTIONS:
             problems.append(f"data.history_action={self.history_action!r}: expected one of {HISTORY_ACTIONS}")
+        if (number(self.pool_timeout_s) or 0) <= 0:
+            problems.append(f"data.pool_timeout_s={self.pool_timeout_s!r}: the seconds an environment worker may take "
+                            "for one call before it is restarted; expected a number > 0")
+        problems += int_at_least("data.num_env_workers", self.num_env_workers, 1, " or null (as many as needed)")
         if (number(self.temperature) or 0) <= 0:
             problems.append(f"data.temperature={self.temperature!r}: the rollout sampling temperature; expected a "
                             "number > 0 (1.0 in the paper)")

