@@ -431,6 +431,33 @@ def test_novelty_capacity_and_state_dict():
         NoveltyMemory(DIM, count="often")
 
 
+def test_novelty_capacity_override_reaches_the_store():
+    """``+memory.novelty.capacity=100`` is composed, read by the schema and honoured by the store: after 300 distinct
+    states, 8 per environment step, it holds the newest 100 (after every step), and one that left pays coef again.
+    An unknown ``memory.novelty`` key is refused by name."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from src.memory.settings import MemoryConfig
+
+    with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["+memory.novelty.capacity=100"]).memory
+    dim = 300
+    nov = NoveltyMemory(dim, MemoryConfig.from_dict(cfg).novelty)
+    assert nov.capacity == 100
+    stored = []
+    for start in range(0, 300, 8):
+        step = range(start, min(start + 8, 300))  # orthogonal states: all new
+        assert nov.rewards(["t"] * len(step), rows(*[e(i, dim) for i in step])).tolist() == [1.0] * len(step)
+        stored += reversed(step)  # in canonical order (sorted by embedding): e(j) before e(i) for i < j
+        assert nov.state_dict()["states"]["t"].argmax(1).tolist() == stored[-100:]
+    assert nov.sizes() == {"t": 100} and nov.visits() == {"t": [1] * 100}
+    assert nov.rewards(["t", "t"], rows(e(250, dim), e(10, dim))).tolist() == [0.5, 1.0]
+    with pytest.raises(ValueError, match=r"memory\.novelty\.bogus: not a memory\.novelty setting"):
+        MemoryConfig.from_dict({"novelty": {"bogus": 1}})
+
+
 # ---------------------------------------------------------------------------- Embedder (real MiniLM)
 @pytest.fixture(scope="module")
 def embedder() -> Embedder:

@@ -11,19 +11,56 @@ a visit is r_int = coef / (N + 1), where N measures familiarity with e before th
 
 All states of one call (one environment step of all episodes) are scored against the store as it was before
 the call, then added in a canonical order (sorted by embedding), so nothing depends on the episodes' order.
+
+A task's states live in a ``faiss.IndexFlatIP`` (amortised appends, no copy of the store per new state). A call
+reads them with one float32 product of all its states with the index's own storage (exact; 2-20x faster than the
+index's own ``range_search``, docs/performance.md#novelty-store); that one product decides both the rewards and the
+visits, and the states the call itself adds are compared with each other in a [B, B] product.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
+import faiss
 import numpy as np
 
 from src.memory.embedder import check_unit_rows
 from src.memory.settings import NoveltyConfig
+from src.memory.tip_partition import one_blas_thread, stored_keys
 
 _FORMAT = "empo2.novelty.v2"
 _OLD_FORMAT = "empo2.novelty.v1"  # distinct states without counts (each counts as one visit)
+
+
+class _TaskStates:
+    """One task's stored states, oldest first: index rows ``start:`` with ``counts`` visits each. Evicted rows stay
+    below ``start`` until they number a quarter of the live ones, then leave in one compaction, so a full store does
+    not move all its rows at every step."""
+
+    __slots__ = ("index", "start", "counts")
+
+    def __init__(self, dim: int, keys: np.ndarray, counts: np.ndarray) -> None:
+        self.index, self.start, self.counts = faiss.IndexFlatIP(dim), 0, np.zeros(0, np.int64)
+        self.add(keys, counts)
+
+    def keys(self) -> np.ndarray:
+        """float32 [n, dim] view of the live states (valid until the store changes)."""
+        return stored_keys(self.index)[self.start:]
+
+    def add(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        self.index.add(np.ascontiguousarray(keys, dtype=np.float32))
+        self.counts = np.concatenate([self.counts, np.asarray(counts, np.int64)])
+
+    def keep_newest(self, capacity: int | None) -> None:
+        extra = 0 if capacity is None else len(self.counts) - capacity
+        if extra <= 0:
+            return
+        self.start, self.counts = self.start + extra, self.counts[extra:].copy()
+        if 4 * self.start >= len(self.counts):
+            removed = self.index.remove_ids(faiss.IDSelectorRange(0, self.start))  # keeps the rest in order
+            if removed != self.start:
+                raise RuntimeError(f"FAISS removed {removed} rows, expected {self.start}")
+            self.start = 0
 
 
 class NoveltyMemory:
@@ -46,8 +83,7 @@ class NoveltyMemory:
         self.dim = int(dim)
         self.threshold, self.coef, self.capacity, self.count = (settings.threshold, float(settings.coef),
                                                                 settings.capacity, settings.count)
-        self._states: dict[str, np.ndarray] = {}  # key -> float32 [n, dim]
-        self._counts: dict[str, np.ndarray] = {}  # key -> int64 [n] visits per stored state
+        self._tasks: dict[str, _TaskStates] = {}
 
     def rewards(self, task_keys: list[str], embeddings: np.ndarray) -> np.ndarray:
         """Intrinsic rewards for the N states reached in one environment step, then record the visits.
@@ -72,33 +108,53 @@ class NoveltyMemory:
             groups.setdefault(k, []).append(i)
         out = np.zeros(len(task_keys), dtype=np.float64)
         for key, idx in groups.items():
-            e = emb[idx]
-            stored, counts = self._states.get(key), self._counts.get(key)
-            if stored is None:
-                familiar = np.zeros(len(idx), np.int64)
-            else:
-                similar = self._cosine(stored, e) >= self.threshold  # [n_stored, n_batch]
-                weights = counts if self.count == "visits" else np.ones_like(counts)
-                familiar = weights @ similar
-            out[idx] = self.coef / (familiar + 1.0)
-            self._visit(key, e)
+            e, store = emb[idx], self._tasks.get(key)
+            stored, cols, sims = self._similar(store, e)
+            weights = store.counts[stored] if store is not None and self.count == "visits" else None
+            out[idx] = self.coef / (np.bincount(cols, weights, minlength=len(idx)) + 1.0)
+            self._visit(key, e, stored, cols, sims)
         return out
 
-    def _visit(self, key: str, e: np.ndarray) -> None:
-        """Add one visit per row of ``e`` (one task key), in a canonical row order."""
-        stored = self._states.get(key, np.zeros((0, self.dim), np.float32))
-        counts = self._counts.get(key, np.zeros(0, np.int64))
+    def _similar(self, store: _TaskStates | None, e: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The pairs (stored state, row of ``e``) with cosine >= threshold, and their cosines (float32), ordered
+        by stored state, then row."""
+        if store is None:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
+        with one_blas_thread():  # a 2-core machine under load: a second thread cost ~10 ms at 1,000 states, saved none
+            sims = self._cosine(store.keys(), e)  # [n_stored, n_rows]
+        stored, cols = np.nonzero(sims >= self.threshold)
+        return stored, cols, sims[stored, cols]
+
+    def _visit(self, key: str, e: np.ndarray, stored: np.ndarray, cols: np.ndarray, sims: np.ndarray) -> None:
+        """Add one visit per row of ``e`` (one task key), in a canonical row order, given the pairs (``stored``
+        state, row ``cols``) of the store before the call with cosine ``sims`` >= threshold."""
+        store = self._tasks.get(key)
+        n = 0 if store is None else len(store.counts)
+        best = np.full(len(e), -np.inf, np.float32)  # per row: the nearest similar stored state (the oldest of ties)
+        nearest = np.full(len(e), -1, np.int64)
+        first = np.lexsort((stored, -sims, cols))
+        rows, at = np.unique(cols[first], return_index=True)
+        best[rows], nearest[rows] = sims[first[at]], stored[first[at]]
+        among_new = self._cosine(e, e)  # [i, j]: cosine of row j with row i, once row i is a new stored state
+        new: list[int] = []  # rows stored by this call, in order; stored state n + i is row new[i]
+        visits = np.zeros(n + len(e), np.int64)
         for row in np.lexsort(e.T[::-1]):  # sorted by embedding: the store does not depend on episode order
-            sims = self._cosine(stored, e[row : row + 1])[:, 0]
-            nearest = int(np.argmax(sims)) if len(sims) else -1
-            if nearest >= 0 and sims[nearest] >= self.threshold:
-                counts[nearest] += 1
+            if new:
+                sims_new = among_new[new, row]
+                i = int(np.argmax(sims_new))
+                if sims_new[i] > best[row]:  # a tie goes to the older state
+                    best[row], nearest[row] = sims_new[i], n + i
+            if best[row] >= self.threshold:
+                visits[nearest[row]] += 1
             else:
-                stored = np.concatenate([stored, e[row : row + 1]])
-                counts = np.concatenate([counts, np.ones(1, np.int64)])
-        if self.capacity is not None and len(stored) > self.capacity:
-            stored, counts = stored[-self.capacity:], counts[-self.capacity:]
-        self._states[key], self._counts[key] = np.ascontiguousarray(stored), counts.copy()
+                new.append(int(row))
+                visits[n + len(new) - 1] = 1
+        if store is None:
+            store = self._tasks[key] = _TaskStates(self.dim, e[new], visits[n: n + len(new)])
+        else:
+            store.counts += visits[:n]
+            store.add(e[new], visits[n: n + len(new)])
+        store.keep_newest(self.capacity)
 
     @staticmethod
     def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -106,15 +162,15 @@ class NoveltyMemory:
         return np.clip(a @ b.T, -1.0, 1.0)
 
     def __len__(self) -> int:
-        return sum(len(s) for s in self._states.values())
+        return sum(len(s.counts) for s in self._tasks.values())
 
     def sizes(self) -> dict[str, int]:
         """Stored states per task key."""
-        return {k: len(s) for k, s in self._states.items()}
+        return {k: len(s.counts) for k, s in self._tasks.items()}
 
     def visits(self) -> dict[str, list[int]]:
         """Visit count of each stored state per task key, oldest stored state first."""
-        return {k: c.tolist() for k, c in self._counts.items()}
+        return {k: s.counts.tolist() for k, s in self._tasks.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain objects for a Lightning checkpoint; states as CPU float32 ``torch.Tensor`` [n, dim] and counts as
@@ -124,8 +180,8 @@ class NoveltyMemory:
         return {
             "format": _FORMAT,
             "dim": self.dim,
-            "states": {k: torch.from_numpy(s.copy()) for k, s in self._states.items()},
-            "counts": {k: torch.from_numpy(c.copy()) for k, c in self._counts.items()},
+            "states": {k: torch.from_numpy(s.keys().copy()) for k, s in self._tasks.items()},
+            "counts": {k: torch.from_numpy(s.counts.copy()) for k, s in self._tasks.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -139,7 +195,7 @@ class NoveltyMemory:
             raise ValueError(f"not a novelty-memory state (format {state.get('format')!r}, expected {_FORMAT!r})")
         if int(state["dim"]) != self.dim:
             raise ValueError(f"novelty state has dim {state['dim']}, this memory has dim {self.dim}")
-        states, counts = {}, {}
+        tasks = {}
         for k, s in state["states"].items():
             s = np.ascontiguousarray(np.asarray(s, dtype=np.float32).reshape(-1, self.dim))
             c = np.asarray(state.get("counts", {}).get(k, np.ones(len(s))), dtype=np.int64).reshape(-1)
@@ -147,5 +203,5 @@ class NoveltyMemory:
                 raise ValueError(f"novelty state {k!r} has {len(s)} states but {len(c)} counts")
             if self.capacity is not None:
                 s, c = s[-self.capacity:], c[-self.capacity:]
-            states[k], counts[k] = s, c.copy()
-        self._states, self._counts = states, counts
+            tasks[k] = _TaskStates(self.dim, s, c)
+        self._tasks = tasks
