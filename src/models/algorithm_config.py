@@ -85,6 +85,10 @@ class AlgorithmConfig(Settings):
     rollout_is_cap: float = 2.0
     """C, the truncation of the rollout importance weight (>= 1)."""
 
+    def __post_init__(self) -> None:
+        self.mask_modes = list(self.mask_modes or [])  # YAML's null and a ListConfig: a plain list
+        super().__post_init__()
+
     def problems(self) -> list[str]:
         from src.models.core_algos import KL_KINDS, LOSS_AGG_MODES, MASK_LEVELS, ROLLOUT_IS_LEVELS, UPDATE_MODES
 
