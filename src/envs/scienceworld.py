@@ -1,9 +1,7 @@
 """ScienceWorld on the real ``scienceworld`` simulator (Scala, via py4j): docs/environments.md#scienceworld.
 
-The package's own ``ScienceWorldEnv.step`` makes several extra JVM round trips per action (look, inventory,
-task description and the ~1000-entry valid-action list), so this wrapper talks to the py4j server object
-directly: ``step``/``getScore``/``getCompleted`` per action, and the valid-action list only when action
-correction or ``include_admissible_actions`` needs it.
+Talks to the py4j server directly: the package's ``ScienceWorldEnv.step`` adds JVM round trips per action (look,
+inventory, task description, the ~1000 valid actions) that this needs only for correction or admissible actions.
 """
 from __future__ import annotations
 
@@ -41,7 +39,7 @@ def parse_action(response: str) -> str:
 
 
 def start_jvm(jvm_heap: str):
-    """Start one simulator JVM (package wrapper object; only its py4j ``server`` is used for stepping).
+    """Start one simulator JVM (the package's object; only its py4j ``server`` steps).
 
     Raises:
         ValueError: no ``java`` on PATH (says how to install Java 17), or ``jvm_heap`` is not a JVM size.
@@ -61,31 +59,27 @@ class ScienceWorldEnv(JvmEnvironment):
     """One ScienceWorld simulator (one JVM) behind the contract of ``src/envs/base.py``.
 
     Args:
-        task: one task or a list of tasks, each an alphabetical index (0..29; power-component = 25), a paper id
-            ("3-1") or a name; these are the tasks ``tasks(split)`` lists. ``reset`` accepts any task.
-        simplification: simulator simplification string: "easy" (the paper's preset: teleportAction,
-            openDoors, openContainers, selfWateringFlowerPots, noElectricalAction) or a comma-separated list.
+        task: a task or a list of them (those ``tasks(split)`` lists; ``reset`` takes any), each an alphabetical
+            index (0..29; power-component = 25), a paper id ("3-1") or a name.
+        simplification: "easy" (the paper's preset: teleportAction, openDoors, openContainers,
+            selfWateringFlowerPots, noElectricalAction) or a comma-separated list of the simulator's.
         num_train_variations: train split = the first this many of ``get_variations_train()`` (paper: 5).
         num_test_variations: test and dev splits = the first up to this many of ``get_variations_test()`` /
             ``get_variations_dev()`` (paper: 20; some tasks have fewer).
-        max_steps: action cap per episode; None = per-task default (``default_max_steps``). Every step call
-            counts, invalid ones included. The simulator's own envStepLimit counts ticks and is not used.
-        action_correction: repair actions the simulator's parser rejects. The action always runs as written
-            first (the valid-action list omits many actions the parser accepts, e.g. ``examine OBJ``); only when
-            the parser rejects it is it replaced by the most similar valid action (thefuzz ratio) scoring at least
-            ``correction_min_similarity`` (85: "go to the kitchen" -> "go to kitchen" (87) is repaired, "focus on
-            the water" -> "focus on sewer" (81) is not). ``info['corrected']`` says whether a replacement ran.
+        max_steps: action cap per episode, every step call counting; None = ``default_max_steps`` of the task (the
+            simulator's envStepLimit counts ticks and is not used).
+        action_correction: an action the parser rejects (it always runs as written first: the valid-action list
+            omits many it accepts, e.g. ``examine OBJ``) is replaced by the most similar valid action (thefuzz
+            ratio) scoring at least ``correction_min_similarity`` (85: "go to the kitchen" -> "go to kitchen" (87)
+            is repaired, "focus on the water" -> "focus on sewer" (81) is not); ``info['corrected']`` says so.
         include_admissible_actions: put the sorted valid-action list (~1000 strings, ~50-500 ms) in ``info``.
         seed: accepted so every environment takes the same config keys; the simulator exposes no seed.
 
-    Scores are in points, −100..100. Reward = score delta since the previous step (from the score right after
-    reset, as in the package), so an episode's rewards sum to final − initial score (initial 0 in most tasks, 8 in
-    find-*). A wrong ``focus on`` scores −100 points and ends the episode (terminated) as in the package, so one
-    step's reward lies in −200..100 (−(100 + s) after s points); nothing downstream assumes a range. success =
-    completed and score ≥ 100. ``info`` adds ``corrected``, ``raw_action``, ``steps`` and ``max_steps``.
-
-    When the simulator asks which of several objects an action meant, the option whose text sorts first is chosen
-    at once (the listed order varies between JVM runs); ``info['action']`` names the option run.
+    Scores are points, −100..100; reward = score delta since the previous step (from the score after reset, as in
+    the package: initial 0 in most tasks, 8 in find-*). A wrong ``focus on`` scores −100 and terminates, as in the
+    package, so one step's reward lies in −200..100. success = completed and score ≥ 100. When the simulator asks
+    which of several objects an action meant, the option whose text sorts first runs (the listed order varies
+    between JVM runs); ``info['action']`` names it.
 
     Raises:
         ValueError: a setting ``config_problems`` refuses (an unknown task lists the valid ones; no ``java`` on PATH
@@ -152,8 +146,7 @@ class ScienceWorldEnv(JvmEnvironment):
                              f"comma-separated subset of {allowed}")
 
     def _variation_splits(self, name: str) -> dict[str, list[int]]:
-        # The server answers the split lists only for the loaded task.
-        self._load(name, 0)
+        self._load(name, 0)  # the server answers the split lists only for the loaded task
         return {"train": list(self._server.getVariationsTrain()),
                 "dev": list(self._server.getVariationsDev()),
                 "test": list(self._server.getVariationsTest())}
@@ -178,11 +171,8 @@ class ScienceWorldEnv(JvmEnvironment):
             raise ValueError(f"ScienceWorld refused task {name!r} variation {variation}: {msg}")
 
     def reset(self, task: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        """Start an episode on ``{"task_name": <index|paper id|name>, "variation": int}``.
-
-        Returns the task description followed by the "look around" text, and ``info`` (``score`` = initial
-        score in points, ``instruction`` = task description without its header).
-        """
+        """Start ``{"task_name": <index|paper id|name>, "variation": int}``: the task description and the "look
+        around" text, and ``info`` (``instruction``: the description without its header)."""
         if not isinstance(task, dict) or "task_name" not in task or "variation" not in task:
             raise ValueError(f"task={task!r}: expected a dict with keys 'task_name' and 'variation'")
         name = resolve_task(task["task_name"])
@@ -191,8 +181,7 @@ class ScienceWorldEnv(JvmEnvironment):
             raise ValueError(f"variation={variation!r}: expected an int")
         variation = int(variation)
         self._load(name, variation)
-        # The package's load() -> reset() -> step("look around") sequence, on the server directly.
-        self._server.reset()
+        self._server.reset()  # then "look around", as the package's load() does
         look = str(self._server.step("look around"))
         description = str(self._server.freeActionTaskDesc()).strip()
         self._instruction = re.sub(r"^Task Description:\s*", "", description)

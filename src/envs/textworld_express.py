@@ -1,10 +1,7 @@
-"""TextWorldExpress on the real simulator (Scala, via py4j, like ScienceWorld): docs/environments.md#textworldexpress.
-
-Two of its games: **Coin Collector** (``coin``: rooms joined by doors, the coin in one of them; the task is to
-explore until it is found, then ``take coin``) and **CookingWorld** (``cookingworld``: read the cookbook, gather and
-prepare the ingredients, ``prepare meal``, ``eat meal``). Every game instance is a seed; the simulator keeps three
-disjoint seed folds (train 0-999, dev 10000-10999, test 20000-20999): RL trains on training seeds, validation
-and evaluation play test seeds.
+"""TextWorldExpress on the real simulator (Scala, via py4j): docs/environments.md#textworldexpress. Games: ``coin``
+(Coin Collector: explore rooms until the coin is seen, ``take coin``) and ``cookingworld`` (read the cookbook,
+prepare the ingredients, ``prepare meal``, ``eat meal``). A game instance is a seed of one of the simulator's
+disjoint folds (train 0-999, dev 10000-10999, test 20000-20999).
 """
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ FOLDS = {"train": "train", "dev": "dev", "test": "test"}
 _INVALID_PREFIXES = ("Unknown action", "You can't")
 
 
-def _params(game_params: dict[str, Any]) -> str:
-    # The simulator reads "key=value,key=value"; booleans are 0/1.
+def _params(game_params: dict[str, Any]) -> str:  # "key=value,key=value", booleans 0/1
     return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in game_params.items())
 
 
@@ -32,17 +28,17 @@ class TextWorldExpressEnv(JvmEnvironment):
     """One TextWorldExpress simulator (one JVM) behind the contract of ``src/envs/base.py``.
 
     Args:
-        game_params: the game's generation parameters (the simulator's names), e.g. ``{"numLocations": 4,
-            "includeDoors": 1, "numDistractorItems": 0}`` for coin; a parameter the game does not know raises.
+        game: ``coin`` or ``cookingworld``.
+        game_params: the simulator's generation parameters, e.g. ``{"numLocations": 4, "includeDoors": 1,
+            "numDistractorItems": 0}`` for coin; one the game does not know raises.
         num_train_seeds: train split = the first this many seeds of the train fold (0, 1, ...).
         num_test_seeds: the same for the test fold (20000, ...) and the dev fold.
-        max_steps: actions per episode (every step call counts, invalid ones included); reaching it truncates.
+        max_steps: actions per episode (every step call counts); reaching it truncates.
         include_admissible_actions: list the simulator's valid actions (sorted; ~5-15 short strings) in ``info``.
         seed: accepted so every environment takes the same config keys; a game is fixed by its task's seed.
 
-    Scores are the simulator's, in [0, 1] (coin: 0 or 1; cookingworld: the share of the recipe's steps done).
-    Reward = score delta. success = the simulator's task success; a task failure (e.g. eating an ingredient
-    raw) ends the episode (terminated) with success False. Replies are read by ``read_action``, as in ScienceWorld.
+    Scores are the simulator's, in [0, 1] (cookingworld: the share of the recipe done); reward = score delta; a
+    task failure (e.g. eating an ingredient raw) terminates with success False.
 
     Raises:
         ValueError: a setting ``config_problems`` refuses (also no ``java`` on PATH), a game parameter or seed count
@@ -190,11 +186,10 @@ class TextWorldExpressEnv(JvmEnvironment):
         return actions[1:] if actions and actions[0] == "look around" else actions
 
     def explore(self, task: dict[str, Any]) -> list[str]:
-        """Coin Collector's gold path: a depth-first search over the rooms until the coin is in sight, then ``take
-        coin``. It explores the way an agent must (it never walks straight to a coin it cannot see): in each new room
-        it tries the exits it has not come by in an order shuffled by the game's seed (so the demonstrations do not
-        all prefer one direction), opens a closed door before going through, never enters a room it can see it has
-        seen already, and goes back the way it came when a room has no exit left. Not bounded by ``max_steps``.
+        """Coin Collector's gold path, explored as an agent must (never straight to an unseen coin): depth-first over
+        the rooms, trying each new room's other exits in an order shuffled by the seed (so demonstrations prefer no
+        direction), opening closed doors, skipping rooms in sight that were seen, backing out of dead ends; then
+        ``take coin``. Not bounded by ``max_steps``.
 
         Raises:
             RuntimeError: every room seen, or 200 actions, and no coin in sight, or a room the simulator describes
@@ -266,11 +261,9 @@ class TextWorldExpressEnv(JvmEnvironment):
         return [replay(self, task, self.without_loops(task, self.gold_actions(task))) for task in tasks]
 
     def without_loops(self, task: dict[str, Any], actions: list[str]) -> list[str]:
-        """``actions`` without the loops that show nothing new: where the path comes back to a state (the same
-        observation) and everything it saw on the way had been seen before the loop began, the loop is cut. Paths
-        that step back and forth between rooms already seen (``move east``, ``move west``, ``move east``, ..., as the
-        simulator's own gold paths do) teach a policy imitating them to do so. The cut path is kept only if it ends
-        with at least the same score under the step cap (checked by replaying it)."""
+        """``actions`` without loops that show nothing new (back to the same observation, every one on the way seen
+        before the loop), which would teach an imitating policy to pace between rooms, as the simulator's gold paths
+        do. A cut is kept only if its replay ends with at least the same score under the step cap."""
         def states(path: list[str]) -> tuple[list[str], float]:
             record = replay(self, task, path)
             # the first room as a later "look around" shows it: the reset text also holds the task description
@@ -292,10 +285,8 @@ class TextWorldExpressEnv(JvmEnvironment):
                 return path
 
     def reflection_records(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str) -> list[dict]:
-        """Per training task the gold path without its loops (``gold_actions``, ``without_loops``) and a
-        random walk over moves, door openings and (CookingWorld) the ingredient actions, never the action that
-        finishes the game, so it runs out of steps or (CookingWorld) fails the recipe; seeded by the task's seed, so
-        every run gets the same records."""
+        """Per training task the gold path without its loops and a random walk (seeded by the task) over moves, doors
+        and ingredient actions, never the one that finishes, so it runs out of steps or fails the recipe."""
         return [record for task in tasks for record in (
             replay(self, task, self.without_loops(task, self.gold_actions(task))),
             replay(self, task, self._random_walk(task)))]

@@ -1,15 +1,10 @@
-"""A deterministic generated WebShop catalog, written in the ORIGINAL files' schemas (docs/environments.md#webshop).
+"""A deterministic generated WebShop catalog in the original files' schemas (docs/environments.md#webshop), used
+when no original data is given; ``data.py`` reads it like the original files. Same seed -> byte-identical files.
 
-Used when no original data is given: ``ensure_generated_catalog(root, num_products, seed)`` writes
-``items_shuffle.json``, ``items_ins_v2.json`` and ``items_human_ins.json`` into
-``root/generated-v{CATALOG_VERSION}-seed{seed}-n{num_products}/`` (once; later calls reuse them) so the real
-loader (`data.py`) reads them through the same code path as the original files.
-
-Products come in groups of one product type (`vocab.py`): a target, and distractors built against the
-target's goals — one missing a goal attribute, one without the goal's option values (by the reward's own
-option matcher), one priced above any possible price cap — plus 1-2 random siblings. Goals are written as
-human instructions (``items_human_ins.json``) for every product of a group (the target gets up to 3 with
-different options), so partial rewards carry signal. Same seed -> byte-identical files.
+Products come in groups of one product type (``vocab.py``): a target and distractors built against its goals (one
+missing a goal attribute, one without the goal's option values by the reward's own matcher, one priced above any
+possible cap) plus 1-2 random siblings. Every product gets human goals (the target up to 3 with different options),
+so partial rewards carry signal.
 """
 from __future__ import annotations
 
@@ -60,8 +55,6 @@ def _price_str(values: list[float]) -> str:
 
 
 class _Generator:
-    """Holds the RNG and uniqueness sets of one generation run."""
-
     def __init__(self, seed: int):
         self.rng = random.Random(seed)
         self.asins: set[str] = set()
@@ -276,11 +269,8 @@ def generated_catalog_dir(root: str | os.PathLike, num_products: int, seed: int)
 
 
 def ensure_generated_catalog(root: str | os.PathLike, num_products: int = 1000, seed: int = 0) -> Path:
-    """Return the directory holding the generated catalog's three files, generating them on first use.
-
-    Safe when several workers call it at once: each file is written to a temp file and renamed, and every
-    writer writes identical bytes.
-    """
+    """The directory of the generated catalog's three files, written on first use (safe when several workers race:
+    each file is renamed into place, and every writer writes identical bytes)."""
     d = generated_catalog_dir(root, num_products, seed)
     if all((d / name).is_file() for name in FILE_NAMES):
         return d

@@ -1,15 +1,9 @@
-"""Loading the original WebShop data files: normalisation, prices, goals and the goal split (the original's
-``web_agent_site/engine/engine.py`` and ``goal.py``).
-
-Files in a data directory (the original names):
-- ``items_shuffle_1000.json`` (or full-size ``items_shuffle.json``): list of raw products.
-- ``items_ins_v2_1000.json`` (or ``items_ins_v2.json``): asin -> {attributes, instruction?, instruction_attributes?}.
-- ``items_human_ins.json``: asin -> list of {instruction, instruction_attributes, instruction_options, ...}
-  (needed only for human goals).
-
-Reproduces the original ``engine.load_products`` + ``goal.get_goals`` + ``random.seed(233); random.shuffle``,
-except that prices and price caps, drawn by the original from the *unseeded* global RNG, come from
-``random.Random(price_seed)`` in the original's call order, so every worker and every run sees the same goals.
+"""Loading the original WebShop data files (the original's ``engine.load_products``, ``goal.get_goals`` and the
+goal shuffle ``random.seed(233); random.shuffle``): ``items_shuffle_1000.json`` / ``items_shuffle.json`` (raw
+products), ``items_ins_v2_1000.json`` / ``items_ins_v2.json`` (asin -> attributes, instruction) and, for human goals,
+``items_human_ins.json`` (asin -> instructions). One change: the original draws prices and price caps from the
+*unseeded* global RNG; here they come from ``random.Random(price_seed)`` in its call order, so every worker and run
+sees the same goals.
 """
 from __future__ import annotations
 
@@ -37,14 +31,8 @@ class WebShopDataError(ValueError):
 
 @dataclass
 class WebShopData:
-    """Loaded catalog and goals.
-
-    products: normalised product dicts in file order (keys asin, name, Title, Description, BulletPoints,
-        Price (display tag), pricing (list of 1-2 floats), options {name: [values]}, Attributes, query,
-        category, product_category, Rating, Reviews, MainImage).
-    prices: asin -> the price (dollars) used by the reward.
-    goals: shuffled goal list; index i is task ``goal_idx`` i (test = the first ``num_test`` goals).
-    """
+    """Loaded catalog and goals: ``products`` normalised (``normalize_product``) in file order, ``prices`` asin ->
+    the reward's price (dollars), ``goals`` shuffled (index i is task ``goal_idx`` i)."""
     products: list[dict]
     product_by_asin: dict[str, dict]
     prices: dict[str, float]
@@ -88,11 +76,9 @@ def _read_json(path: Path, expected: type) -> Any:
 
 
 def parse_pricing(pricing: str | None, where: str) -> tuple[list[float], str]:
-    """The original's price parsing: ``"$19.99$27.99"`` -> ([19.99, 27.99], "$19.99 to $27.99").
-
-    Splits on '$', drops every non-digit/non-dot character (so "$1,299.00" -> 1299.0), keeps the first two.
-    Missing/empty pricing -> ([100.0], "$100.0"). Raises WebShopDataError for an unparsable part.
-    """
+    """The original's price parsing: ``"$19.99$27.99"`` -> ([19.99, 27.99], "$19.99 to $27.99"); each '$' part
+    without its non-digit/non-dot characters ("$1,299.00" -> 1299.0), the first two; none -> ([100.0], "$100.0").
+    Raises WebShopDataError for an unparsable part."""
     if not pricing:
         return [100.0], "$100.0"
     if not isinstance(pricing, str):
@@ -111,7 +97,7 @@ def parse_pricing(pricing: str | None, where: str) -> tuple[list[float], str]:
 
 def normalize_product(p: dict, idx: int, file_name: str, ins: dict, human_ins: dict | None,
                       human_goals: bool) -> dict:
-    """One raw product -> the original's normalised product dict (see WebShopData). Raises WebShopDataError."""
+    """One raw product -> the original's normalised product dict. Raises WebShopDataError."""
     where = f"{file_name}: product {idx} (asin {p.get('asin', '?')})"
     for field in REQUIRED_PRODUCT_FIELDS:
         if field not in p:

