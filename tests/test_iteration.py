@@ -5,6 +5,7 @@ written in the format of today's memory callback and datamodule resumes."""
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +150,29 @@ def test_a_checkpoint_in_todays_format_resumes(iteration_pair):
     assert memory.novelty.visits()["corridor"][0] >= 3
     assert {b.iteration for b in _recorder(objs["trainer"]).batches} == {4}
     assert objs["datamodule"].iteration == 5
+
+
+def test_replies_cut_at_the_token_cap_are_counted(iteration_pair):
+    """Issue 59: the share of the iteration's replies that hit data.max_response_tokens (4 here: no EOS among the
+    reply's tokens) and of the reflections that hit memory.tip_max_tokens are rollout metrics."""
+    batches, policy = iteration_pair["direct"], iteration_pair["policy"]
+    metrics, eos = batches[0].metrics, set(policy.eos_token_ids)
+    replies = {s.key: s.response_ids for b in batches for s in b.samples}  # every step of every episode, once
+    cut = [not eos.intersection(r) for r in replies.values()]
+    assert all(len(r) == 4 for r, c in zip(replies.values(), cut) if c)
+    assert metrics["rollout/replies_cut_frac"] == pytest.approx(sum(cut) / len(cut))
+    assert 0.0 <= metrics["rollout/tips_cut_frac"] <= 1.0
+
+
+def test_most_replies_cut_is_warned_once_per_run():
+    from src.models.algorithm_config import AlgorithmConfig
+
+    guard = SignalGuard(AlgorithmConfig.from_dict({}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guard.warn_cut_replies(0.5, 8)  # half: not most
+    with pytest.warns(UserWarning, match=r"75% of this iteration's replies .*data\.max_response_tokens=8"):
+        guard.warn_cut_replies(0.75, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guard.warn_cut_replies(1.0, 8)  # warned once already

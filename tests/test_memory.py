@@ -710,3 +710,23 @@ def test_the_written_table_holds_the_entries_stored_once_each(embedder, tiny_pol
         (t.step, t.content, 4, "on_policy") for t in stored]
     assert all(t.iteration == 4 for t in stored)
     assert not (tmp_path / "tips" / "iteration_0004_retrieved.json").exists()  # nothing retrieved: no table
+
+
+def test_reflections_cut_at_the_token_cap_are_counted(embedder, tiny_policy):
+    """Issue 59: ``tips_cut_frac`` is the share of all reflections that hit memory.tip_max_tokens (no EOS among
+    their tokens)."""
+    from src.callbacks.memory import MemoryCallback
+
+    class Kept(_Recorder):
+        def generate(self, prompts, **kwargs):
+            self.gen = super().generate(prompts, **kwargs)
+            return self.gen
+
+    policy, eos = Kept(tiny_policy), set(tiny_policy.eos_token_ids)
+    episodes = [_long_episode(2, embedder.dim) for _ in range(3)]
+    for cap in (2, 64):
+        memory = MemoryCallback(embedder, TipMemory(embedder.dim, embedder.name), tip_max_tokens=cap)
+        metrics = memory.write_tips(episodes, policy, "sys")
+        cut = [not eos.intersection(r) for r in policy.gen.response_ids]
+        assert len(cut) == 3 and all(len(r) == cap for r, c in zip(policy.gen.response_ids, cut) if c)
+        assert metrics["tips_cut_frac"] == pytest.approx(sum(cut) / 3)

@@ -198,7 +198,8 @@ class MemoryCallback(L.Callback):
         """Ask the policy for one reflection per finished episode (one batched call) and store one entry per step.
 
         Entry format: docs/method.md#memory, "Entries"; the key is step k's state embedding from the rollout. Returns
-        timings (s), token counts and ``tip_action_frac`` (``_check_reflections``); the whole write's time is logged
+        timings (s), token counts, ``tips_cut_frac`` (the share of reflections cut at ``tip_max_tokens``) and
+        ``tip_action_frac`` (``_check_reflections``); the whole write's time is logged
         by ``on_train_batch_start`` instead. Releases the kept rollout keys/values. With ``sample_seed`` each
         reflection draws from its episode's own stream (``row_seeds``).
 
@@ -251,12 +252,16 @@ class MemoryCallback(L.Callback):
             self._written += table
         local = {**timers, "tip_write_s": time.perf_counter() - tic,
                  "tip_tokens": float(sum(len(r) for r in gen.response_ids)),
+                 "reflections": float(len(done)), "tips_cut": float(sum(gen.truncated)),
                  "tip_prompt_tokens": float(sum(len(p) for p in prompts)),
                  "tip_prompt_cached_tokens": float(sum(p.length for p in prefixes if p is not None)),
                  "tip_prompts_continued": float(sum(p is not None for p in prefixes)),
                  "tip_observations_shortened": float(shortened)}
         combined = combine_over_ranks(local)
         self._write_s = combined.pop("tip_write_s")  # the memory's own metric (on_train_batch_start logs it)
+        reflections, cut = combined.pop("reflections"), combined.pop("tips_cut")
+        if reflections:  # the share that hit memory.tip_max_tokens
+            combined["tips_cut_frac"] = cut / reflections
         return {"tips_written": float(written), **combined, **action_frac}
 
     def _check_reflections(self, texts: list[str]) -> dict[str, float]:

@@ -89,6 +89,7 @@ def run_iteration(s: IterationSettings, c: Collaborators, iteration: int, global
     adv_metrics = {f"adv/{k}": v for k, v in {**adv_metrics, **counts}.items()}
     metrics = iteration_metrics(metrics, tip_metrics, adv_metrics, episodes, c.memory)
     guard.check(metrics, iteration)
+    guard.warn_cut_replies(metrics.get("rollout/replies_cut_frac", 0.0), s.rollout.max_response_tokens)
     info = {"iteration": iteration, "mode": mode, "rollout_global_step": global_step}
     yield from micro_batches(samples, info, metrics, seed=s.data.seed, iteration=iteration,  # 7. mini-batches
                              ppo_epochs=s.data.ppo_epochs, num_mini_batches=s.data.num_mini_batches,
@@ -181,9 +182,12 @@ def make_samples(episodes: list[Episode], advantages: torch.Tensor, mode: str,
 def iteration_metrics(metrics: dict[str, float], tip_metrics: dict[str, float], adv_metrics: dict[str, float],
                       episodes: list[Episode], memory) -> dict[str, float]:
     """The iteration's ``rollout/*`` metrics over all ranks: this rank's timings and counts combined (durations: the
-    slowest rank's; counts: summed), rates derived from them, then the tip, advantage, episode and memory metrics
-    (already over all ranks)."""
+    slowest rank's; counts: summed), rates derived from them (``replies_cut_frac``: the share of replies that hit
+    ``data.max_response_tokens``), then the tip, advantage, episode and memory metrics (already over all ranks)."""
     metrics = combine_over_ranks(metrics)
+    replies, cut = metrics.pop("replies"), metrics.pop("replies_cut")
+    if replies:
+        metrics["replies_cut_frac"] = cut / replies
     metrics["rollout_tokens_per_s"] = metrics["generated_tokens"] / max(metrics["generate_s"], 1e-9)
     if metrics.get("prompt_tokens"):  # the share of prompt ids the rollout did not compute (shared prefixes)
         metrics["prompt_shared_frac"] = 1.0 - metrics["prompt_tokens_computed"] / metrics["prompt_tokens"]
@@ -219,6 +223,7 @@ class SignalGuard:
         self.algorithm = algorithm
         self.no_signal_iterations = 0
         self.warned_bonus_only = False  # once per process
+        self.warned_cut_replies = False  # once per run
 
     def check(self, metrics: dict[str, float], iteration: int) -> None:
         """Warn once when the novelty bonus alone ranks groups (``warn_bonus_only``), then the no-signal guard: warn
@@ -260,3 +265,13 @@ class SignalGuard:
                        f"exploration; in groups that all succeeded it rewards what the bonus favours, such as longer "
                        f"episodes (algorithm.norm_adv_by_std=false, Dr.GRPO, keeps them at the bonus's scale). "
                        f"Warned once per process.")
+
+    def warn_cut_replies(self, frac: float, cap: int) -> None:
+        """Warn (once per run) when most of an iteration's replies (a share ``frac`` over all ranks) hit the token cap:
+        a cut reply reaches the environment as a partial action."""
+        if frac <= 0.5 or self.warned_cut_replies:
+            return
+        self.warned_cut_replies = True
+        rank_zero_warn(f"{frac:.0%} of this iteration's replies were cut at data.max_response_tokens={cap} (no end of "
+                       f"reply within it; rollout/replies_cut_frac): the environment gets partial actions. Raise "
+                       f"data.max_response_tokens. Warned once per run.")

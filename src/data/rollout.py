@@ -123,8 +123,9 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
             ``cfg.sample_seed`` episode e draws its tokens at step t from ``row_seeds(sample_seed, [e], t)``.
 
     Returns:
-        (episodes, metrics) — metrics hold timings (s), token counts and what ``fit_prompt`` cut
-        (``prompt_fit/<key>``, see ``PROMPT_CUT_KEYS``).
+        (episodes, metrics) — metrics hold timings (s), token counts, the replies generated and those cut at
+        ``cfg.max_response_tokens`` (``replies``, ``replies_cut``) and what ``fit_prompt`` cut (``prompt_fit/<key>``,
+        see ``PROMPT_CUT_KEYS``).
 
     Raises:
         ValueError: ``use_tips`` without a memory, or more tasks than pool workers.
@@ -152,6 +153,7 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
             gen = policy.generate([p.rollout_ids for p in prompts], max_new_tokens=cfg.max_response_tokens,
                                   temperature=cfg.temperature, do_sample=cfg.do_sample, shared=shared, **keep)
         run.generated_tokens += sum(len(r) for r in gen.response_ids)
+        run.replies, run.replies_cut = run.replies + len(gen.truncated), run.replies_cut + sum(gen.truncated)
         with timed(run.timers, "env_s"):
             results = pool.step([(i, gen.texts[j]) for j, i in enumerate(active)])
         still_active = [i for j, i in enumerate(active) if run.record_step(i, j, prompts[j], gen, results[j])]
@@ -169,6 +171,7 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
         active = still_active
     elapsed = time.perf_counter() - t0
     metrics = dict(run.timers, rollout_s=elapsed, generated_tokens=float(run.generated_tokens),
+                   replies=float(run.replies), replies_cut=float(run.replies_cut),
                    rollout_tokens_per_s=run.generated_tokens / max(run.timers["generate_s"], 1e-9),
                    **({} if shared is None else {"prompt_tokens": float(shared.prompt_tokens),
                                                  "prompt_tokens_computed": float(shared.computed_tokens)}),
@@ -189,7 +192,7 @@ class _Rollout:
         self.keys: np.ndarray | None = None  # [n_episodes, dim] state embeddings, with a memory
         self.timers = {"generate_s": 0.0, "env_s": 0.0, "memory_s": 0.0}
         self.prompt_cuts = dict.fromkeys(PROMPT_CUT_KEYS, 0.0)
-        self.generated_tokens = 0
+        self.generated_tokens = self.replies = self.replies_cut = 0
 
     def reset(self) -> list[int]:
         """Reset every episode's environment; returns the indices of the episodes that started."""
