@@ -200,6 +200,30 @@ def model_problems(model: dict[str, Any]) -> list[str]:
     return problems + (group_problems(WarmStartConfig, model["warm_start"]) if model.get("warm_start") else [])
 
 
+def follower_problems(cfg: DictConfig) -> list[str]:
+    """A setting that follows another one (``follows`` in its schema: ``algorithm.temperature`` is
+    ``data.temperature``) set to another value: the log-probs would be taken at another temperature than the one
+    sampled, a reply cut at another budget than the one the prompt announced."""
+    problems = []
+    for key, source in followers():
+        value, expected = OmegaConf.select(cfg, key), OmegaConf.select(cfg, source)
+        if value != expected and OmegaConf.select(cfg, source, default="?") != "?":
+            problems.append(f"{key}={value!r} follows {source}={expected!r}; set {source} instead")
+    return problems
+
+
+def followers() -> list[tuple[str, str]]:
+    """(a setting, the one it follows) for every plain follower of the schemas."""
+    from src.data.rollout_config import DataConfig
+    from src.models.algorithm_config import AlgorithmConfig
+    from src.models.policy_config import PolicyConfig
+    from src.utils.settings import followed
+
+    return [(f"{path}.{name}", source) for path, schema in (("algorithm", AlgorithmConfig), ("data", DataConfig),
+                                                             ("model.policy", PolicyConfig))
+            for name, source in followed(schema).items()]
+
+
 def check_training_settings(cfg: DictConfig) -> None:
     """Refuse every setting of a training config that cannot work, naming each key, its value and what is expected.
 
@@ -223,11 +247,11 @@ def check_training_settings(cfg: DictConfig) -> None:
     problems += algorithm_problems(cfg)
     problems += model_problems(_container(cfg.get("model")))
     problems += generation_problems(_container(cfg.get("trainer")), _container(cfg.get("model")))
-    if uses_memory(cfg):
-        problems += group_problems(MemoryConfig, _container(cfg.get("memory")))
-    for source, follower in (("data.temperature=", "algorithm.temperature="), ("env.max_steps=", "data.max_steps=")):
-        if any(p.startswith(source) for p in problems):  # the follower is ${source}: one line for one mistake
-            problems = [p for p in problems if not p.startswith(follower)]
+    problems += group_problems(MemoryConfig, _container(cfg.get("memory")))  # read only with memory; a typo anyway
+    problems += follower_problems(cfg)
+    for follower, source in followers():  # the follower is ${source}: one line for one mistake
+        if any(p.startswith(f"{source}=") for p in problems):
+            problems = [p for p in problems if not p.startswith(f"{follower}=")]
     if problems:
         raise ConfigError("\n".join(problems) if len(problems) > 1 else problems[0])
 

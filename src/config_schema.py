@@ -24,11 +24,17 @@ def constructor_defaults(target: str) -> dict[str, Any]:
     base = ROOT / module.replace(".", "/")
     files = [base.with_suffix(".py")] if base.with_suffix(".py").is_file() else sorted(base.glob("*.py"))
     classes = [n for f in files for n in ast.parse(f.read_text()).body if isinstance(n, ast.ClassDef)]
-    cls = next(n for n in classes if n.name == class_name)
+    cls = next((n for n in classes if n.name == class_name), None)
+    if cls is None:
+        raise ValueError(f"env _target_ {target!r}: no class {class_name} in {module} (configs/env/*.yaml)")
     init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     named = init.args.args[-len(init.args.defaults):] if init.args.defaults else []
     pairs = list(zip(named, init.args.defaults)) + list(zip(init.args.kwonlyargs, init.args.kw_defaults))
-    return {arg.arg: ast.literal_eval(default) for arg, default in pairs if default is not None}
+    try:
+        return {arg.arg: ast.literal_eval(default) for arg, default in pairs if default is not None}
+    except ValueError as err:
+        raise ValueError(f"{target}.__init__: a default that is not a literal ({err}); an environment's defaults are "
+                         "its config schema and must be written as values") from err
 
 
 def register_schemas() -> None:

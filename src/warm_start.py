@@ -280,7 +280,7 @@ def _ensure(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any] | None = N
             loggers = _loggers(cfg, f"warm-start-{out_dir.name}")
             info = _train(cfg, ws, prep, loggers)
         heldout, pkey = None, json_digest(prep["protocol"])
-        if ws.get("eval", True) and prep["protocol"].get("split"):
+        if ws["eval"] and prep["protocol"].get("split"):
             if pkey not in info["heldout"]:
                 info["heldout"][pkey] = _heldout(cfg, prep)
                 write_json_atomic(out_dir / "sft_info.json", info, indent=1, default=str)

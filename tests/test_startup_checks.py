@@ -220,7 +220,11 @@ BAD_SETTINGS = [
     (["seed=99999999999"], r"seed=99999999999: NumPy and Lightning seed with 32 bits; expected an int <= 4294967295"),
     (["algorithm.kl_coef=-1"], r"algorithm.kl_coef=-1: the weight of the KL penalty.*expected a number >= 0"),
     (["algorithm.lowprob_log_threshold=5"], r"algorithm.lowprob_log_threshold=5: log δ, a log-probability \(-5 in the paper\); expected a number <= 0"),
-    (["algorithm.no_signal_patience=2.5"], r"algorithm.no_signal_patience=2.5: expected an int >= 1"),
+    (["algorithm.no_signal_patience=2.5"], r"algorithm.no_signal_patience=2.5: expected an int$"),
+    (["memory.novelty.enabled=no"], r"memory.novelty.enabled='no': expected true or false$"),
+    (["algorithm.memory_rollout_prob=abc"], r"algorithm.memory_rollout_prob='abc': expected a number$"),
+    (["algorithm.temperature=0.5"], r"algorithm.temperature=0.5 follows data.temperature=1.0; set data.temperature "
+                                    r"instead"),
     (["env.jvm_heap=1m"], r"env.jvm_heap='1m': too small for a simulator's JVM \(it dies at start-up\); expected at least 128m"),
     (["memory.novelty.coef=1e300"], r"memory.novelty.coef=1e\+300: the bonus for a new state.*expected a number in \[0, 1000\]"),
     (["+memory.novelty.bogus=1"], r"memory.novelty.bogus: not a memory.novelty setting; expected keys among \['capacity', "),

@@ -38,8 +38,8 @@ def _tips_block(tips: list[str], header: str = TIPS_HEADER) -> str:
 
 
 def build_step_messages(system_prompt: str, instruction: str, history: list[HistoryItem], observation: str,
-                        tips: list[str] | None = None, admissible_actions: list[str] | None = None,
-                        history_length: int = 5, tips_scope: str = "current", step: int = 0,
+                        tips: list[str] | None = None, admissible_actions: list[str] | None = None, *,
+                        history_length: int, tips_scope: str, step: int = 0,
                         max_steps: int | None = None, history_obs_chars: int | None = None,
                         admissible_shown: int | None = None, observation_chars: int | None = None,
                         tips_header: str = TIPS_HEADER) -> list[dict[str, str]]:

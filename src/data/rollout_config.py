@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
 from src.data.prompts import TIPS_HEADER
+from src.memory.settings import MemoryConfig
 from src.utils.settings import Settings, follows, int_at_least, is_int, number
 
 HISTORY_ACTIONS = ("raw", "executed")
@@ -85,6 +86,7 @@ class DataConfig(Settings):
             problems.append(f"data.pool_timeout_s={self.pool_timeout_s!r}: the seconds an environment worker may take "
                             "for one call before it is restarted; expected a number > 0")
         problems += int_at_least("data.num_env_workers", self.num_env_workers, 1, " or null (as many as needed)")
+        problems += int_at_least("data.history_obs_chars", self.history_obs_chars, 1, " or null (whole observations)")
         if (number(self.temperature) or 0) <= 0:
             problems.append(f"data.temperature={self.temperature!r}: the rollout sampling temperature; expected a "
                             "number > 0 (1.0 in the paper)")
@@ -112,7 +114,7 @@ class RolloutConfig:
     use_tips: bool = False
     strip_tips_for_update: bool = False
     strip_current_tips: bool = True  # False: the authors' stripping, past steps' tips only (strip_tips)
-    tips_scope: str = "current"
+    tips_scope: str = MemoryConfig.tips_scope
     do_sample: bool = True
     history_action: str = DataConfig.history_action
     keep_reflection_prefix: bool = False  # keep each episode's last prompt keys/values for its tip (write_tips)

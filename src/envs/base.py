@@ -1,16 +1,11 @@
-"""The environment contract shared by every text environment (docs/environments.md#the-contract), and
-``Environment``, the class every environment derives from (docs/extending.md).
-
-Every environment is a plain Python object (not a gymnasium subclass, to keep workers light) with:
+"""The environment contract (docs/environments.md#the-contract) and ``Environment``, the class every environment
+derives from (docs/extending.md). An environment is a plain Python object (not gymnasium, to keep workers light):
 
 - ``reset(task: dict) -> (observation: str, info: dict)``
-- ``step(response: str) -> (observation: str, reward: float, terminated: bool, truncated: bool, info: dict)``
-  ``response`` is the policy's raw decoded text; the environment parses it into an action itself
-  (e.g. ``<action>..</action>`` for WebShop, free text + optional action correction for ScienceWorld).
-- ``tasks(split: str) -> list[dict]``: the task instances (JSON-serialisable dicts) of a split
-  (``train`` / ``dev`` / ``test``); each dict is what ``reset`` accepts.
-- ``close()``.
-- ``system_prompt: str``: the environment's instructions to the agent (what it is, the action format).
+- ``step(response: str) -> (observation: str, reward: float, terminated: bool, truncated: bool, info: dict)``,
+  ``response`` being the policy's raw decoded text, which the environment parses into an action itself.
+- ``tasks(split: str) -> list[dict]``: the JSON-serialisable task dicts of ``train`` / ``dev`` / ``test``, each
+  what ``reset`` accepts; ``close()``; ``system_prompt: str``, the instructions to the agent.
 
 ``info`` always carries: ``score`` (float, environment units: points for ScienceWorld, [0,1] for WebShop),
 ``success`` (bool), ``won`` (bool, same as success), ``valid_action`` (bool), ``action`` (the parsed action
@@ -68,9 +63,8 @@ def jvm_bytes(size: str) -> int:
 
 
 def launch_jvm(factory: Callable[[], Any], jvm_heap: str, flags: str = "") -> Any:
-    """``factory()``, which starts a simulator's JVM, with ``jvm_heap`` as its max heap and the serial GC (without a
-    cap one JVM grows to ~3.5 GB; the default GC runs a thread per core) plus ``flags``. ``JAVA_TOOL_OPTIONS`` is set
-    only while the JVM launches, so this process's environment is left as it was."""
+    """``factory()``, which starts a simulator's JVM, with max heap ``jvm_heap`` (uncapped, one grows to ~3.5 GB),
+    the serial GC (the default runs a thread per core) and ``flags``, set in ``JAVA_TOOL_OPTIONS`` only meanwhile."""
     with temporary_environ("JAVA_TOOL_OPTIONS", f"-Xmx{jvm_heap} -XX:+UseSerialGC {flags}".rstrip()):
         return factory()
 
@@ -86,13 +80,10 @@ def close_jvm(simulator: Any, name: str) -> None:
 
 
 def extract_action(response: str) -> tuple[str | None, bool]:
-    """The action of a raw policy reply, by the rule every environment uses.
-
-    Returns ``(action, well_formed)``. ``action``: the first non-empty line (stripped) of the first
-    ``<action>`` tag's text, which ends at ``</action>`` or, for a reply cut at the token limit, at the end of
-    the text; "" for an empty tag; None when the reply has no tag (each environment decides what that means).
-    ``well_formed``: at most one ``<action>`` tag, and a tag present is closed. Tags are case-insensitive.
-    """
+    """``(action, well_formed)`` of a raw policy reply, the rule every environment reads actions by. ``action``: the
+    first non-empty line (stripped) of the first ``<action>`` tag's text, which ends at ``</action>`` or (a reply cut
+    at the token limit) the end; "" for an empty tag; None without a tag (each environment decides what that means).
+    ``well_formed``: at most one ``<action>`` tag, and it is closed. Tags are case-insensitive."""
     opens = list(_OPEN_TAG.finditer(response))
     if not opens:
         return None, True
@@ -113,21 +104,18 @@ def read_action(response: str) -> tuple[str, bool]:
 
 
 def is_action_reply(text: str, bare_command: re.Pattern | None = None) -> bool:
-    """Whether a reply is an action rather than prose: it holds an ``<action>`` tag, or it is one bare command of
-    the environment (``bare_command``, its ``Environment.bare_command``: ``open door to hallway``, ``click[grey]``;
-    ScienceWorld replies need no tag). Used to tell a reflection that is advice from one that is an action
-    (``rollout/tip_action_frac``)."""
+    """Whether a reply is an action rather than prose (a reflection that is advice or an action:
+    ``rollout/tip_action_frac``): it holds an ``<action>`` tag or is one ``Environment.bare_command``."""
     if extract_action(text)[0] is not None:
         return True
     return bare_command is not None and bare_command.fullmatch(text.strip().lower()) is not None
 
 
 def replay(env, task: dict[str, Any], replies: list[str]) -> dict[str, Any]:
-    """Run ``replies`` in ``env`` from ``task``'s reset until the episode ends: a trajectory record (the format
-    ``Environment.demonstrations`` returns): ``task``, ``instruction``, ``initial_observation``, per step
-    ``responses`` (the reply as written), ``actions`` (the action executed), ``observations`` (the one after it) and
-    ``admissible_actions`` (those listed in the prompt at that state; None for the whole record when the environment
-    lists none), and ``success``, ``score`` and ``max_score`` (environment units)."""
+    """Run ``replies`` in ``env`` from ``task``'s reset until the episode ends: a trajectory record
+    (``Environment.demonstrations``' format), with per step ``responses`` (as written), ``actions`` (as executed),
+    ``observations`` (after it) and ``admissible_actions`` (as prompted at that state; None for the whole record
+    when the environment lists none)."""
     observation, info = env.reset(task)
     record = {"task": task, "instruction": info["instruction"], "initial_observation": observation,
               "responses": [], "actions": [], "observations": [], "admissible_actions": [],
@@ -147,8 +135,7 @@ def replay(env, task: dict[str, Any], replies: list[str]) -> dict[str, Any]:
 
 
 class Environment:
-    """The contract above and the facts and hooks the trainer, the memory, the warm start and the comparisons read
-    from an environment; a new one subclasses this and sets what differs (docs/extending.md).
+    """The contract above and the facts and hooks the trainer, memory, warm start and comparisons read.
 
     Class attributes:
         display_name: the environment's name in tables and figures.
@@ -160,8 +147,6 @@ class Environment:
             None when the environment reads tagged actions only.
 
     Task dicts carry ``task_name`` and ``variation`` (the memory's partition ``<task_name>/<variation>``).
-
-    An environment without demonstrations leaves the warm start's hooks as they are (the warm start says so).
     """
 
     display_name = "environment"
@@ -185,11 +170,10 @@ class Environment:
 
     @classmethod
     def config_problems(cls, env_cfg: dict[str, Any], training: bool = False) -> list[str]:
-        """The settings of ``env_cfg`` (the ``env`` config, resolved) this environment cannot run, one line each
-        naming ``env.<key>``, its value and what is expected; [] when it can. Checked at start-up before any model,
-        embedder or tracker run is made (``src/config_checks.py``, ``training=True``: a training run also needs
-        training tasks) and again by the constructor (``check_config``), so it must not start a simulator (default:
-        ``max_steps`` an int >= 1 when given)."""
+        """The settings of the resolved ``env`` config this environment cannot run, one line each naming
+        ``env.<key>``, its value and what is expected. Checked at start-up before any model is made
+        (``src/config_checks.py``; ``training``: training tasks are needed too) and by the constructor
+        (``check_config``), so it must not start a simulator (default: ``max_steps`` an int >= 1 when given)."""
         if "max_steps" not in env_cfg:
             return []
         return count_problem("max_steps", env_cfg["max_steps"], 1, "actions per episode")
@@ -211,11 +195,7 @@ class Environment:
 
     @classmethod
     def check_config(cls, env_cfg: dict[str, Any]) -> None:
-        """Raise on what ``config_problems`` finds: the constructor's checks are the start-up ones.
-
-        Raises:
-            ValueError: one line per bad setting.
-        """
+        """Raise ValueError, one line per bad setting, on what ``config_problems`` finds (the start-up checks)."""
         problems = cls.config_problems(env_cfg)
         if problems:
             raise ValueError("\n".join(problems))
@@ -237,21 +217,15 @@ class Environment:
 
     def demonstrations(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str
                        ) -> list[dict[str, Any]]:
-        """Trajectory records (``replay``'s format) that solve ``tasks``; ``data_dir`` is where they may be cached.
-
-        Raises:
-            NotImplementedError: the environment has no demonstrations (no imitation warm start).
-        """
+        """Trajectory records (``replay``'s format) that solve ``tasks``, maybe cached in ``data_dir``. Raises
+        NotImplementedError when the environment has none (no imitation warm start)."""
         raise NotImplementedError(f"{type(self).__name__} has no demonstrations for the imitation warm start "
                                   "(Environment.demonstrations; set model.warm_start=null)")
 
     def reflection_records(self, tasks: list[dict[str, Any]], env_cfg: dict[str, Any], data_dir: str
                            ) -> list[dict[str, Any]]:
-        """Trajectory records of ``tasks`` that go right and wrong, to write hindsight tips on.
-
-        Raises:
-            NotImplementedError: the environment has no reflection examples.
-        """
+        """Trajectory records of ``tasks`` that go right and wrong, to write hindsight tips on. Raises
+        NotImplementedError when the environment has none."""
         raise NotImplementedError(f"{type(self).__name__} has no reflection examples (Environment."
                                   "reflection_records; set model.warm_start.reflections=null)")
 
@@ -263,12 +237,8 @@ class Environment:
 
     @staticmethod
     def hindsight_tip(record: dict[str, Any]) -> list[str]:
-        """The tip on a trajectory record, as sentences in order of importance, from what the agent saw
-        (instruction, observations, actions, score), never from hidden task data.
-
-        Raises:
-            NotImplementedError: the environment writes no hindsight tips (no reflection examples).
-        """
+        """The tip on a trajectory record, as sentences in order of importance, from what the agent saw (instruction,
+        observations, actions, score), never hidden task data. Raises NotImplementedError when there are none."""
         raise NotImplementedError("this environment writes no hindsight tips (Environment.hindsight_tip; set "
                                   "model.warm_start.reflections=null)")
 
@@ -293,11 +263,8 @@ class JvmEnvironment(Environment):
 
 
 def environment_class(env_cfg: dict[str, Any] | str) -> type[Environment]:
-    """The ``Environment`` subclass an env config (or its ``_target_``) builds, imported without building it.
-
-    Raises:
-        TypeError: the target is not an ``Environment`` subclass.
-    """
+    """The ``Environment`` subclass an env config (or its ``_target_``) builds, imported without building it. Raises
+    TypeError when the target is not one."""
     import hydra
 
     target = env_cfg if isinstance(env_cfg, str) else env_cfg["_target_"]

@@ -1,11 +1,6 @@
-"""A pool of environment worker processes: one environment per process, all envs of a batch step in parallel
-(docs/environments.md#the-contract, "Worker pool").
-
-Each worker builds its environment from a picklable ``_target_`` config with ``hydra.utils.instantiate`` and
-serves reset/step/tasks over a pipe. A call to several workers is sent to all of them before any answer is read, so
-the environments work in parallel. A broken or silent worker is restarted, and its result is an error result: an
-exception of an episode never ends the run (docs/method.md#one-iteration, step 4: the caller marks the episode
-failed and drops it from its group).
+"""A pool of environment worker processes, one environment each, stepping a batch in parallel
+(docs/environments.md#the-contract, "Worker pool"). A broken or silent worker is restarted and its result is an
+error result: an episode's exception never ends the run (docs/method.md#one-iteration, step 4).
 """
 from __future__ import annotations
 
@@ -36,13 +31,11 @@ def _worker_main(conn: Connection, env_cfg: dict[str, Any]) -> None:
     raised to the caller), ("episode_error", message) for one of ``reset``/``step`` (that episode fails; the worker
     stays healthy), or ("error", traceback) for anything else (the worker is restarted).
     """
-    # The worker only waits on its simulator: one thread for any BLAS/torch pool that gets imported
-    # (spawn re-imports the parent's __main__, which may import torch before this runs).
+    # One thread for any BLAS/torch pool (spawn re-imports the parent's __main__, which may import torch first).
     for var in _THREAD_VARS:
         os.environ[var] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # Simulators never need the GPU; libraries they import (bm25s imports JAX when present) would otherwise grab
-    # GPU memory in every worker.
+    # No GPU: a library a simulator imports (bm25s imports JAX when present) would grab GPU memory in every worker.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["JAX_PLATFORMS"] = "cpu"
     if "torch" in sys.modules:
@@ -97,18 +90,16 @@ def _plain_config(env_cfg: Any) -> dict[str, Any]:
 
 
 class EnvPool:
-    """``num_workers`` environment processes built from ``env_cfg`` (a ``_target_`` dict or DictConfig).
+    """``num_workers`` environment processes built from ``env_cfg`` with ``hydra.utils.instantiate``.
 
     Args:
-        env_cfg: Hydra-instantiable environment config, e.g. ``{"_target_":
-            "src.envs.scienceworld.ScienceWorldEnv", "task": "4-2"}``; must be picklable once resolved.
+        env_cfg: environment config with ``_target_`` (dict or DictConfig), picklable once resolved.
         timeout_s: seconds a call may take per worker before that worker is killed and restarted.
         start_timeout_s: extra seconds for a worker still building its environment (JVM start).
 
-    Calls take ``(worker_index, argument)`` pairs (each index at most once per call) and return results in the
-    same order; a failed call gives an error result (``info["error"]``, an ended step with reward NaN: ``step``). A
-    ValueError/TypeError inside an environment is re-raised here as ValueError after all answers of the call are
-    read; the worker is kept.
+    Calls take ``(worker_index, argument)`` pairs (each index at most once) and return results in that order, sent
+    to all workers before any answer is read; a failed one is an error result (``info["error"]``; for ``step`` an
+    ended step with reward NaN). A ValueError/TypeError of ``tasks``/``system_prompt`` is re-raised as ValueError.
 
     Raises:
         ValueError: bad config, worker count, or request list.
@@ -223,8 +214,7 @@ class EnvPool:
         if len(set(indices)) != len(indices):
             raise ValueError(f"worker indices {indices}: each worker may appear once per call")
 
-        # Pickle everything before sending anything: a bad argument must not leave some workers with a
-        # request whose answer nobody reads.
+        # Pickle all first: a bad argument must not leave workers with a request whose answer nobody reads.
         messages = [ForkingPickler.dumps((cmd, arg)) for _, arg in requests]
         results: list[tuple[str, Any] | None] = [None] * len(requests)
         start = time.monotonic()

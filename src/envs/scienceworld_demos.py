@@ -87,11 +87,8 @@ def env_gold(tasks: list[dict[str, Any]], env_cfg: dict[str, Any], gold_dir: str
 
 
 def _run_logged(cmd: list[str], timeout_s: float) -> tuple[int, str]:
-    """Run ``cmd``, logging each line it prints as it comes; returns (exit code, everything it printed).
-
-    Raises:
-        subprocess.TimeoutExpired: still running after ``timeout_s`` (it is killed).
-    """
+    """Run ``cmd``, logging each line it prints; returns (exit code, everything it printed). Raises
+    subprocess.TimeoutExpired (after killing it) when still running after ``timeout_s``."""
     lines: list[str] = []
     deadline = time.monotonic() + timeout_s
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
@@ -106,12 +103,8 @@ def _run_logged(cmd: list[str], timeout_s: float) -> tuple[int, str]:
 
 
 def gold_records(tasks: list[dict[str, Any]], env_cfg: dict[str, Any], gold_dir: str | os.PathLike) -> list[dict]:
-    """Demonstration records of ScienceWorld ``tasks`` from their gold paths, cut to the environment's action cap
-    (later states never occur in RL).
-
-    Raises:
-        ValueError: the prompts list admissible actions (the gold cache does not store them).
-    """
+    """Demonstration records of ScienceWorld ``tasks`` from their gold paths, cut to the action cap (later states
+    never occur in RL). Raises ValueError when prompts list admissible actions (the gold cache does not store them)."""
     from src.envs.scienceworld_tasks import default_max_steps
 
     if env_cfg.get("include_admissible_actions"):
@@ -135,10 +128,8 @@ def _arg(action: str, verb: str) -> str | None:
 
 
 def scienceworld_tip(record: dict[str, Any]) -> list[str]:
-    """The hindsight tip on a ScienceWorld trajectory (``Environment.hindsight_tip``): the rooms gone to, the object
-    focused on and the actions that changed something; needless ``look around``/``inventory`` steps (a look with no
-    move since the last one) are counted. What is left to do comes from the instruction (the thing to find, the box
-    and room to move it to)."""
+    """The hindsight tip on a ScienceWorld trajectory: rooms gone to, the object focused on, actions that changed
+    something, needless looks (no move since the last one) counted, and what is left to do from the instruction."""
     actions, score, top = record["actions"], float(record["score"]), float(record.get("max_score", 100.0))
     waste, moved = 0, False
     for a in actions:

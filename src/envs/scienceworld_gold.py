@@ -20,11 +20,9 @@ logger = logging.getLogger(__name__)
 
 def generate_gold(tasks: list[dict[str, Any]], simplification: str = "easy",
                   jvm_heap: str = "768m") -> list[dict[str, Any]]:
-    """Generate and verify the simulator's gold action path for each ``{"task_name", "variation"}`` in ``tasks``.
-
-    Starts two JVMs: one asks the simulator for the gold paths (which slows that JVM's later resets, so run this
-    offline), the other replays each path through ``ScienceWorldEnv`` (no action cap) to record what an agent would
-    see. The simulator picks among equivalent paths at random, so repeated runs may differ.
+    """Generate and verify the simulator's gold action path for each ``{"task_name", "variation"}`` in ``tasks``:
+    one JVM asks for the paths (which slows its later resets: run this offline), another replays each through
+    ``ScienceWorldEnv`` (no cap) to record what an agent sees. The simulator picks among equivalent paths at random.
 
     Returns one record per task, in order: {task_name, variation, simplification, instruction,
     initial_observation, initial_score, actions: [str], observations: [str], rewards: [points],

@@ -91,14 +91,15 @@ class TextWorldExpressEnv(JvmEnvironment):
     def config_problems(cls, env_cfg: dict[str, Any], training: bool = False) -> list[str]:
         """The game, its parameters' type, the seed counts, the action cap and the JVM's needs; the parameters'
         values and the folds' sizes are the simulator's to check (when it starts)."""
-        game, params = env_cfg.get("game", "coin"), env_cfg.get("game_params")
+        env_cfg = cls.with_defaults(env_cfg)
+        game, params = env_cfg["game"], env_cfg["game_params"]
         problems = [] if game in GAMES else [f"env.game={game!r}: expected one of {list(GAMES)}"]
         if params is not None and not isinstance(params, Mapping):
             problems.append(f"env.game_params={params!r}: expected a mapping of the simulator's game parameters "
                             "(e.g. numLocations: 4) or null")
-        problems += count_problem("num_train_seeds", env_cfg.get("num_train_seeds", 100), int(training), "train seeds")
-        problems += count_problem("num_test_seeds", env_cfg.get("num_test_seeds", 50), 0, "dev/test seeds")
-        problems += count_problem("max_steps", env_cfg.get("max_steps", 20), 1, "actions per episode")
+        problems += count_problem("num_train_seeds", env_cfg["num_train_seeds"], int(training), "train seeds")
+        problems += count_problem("num_test_seeds", env_cfg["num_test_seeds"], 0, "dev/test seeds")
+        problems += count_problem("max_steps", env_cfg["max_steps"], 1, "actions per episode")
         return problems + jvm_problems(env_cfg, "TextWorldExpress")
 
     def tasks(self, split: str) -> list[dict[str, Any]]:
@@ -123,10 +124,7 @@ class TextWorldExpressEnv(JvmEnvironment):
         return f"{self._instruction}\n\n{observation.strip()}", info
 
     def _check_task(self, task: dict[str, Any]) -> tuple[int, str]:
-        """(seed, fold) of a task dict.
-
-        Raises:
-            ValueError: not such a dict, another game, an unknown fold or a seed outside its fold."""
+        """(seed, fold) of a task dict. Raises ValueError for another game, an unknown fold or a seed outside it."""
         if not isinstance(task, dict) or "variation" not in task or "fold" not in task:
             raise ValueError(f"task={task!r}: expected a dict with keys 'variation' (a seed) and 'fold'")
         if task.get("task_name", self.game) != self.game:

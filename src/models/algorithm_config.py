@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from omegaconf import ListConfig
+
 from src.utils.settings import Settings, follows, int_at_least, number
 
 OFF_POLICY_OLD_LOG_PROB = ("with_tips", "without_tips")  # the prompt π_old of an off-policy step is taken under
@@ -86,7 +88,8 @@ class AlgorithmConfig(Settings):
     """C, the truncation of the rollout importance weight (>= 1)."""
 
     def __post_init__(self) -> None:
-        self.mask_modes = list(self.mask_modes or [])  # YAML's null and a ListConfig: a plain list
+        if self.mask_modes is None or isinstance(self.mask_modes, (tuple, ListConfig)):  # YAML's null: none
+            self.mask_modes = list(self.mask_modes or [])
         super().__post_init__()
 
     def problems(self) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import types
 import typing
 from typing import Any, ClassVar, Mapping
 
@@ -22,6 +23,13 @@ def follows(key: str, default: Any) -> Any:
     as an interpolation, ``${paths.data_dir}/models``), ``default`` where the dataclass is built without Hydra (tests,
     scripts)."""
     return dataclasses.field(default=default, metadata={"follows": key})
+
+
+def followed(schema: type) -> dict[str, str]:
+    """``{field: the key it follows}`` for a schema's plain followers (``${data.temperature}``, not a path built from
+    one)."""
+    return {f.name: f.metadata["follows"] for f in dataclasses.fields(schema)
+            if "follows" in f.metadata and "$" not in f.metadata["follows"] and ":" not in f.metadata["follows"]}
 
 
 def is_int(value: Any) -> bool:
@@ -82,10 +90,13 @@ class Settings:
         return cls(**values)
 
     def __post_init__(self) -> None:
-        problems = self.problems()  # on the values as given: a message shows what the user wrote
+        hints = typing.get_type_hints(type(self))
+        prefix = type(self).PREFIX
+        wrong = [p for f in dataclasses.fields(self)
+                 if (p := type_problem(f"{prefix}.{f.name}", hints[f.name], getattr(self, f.name)))]
+        problems = wrong or self.problems()  # the rules read values of their type; on the values as given
         if problems:
             raise ValueError("\n".join(problems))
-        hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):  # YAML writes 0 for 0.0: one type per field downstream
             if hints[f.name] in (float, float | None) and is_int(getattr(self, f.name)):
                 setattr(self, f.name, float(getattr(self, f.name)))
@@ -110,6 +121,25 @@ class Settings:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def type_problem(key: str, hint: Any, value: Any) -> str | None:
+    """``"<key>=<value>: expected <kind>"`` when ``value`` is not of the field type ``hint`` (a bool is not an int, and
+    a word is not a bool: YAML's ``no`` arrives as the string 'no'), else None."""
+    kinds = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if value is None and type(None) in kinds:
+        return None
+    names = []
+    for kind in (k for k in kinds if k is not type(None)):
+        origin = typing.get_origin(kind) or kind
+        name, ok = {bool: ("true or false", isinstance(value, bool)), int: ("an int", is_int(value)),
+                    float: ("a number", number(value) is not None), str: ("a string", isinstance(value, str)),
+                    list: ("a list", isinstance(value, list)), dict: ("a mapping", isinstance(value, dict)),
+                    }.get(origin, ("its settings", not isinstance(origin, type) or isinstance(value, origin)))
+        if ok:
+            return None
+        names.append(name)
+    return f"{key}={value!r}: expected {' or '.join(names + ['null'] * (type(None) in kinds))}"
 
 
 def _settings_class(hint: Any) -> type[Settings] | None:

@@ -237,21 +237,22 @@ class WebShopEnv(Environment):
     def config_problems(cls, env_cfg: dict[str, Any], training: bool = False) -> list[str]:
         """The reward mode, counts, analyzers and, with real data (``env.real_data_dir`` or ``WEBSHOP_DATA_DIR``),
         that its directory holds the files (``find_data_files``); the files' content is read when the data loads."""
-        problems = super().config_problems({"max_steps": env_cfg.get("max_steps", 15)})
+        env_cfg = cls.with_defaults(env_cfg)
+        problems = super().config_problems({"max_steps": env_cfg["max_steps"]})
         for key, allowed in (("reward_mode", ("score", "success")), ("stemmer", ("porter", "none")),
                              ("noun_tagger", NOUN_TAGGERS)):
-            if env_cfg.get(key, allowed[0]) not in allowed:
+            if env_cfg[key] not in allowed:
                 problems.append(f"env.{key}={env_cfg[key]!r}: expected one of {list(allowed)}")
         for key, minimum, meaning in (("num_test_goals", 0, "goals held out for test"),
                                       ("num_dev_goals", 0, "goals held out for validation"),
                                       ("catalog_size", 10, "products of the generated catalog")):
-            problems += count_problem(key, env_cfg.get(key, minimum), minimum, meaning)
-        problems += count_problem("num_products", env_cfg.get("num_products"), 1, "the first N products of the "
+            problems += count_problem(key, env_cfg[key], minimum, meaning)
+        problems += count_problem("num_products", env_cfg["num_products"], 1, "the first N products of the "
                                   "file; null: all", allow_none=True)
         real = env_cfg.get("real_data_dir") or os.environ.get("WEBSHOP_DATA_DIR")
         if real:
             try:
-                find_data_files(real, bool(env_cfg.get("human_goals", True)))
+                find_data_files(real, bool(env_cfg["human_goals"]))
             except WebShopDataError as err:
                 problems.append(f"env.real_data_dir={real!r} (or WEBSHOP_DATA_DIR): {err}; set it to the directory "
                                 "of the original files, or null for the generated catalog")

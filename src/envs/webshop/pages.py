@@ -1,9 +1,5 @@
-"""The original WebShop text observations (``observation_mode='text'``), page by page (the original's
-``web_agent_site/envs/web_agent_text_env.py``).
-
-The original renders HTML and joins the visible text nodes with ' [SEP] ' (each node stripped; nodes that
-are exactly '\\n' dropped). Each function below lists those nodes in page order. A node exists only for
-non-empty text (an empty description or bullet renders no node), which ``join_nodes`` reproduces.
+"""The original WebShop text observations (``web_agent_site/envs/web_agent_text_env.py``, mode 'text'), page by page: the page's visible HTML text nodes in order, each stripped, joined with ' [SEP] '; nodes that are
+exactly '\\n' or empty (an empty description or bullet) render none, which ``join_nodes`` reproduces.
 """
 from __future__ import annotations
 

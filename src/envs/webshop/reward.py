@@ -141,19 +141,9 @@ def option_match_count(purchased_options: Iterable[Any], goal_options: Iterable[
 
 def get_reward(product: dict, goal: dict, price: float, options: dict[str, str],
                noun_tagger: str = "fallback") -> tuple[float, dict[str, Any]]:
-    """Score a purchase: returns (reward in [0, 1], reward_info).
-
-    Args:
-        product: the normalised purchased product (keys Title, BulletPoints, Description, Attributes, name,
-            query, product_category, asin).
-        goal: the goal dict (attributes, goal_options as a list — human goals — or a dict — synthetic goals,
-            price_upper, query, product_category, name, asin).
-        price: the purchased product's drawn price in dollars.
-        options: {option name: chosen value} the agent clicked on the item page.
-    reward_info carries every component: r_att, n_attr_matched, r_option (None when the goal has no
-    options), n_opt_matched, r_price, price, price_upper, r_type, query_match, category_match, title_score,
-    w_att / w_option / w_price (the weights of each part), noun_extractor, purchased/goal asin and options.
-    """
+    """Score a purchase of ``product`` at ``price`` (dollars) with ``options`` ({option name: value clicked}) for
+    ``goal`` (its goal_options a list for human goals, a dict for synthetic ones): (reward in [0, 1], reward_info,
+    every component; r_att / r_option None for a goal without attributes / options; w_*: each part's weight)."""
     goal_opts = goal['goal_options']
     # Original quirk: synthetic goals pass dict.items(), i.e. (name, value) tuples.
     goal_opt_items = list(goal_opts.items()) if isinstance(goal_opts, dict) else list(goal_opts)

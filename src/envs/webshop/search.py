@@ -46,14 +46,8 @@ def _porter_stemmer():
 
 
 class SearchEngine:
-    """BM25 search over a list of normalised products.
-
-    Args:
-        products: normalised product dicts (see data.WebShopData).
-        cache_root: writable directory for the cached index.
-        stemmer: "porter" (the original's; falls back to "none" with a warning if PyStemmer is missing) or "none".
-    Raises ValueError for an unknown stemmer.
-    """
+    """BM25 search over normalised products, its index cached under ``cache_root``. ``stemmer``: "porter" (the
+    original's; "none" with a warning without PyStemmer) or "none"; another raises ValueError."""
 
     def __init__(self, products: list[dict], cache_root: str | os.PathLike, stemmer: str = "porter"):
         if stemmer not in ("porter", "none"):
