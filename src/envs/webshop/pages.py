@@ -1,4 +1,5 @@
-"""The original WebShop text observations (``web_agent_site/envs/web_agent_text_env.py``, mode 'text'), page by page: the page's visible HTML text nodes in order, each stripped, joined with ' [SEP] '; nodes that are
+"""The original WebShop text observations (``web_agent_site/envs/web_agent_text_env.py``, mode 'text'), page by page:
+the page's visible HTML text nodes in order, each stripped, joined with ' [SEP] '; nodes that are
 exactly '\\n' or empty (an empty description or bullet) render none, which ``join_nodes`` reproduces.
 """
 from __future__ import annotations
