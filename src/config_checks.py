@@ -200,14 +200,15 @@ def model_problems(model: dict[str, Any]) -> list[str]:
     return problems + (group_problems(WarmStartConfig, model["warm_start"]) if model.get("warm_start") else [])
 
 
-def follower_problems(cfg: DictConfig) -> list[str]:
+def follower_problems(cfg: DictConfig, found: list[str]) -> list[str]:
     """A setting that follows another one (``follows`` in its schema: ``algorithm.temperature`` is
     ``data.temperature``) set to another value: the log-probs would be taken at another temperature than the one
-    sampled, a reply cut at another budget than the one the prompt announced."""
+    sampled, a reply cut at another budget than the one the prompt announced. A follower already in ``found`` (its
+    value is wrong in itself) is left to that line."""
     problems = []
     for key, source in followers():
         value, expected = OmegaConf.select(cfg, key), OmegaConf.select(cfg, source)
-        if value != expected and OmegaConf.select(cfg, source, default="?") != "?":
+        if value != expected and not any(p.startswith(f"{key}=") for p in found) and OmegaConf.select(cfg, source, default="?") != "?":
             problems.append(f"{key}={value!r} follows {source}={expected!r}; set {source} instead")
     return problems
 
@@ -248,7 +249,7 @@ def check_training_settings(cfg: DictConfig) -> None:
     problems += model_problems(_container(cfg.get("model")))
     problems += generation_problems(_container(cfg.get("trainer")), _container(cfg.get("model")))
     problems += group_problems(MemoryConfig, _container(cfg.get("memory")))  # read only with memory; a typo anyway
-    problems += follower_problems(cfg)
+    problems += follower_problems(cfg, problems)
     for follower, source in followers():  # the follower is ${source}: one line for one mistake
         if any(p.startswith(f"{source}=") for p in problems):
             problems = [p for p in problems if not p.startswith(f"{follower}=")]
