@@ -1,9 +1,7 @@
-"""The EMPO² memory as a Lightning callback: the tip memory, the novelty state memory and the embedder
-(docs/method.md#memory, docs/method.md#count-based-novelty-bonus).
+"""The EMPO² memory as a Lightning callback: tip memory, novelty memory and embedder (docs/method.md#memory).
 
-The rollout (``src/data/iteration.py``) calls it with explicit arguments; it keeps no Trainer. Checkpoints are the
-memory's one persistence path. Under DDP/FSDP every rank adds all ranks' tips and visits in the same order, so every
-rank holds the same whole memory (checked by ``state_dict``).
+The rollout (``src/data/iteration.py``) calls it with explicit arguments; checkpoints are its one persistence path.
+Under DDP/FSDP every rank adds all ranks' tips and visits in the same order, so every rank holds the same memory.
 """
 from __future__ import annotations
 
@@ -37,13 +35,9 @@ def task_name(task: dict[str, Any]) -> str:
 
 
 def partition_key(task: dict[str, Any], partition: str) -> str:
-    """The tip-memory partition of a task dict (docs/method.md#memory, "Partitions"): ``global``, the task name
-    (``task``) or ``<task name>/<variation>`` (``variation``).
-
-    Raises:
-        ValueError: an unknown ``partition``, or ``variation`` for a task dict without one (all its variations
-            would silently share one partition).
-    """
+    """The tip-memory partition of a task dict: ``global``, the task name or ``<task name>/<variation>``
+    (docs/method.md#memory). Raises ValueError for an unknown ``partition``, or ``variation`` for a task without
+    one (its variations would silently share a partition)."""
     if partition == "global":
         return "global"
     if partition == "task":
@@ -66,19 +60,10 @@ def state_text(key: str, instruction: str, observation: str) -> str:
 class MemoryCallback(L.Callback):
     """Self-generated tips memory plus intrinsic novelty reward.
 
-    Args:
-        embedder: an ``Embedder`` (all-MiniLM-L6-v2 by default, 384-d).
-        tip_memory: a built ``TipMemory`` of that embedder's keys.
-        settings: the ``memory`` group (``MemoryConfig``, or its keys as keyword arguments): ``partition``,
-            ``variation`` (one memory per task variation, the authors' default), ``task`` or ``global``;
-            ``tips_scope``, ``current`` or ``all_steps`` (``build_step_messages``); ``tip_max_tokens``, the token
-            budget of one reflection; ``reuse_rollout_cache``, let training rollouts keep each episode's last prompt
-            keys/values so that the reflection continues that prompt (costs memory until the tips are written,
-            ~46 KB per prompt token for SmolLM2 in fp32, ~57 KB for Qwen2.5-7B in bf16); ``novelty``
-            (``NoveltyMemory``); ``key`` (``state_text``) and ``write_tips``.
-
-    Raises:
-        ValueError: unknown partition, or embedder/tip-memory dimension mismatch.
+    ``settings``: the ``memory`` group (``MemoryConfig``, or its keys as keyword arguments). ``reuse_rollout_cache``
+    keeps each episode's last prompt keys/values so that the reflection continues that prompt (memory until the tips
+    are written: ~46 KB per prompt token for SmolLM2 in fp32, ~57 KB for Qwen2.5-7B in bf16).
+    Raises ValueError for an unknown partition or an embedder that does not match the tip memory.
     """
 
     def __init__(self, embedder: Embedder, tip_memory: TipMemory, settings: MemoryConfig | None = None, **values):
@@ -104,18 +89,13 @@ class MemoryCallback(L.Callback):
 
     @classmethod
     def from_config(cls, memory: Any, semantics: str = "paper") -> MemoryCallback:
-        """The memory of the ``memory`` group with the retrieval rule of ``algorithm.semantics``
-        (docs/reproducing.md).
-
-        Raises:
-            ValueError: a bad ``memory`` setting (``MemoryConfig``).
-        """
+        """The memory of the ``memory`` group with the retrieval rule of ``algorithm.semantics``; raises
+        ValueError for a bad setting."""
         settings = MemoryConfig.from_dict(memory)
         embedder = Embedder(settings.embedder)
         return cls(embedder, TipMemory(embedder.dim, embedder.name, settings.tip_memory, semantics), settings)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """A fit records each iteration's tip tables (``on_train_batch_start`` logs them)."""
         self._record_tables = stage == "fit"
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
@@ -171,13 +151,9 @@ class MemoryCallback(L.Callback):
         return [[e.content for e, _ in h] for h in hits]
 
     def add_novelty_bonus(self, episodes) -> None:
-        """Set each step's intrinsic reward: the count-based bonus of the state it reached, scored per task against
-        one novelty store of all ranks' visits (docs/method.md#count-based-novelty-bonus).
-
-        All ranks' states reached at step t are scored together against the store as it was before step t, so the
-        store does not depend on the episodes' order and is the same on every rank. A collective under DDP/FSDP
-        (episode ids must be unique over ranks).
-        """
+        """Set each step's intrinsic reward, the count-based bonus of the state it reached
+        (docs/method.md#count-based-novelty-bonus). All ranks' states of step t are scored together against the
+        store as it was before step t, so it is the same on every rank whatever the order (a collective)."""
         with timed(self.counters, "novelty_s"):
             local = [(e.id, t, task_name(e.task), s.reached_key) for e in episodes for t, s in enumerate(e.steps)
                      if s.reached_key is not None]
@@ -195,16 +171,11 @@ class MemoryCallback(L.Callback):
 
     def write_tips(self, episodes, policy, system_prompt: str, sample_seed: int | None = None,
                    iteration: int | None = None) -> dict[str, float]:
-        """Ask the policy for one reflection per finished episode (one batched call) and store one entry per step.
+        """Ask the policy for one reflection per finished episode (one batched call) and store one entry per step
+        (docs/method.md#memory, "Entries"), keyed by the step's state embedding; releases the kept keys/values.
 
-        Entry format: docs/method.md#memory, "Entries"; the key is step k's state embedding from the rollout. Returns
-        timings (s), token counts, ``tips_cut_frac`` (the share of reflections cut at ``tip_max_tokens``) and
-        ``tip_action_frac`` (``_check_reflections``); the whole write's time is logged
-        by ``on_train_batch_start`` instead. Releases the kept rollout keys/values. With ``sample_seed`` each
-        reflection draws from its episode's own stream (``row_seeds``).
-
-        Under DDP/FSDP a collective: every rank adds every rank's entries (in rank order), and the numbers returned
-        are over all ranks' reflections (counts summed, durations the slowest rank's).
+        Returns timings (s), token counts, ``tips_cut_frac`` and ``tip_action_frac``, over all ranks (counts summed,
+        durations the slowest rank's): a collective, every rank adding every rank's entries in rank order.
         """
         if not self.tips_enabled:  # memory.write_tips=false: no reflection, nothing stored
             for e in episodes:
@@ -227,7 +198,6 @@ class MemoryCallback(L.Callback):
                 cached["seeds"] = [row_seeds(sample_seed, [e.id], 0)[0] for e in done]
             gen = policy.generate(prompts, max_new_tokens=self.tip_max_tokens, **cached)
         reflections = [" ".join(t.split()) for t in gen.texts]  # one line each: an entry is one line
-        # for reports (the adaptation protocol's summary)
         self.last_reflections = [{"task": e.task, "instruction": e.instruction, "score": e.score, "tip": tip}
                                  for e, tip in zip(done, reflections)]
         action_frac = self._check_reflections(reflections)
@@ -317,10 +287,7 @@ class MemoryCallback(L.Callback):
         return {**state, "key": self.key}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the tips and the novelty store.
-
-        Raises:
-            ValueError: the memory was keyed by another ``memory.key`` (its keys would not match these queries)."""
+        """Restore the tips and the novelty store; raises ValueError for a memory keyed by another ``memory.key``."""
         saved = state_dict.get("key", "instruction_observation")  # older checkpoints: the only key there was
         if saved != self.key:
             raise ValueError(f"this memory was stored with memory.key={saved!r}, the run uses memory.key="

@@ -1,10 +1,8 @@
 """One RL iteration, owned by one function (docs/method.md#one-iteration).
 
-``run_iteration`` reads top to bottom in the paper's order and only calls downward: draw the update mode and the
-tasks → play the groups (generation, environment pool, tip retrieval) → write the tips → novelty bonus, returns and
-GRPO advantages → one sample per step (tips stripped where the mode says) → old log-probs → mini-batches. What it
-uses but does not own comes in as ``Collaborators``. Nothing here knows of a Trainer, so an iteration runs the same
-inside Lightning (``RolloutDataModule``) and outside it (``tests/test_iteration.py``).
+``run_iteration`` reads top to bottom in the paper's order: mode and tasks → play the groups → write the tips →
+novelty bonus, returns and GRPO advantages → samples → old log-probs → mini-batches. Nothing here knows of a
+Trainer, so an iteration runs the same inside Lightning (``RolloutDataModule``) and outside it (tests).
 """
 from __future__ import annotations
 
@@ -44,10 +42,8 @@ class IterationSettings:
 
 @dataclass
 class Collaborators:
-    """What an iteration uses but does not own. ``policy`` generates (rollouts, reflections) and scores π_old;
-    ``reference``: the frozen KL reference (None: the policy with its LoRA adapters off, or no KL); ``memory``: the
-    ``MemoryCallback`` (None without memory); ``pool`` / ``tasks``: the environment workers and the training tasks;
-    ``precision``: the forward context of rollouts and scoring (the Trainer's: autocast under ``bf16-mixed``)."""
+    """What an iteration uses but does not own. ``reference``: the frozen KL reference (None: the policy with its
+    LoRA adapters off, or no KL); ``precision``: the forward context of rollouts and scoring (the Trainer's)."""
 
     policy: Any
     pool: Any
@@ -61,11 +57,8 @@ def run_iteration(s: IterationSettings, c: Collaborators, iteration: int, global
                   guard: SignalGuard) -> Iterator[MicroBatch]:
     """Play, score and cut training iteration ``iteration`` with the weights of optimizer step ``global_step``;
     yields its micro-batches (``src/data/minibatches.py``), the first carrying the iteration's ``rollout/*`` metrics.
-    A collective under DDP/FSDP (every rank runs it with the same arguments but its own pool).
-
-    Raises:
-        ValueError: a memory mode drawn without a memory.
-        RuntimeError: ``algorithm.fail_on_no_signal`` and no policy-gradient signal for the patience (``SignalGuard``).
+    A collective under DDP/FSDP (every rank runs it with the same arguments but its own pool). Raises ValueError for
+    a memory mode drawn without a memory, RuntimeError from ``SignalGuard.check``.
     """
     rank, world = rank_and_world()
     mode = draw_mode(s.data.seed, iteration, s.algorithm.memory_rollout_prob, s.algorithm.off_policy_prob)  # 1. draws
@@ -152,11 +145,9 @@ def group_advantages(episodes: list[Episode], algorithm: AlgorithmConfig,
 def make_samples(episodes: list[Episode], advantages: torch.Tensor, mode: str,
                  algorithm: AlgorithmConfig) -> tuple[list[StepSample], dict[str, float]]:
     """One sample per step of every valid episode, carrying its episode's advantage (docs/method.md#one-iteration,
-    step 5): trained under the update prompt (tips stripped in ``off_policy``), π_old taken under the rollout prompt
-    or, in ``off_policy`` with ``off_policy_old_log_prob: without_tips``, the update prompt. Returns the samples and
-    the counts over all ranks (a collective under DDP/FSDP): samples, steps, ``signal_samples`` / ``signal_tokens``
-    (steps with a non-zero advantage, their response tokens) and ``skipped_zero_adv_samples``
-    (``algorithm.skip_zero_advantage``: DAPO-style filtering, opt-in because it rescales the loss)."""
+    step 5): trained under the update prompt, π_old taken under the rollout prompt or, in ``off_policy`` with
+    ``off_policy_old_log_prob: without_tips``, the update prompt. Returns the samples and the counts over all ranks
+    (a collective); ``algorithm.skip_zero_advantage`` (DAPO-style) is opt-in because it rescales the loss."""
     old_with_tips = mode != "off_policy" or algorithm.off_policy_old_log_prob == "with_tips"
     samples, skipped, steps, signal_samples, signal_tokens = [], 0, 0, 0, 0
     for episode, advantage in zip(episodes, advantages.tolist()):
@@ -182,8 +173,7 @@ def make_samples(episodes: list[Episode], advantages: torch.Tensor, mode: str,
 def iteration_metrics(metrics: dict[str, float], tip_metrics: dict[str, float], adv_metrics: dict[str, float],
                       episodes: list[Episode], memory) -> dict[str, float]:
     """The iteration's ``rollout/*`` metrics over all ranks: this rank's timings and counts combined (durations: the
-    slowest rank's; counts: summed), rates derived from them (``replies_cut_frac``: the share of replies that hit
-    ``data.max_response_tokens``), then the tip, advantage, episode and memory metrics (already over all ranks)."""
+    slowest rank's; counts: summed), rates derived from them, then the tip, advantage, episode and memory metrics."""
     metrics = combine_over_ranks(metrics)
     replies, cut = metrics.pop("replies"), metrics.pop("replies_cut")
     if replies:
@@ -228,14 +218,9 @@ class SignalGuard:
     def check(self, metrics: dict[str, float], iteration: int) -> None:
         """Warn once when the novelty bonus alone ranks groups (``warn_bonus_only``), then the no-signal guard: warn
         (or raise, with ``algorithm.fail_on_no_signal``) after ``algorithm.no_signal_patience`` consecutive iterations
-        without a signal on any rank (``metrics``: the iteration's, over all ranks).
-
-        A signal is a response token of a step whose advantage is non-zero (the KL and entropy terms alone teach
-        nothing about the reward). Without one, the run trains nothing while looking healthy.
-
-        Raises:
-            RuntimeError: ``fail_on_no_signal`` and the patience is used up; the message names the cause and the
-                metrics that show it.
+        without a signal on any rank. A signal is a response token of a step whose advantage is non-zero (KL and
+        entropy alone teach nothing about the reward): without one, the run trains nothing while looking healthy.
+        Raises RuntimeError with ``fail_on_no_signal`` once the patience is used up.
         """
         self.warn_bonus_only(metrics["rollout/adv/bonus_only_group_frac"])
         steps, signal, tokens = (metrics[f"rollout/adv/{k}"] for k in ("steps", "signal_samples", "signal_tokens"))

@@ -1,10 +1,8 @@
 """Episodes: running groups of episodes through the environment pool with the current policy
-(docs/method.md#one-iteration, step 2).
+(docs/method.md#one-iteration, step 2), for training, validation and evaluation alike.
 
-All active episodes advance together: one batched policy call per step for all of them, one parallel
-environment step, one batched embedding call (memory keys) — never one call per episode.
-The same runner serves training rollouts, in-training validation and evaluation. The novelty bonus is added
-afterwards, over all ranks' episodes (``MemoryCallback.add_novelty_bonus``).
+All active episodes advance together: per step one batched policy call, one parallel environment step and one
+batched embedding call (memory keys), never one call per episode.
 """
 from __future__ import annotations
 
@@ -46,12 +44,9 @@ class EpisodeMemory(Protocol):
 class StepRecord:
     """One agent step = one training sample (docs/method.md#one-iteration, step 5).
 
-    ``rollout_prompt_ids``: the prompt the policy sampled from (with tips in memory rollouts).
-    ``update_prompt_ids``: the prompt used for the update; tips removed in ``off_policy`` iterations, otherwise the
-    same list. ``response_ids`` / ``rollout_log_probs``: what the policy generated and their log-probs as sampled.
-    ``action``: the action the environment executed. ``reward``: extrinsic (environment units); ``intrinsic``: bonus.
-    ``key``: the embedding of the state the step was taken in (with a memory); ``reached_key``: of the state
-    it reached (the novelty bonus is scored on it).
+    ``rollout_prompt_ids``: the prompt sampled from (with tips in memory rollouts); ``update_prompt_ids``: the one
+    trained on (tips removed in ``off_policy``, else the same list). ``reward`` is in environment units. ``key`` /
+    ``reached_key``: embeddings of the state the step was taken in / reached (the novelty bonus is scored on it).
     """
 
     observation: str
@@ -72,10 +67,9 @@ class StepRecord:
 
 @dataclass
 class Episode:
-    """A finished episode. An episode ``failed`` when its environment worker crashed or returned a non-finite
-    reward (``error`` says which); it has return NaN, gives no samples, is excluded from its group's advantage
-    statistics (docs/method.md#one-iteration, step 4) and is counted once, as ``failed_episodes``. ``id``: the
-    episode's number among all ranks' episodes of the call (seeds its sampling, see ``RolloutConfig.sample_seed``).
+    """A finished episode. It ``failed`` (``error`` says why) when its worker crashed or returned a non-finite
+    reward: return NaN, no samples, out of its group's advantage statistics, counted once as ``failed_episodes``.
+    ``id``: its number among all ranks' episodes of the call (seeds its sampling: ``RolloutConfig.sample_seed``).
     """
 
     task: dict[str, Any]
@@ -114,21 +108,10 @@ def run_episodes(pool, policy: Policy, tasks: list[dict[str, Any]], groups: list
                  episode_ids: list[int] | None = None) -> tuple[list[Episode], dict[str, float]]:
     """Run one episode per entry of ``tasks`` (episode i on pool worker i) to the end.
 
-    Args:
-        pool: an ``EnvPool`` with at least ``len(tasks)`` workers.
-        groups: group id of each episode (episodes of the same task instance share one).
-        memory: needed when ``cfg.use_tips``; when given, the steps carry their state keys (``StepRecord.key``).
-        max_steps: only shown in the prompt (the environment enforces its own cap).
-        episode_ids: each episode's id among all ranks' episodes (default 0, 1, ...); with
-            ``cfg.sample_seed`` episode e draws its tokens at step t from ``row_seeds(sample_seed, [e], t)``.
-
-    Returns:
-        (episodes, metrics) — metrics hold timings (s), token counts, the replies generated and those cut at
-        ``cfg.max_response_tokens`` (``replies``, ``replies_cut``) and what ``fit_prompt`` cut (``prompt_fit/<key>``,
-        see ``PROMPT_CUT_KEYS``).
-
-    Raises:
-        ValueError: ``use_tips`` without a memory, or more tasks than pool workers.
+    ``max_steps`` is only shown in the prompt (the environment enforces its cap). With ``cfg.sample_seed`` episode e
+    draws its tokens at step t from ``row_seeds(sample_seed, [e], t)``. Returns (episodes, metrics): timings (s),
+    token counts, ``replies`` / ``replies_cut`` and what ``fit_prompt`` cut (``prompt_fit/<key>``).
+    Raises ValueError for ``use_tips`` without a memory, or more tasks than pool workers.
     """
     if cfg.use_tips and memory is None:
         raise ValueError("use_tips needs a memory, got memory=None")
@@ -339,8 +322,8 @@ def play_groups(pool, policy, tasks: list[dict], episodes_per_task: int, cfg: Ro
 
 @contextlib.contextmanager
 def inference(policy: Policy, precision: Callable[[], ContextManager] | None = None):
-    """How a policy plays and scores outside the update: eval mode, no autograd, and ``precision`` (the Trainer's
-    forward context, autocast under ``bf16-mixed``: handed over where the objects are built); the mode is restored."""
+    """How a policy plays and scores outside the update: eval mode (restored after), no autograd, and ``precision``
+    (the Trainer's forward context)."""
     was_training = policy.training
     policy.eval()
     try:

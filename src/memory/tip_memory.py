@@ -1,10 +1,8 @@
 """Tip memory: partitioned FAISS store of self-generated tips (docs/method.md#memory).
 
-Each partition (a str chosen by the caller: per task variation, per task, or one global key) holds a
-``faiss.IndexFlatIP`` over L2-normalised state keys (inner product = cosine) plus one ``TipEntry`` per row, in
-order. Reads take all queries of a partition at once: in score order in growing chunks
-(``_candidates_in_score_order``), or in one product with every stored key of the FAISS index's own storage (exact,
-and 2-3x faster than a FAISS range search; ``scripts/bench_memory.py``).
+A partition (str key: task variation, task, or global) is a ``faiss.IndexFlatIP`` over L2-normalised state keys plus
+one ``TipEntry`` per row. Reads take a partition's queries at once, as one product with the stored keys (exact, 2-3x
+faster than a FAISS range search; ``scripts/bench_memory.py``).
 """
 from __future__ import annotations
 
@@ -27,18 +25,10 @@ STATE_FORMAT = "empo2.tip_memory.v1"
 class TipMemory:
     """Partitioned tip store (docs/method.md#memory, "Partitions", "Retrieval").
 
-    Args:
-        embedder_name: saved with the memory; a load with another name is refused.
-        settings: ``memory.tip_memory`` (``TipMemoryConfig``, or its keys as keyword arguments): ``capacity``, max
-            entries per partition, the oldest leave first; ``threshold``, a tip is a candidate when cosine(key,
-            query) > threshold (strict, on cosines clamped to [-1, 1], so threshold 1.0 retrieves nothing);
-            ``top_k``, max tips per query; ``rank_by``, "score" or "similarity" (order: ``retrieve``).
-        semantics: "paper" (the above) or "authors", the EMPO² authors' retrieval (docs/reproducing.md, difference
-            5): candidates with cosine > threshold computed as their server does (float64, divided by both
-            norms), ranked by their score rounded to 0.1, ties by age (oldest first); ``rank_by`` is not read.
-
-    Raises:
-        ValueError: any argument out of range, naming it.
+    ``settings`` is ``memory.tip_memory`` (or its keys as keyword arguments); a tip is a candidate when cosine(key,
+    query) > threshold (strict, on cosines clamped to [-1, 1]). ``semantics`` "authors" is the EMPO² authors'
+    retrieval (docs/reproducing.md, difference 5; ``_authors_top_rows``); ``rank_by`` is then not read. A load with
+    another ``embedder_name`` is refused. Raises ValueError for an argument out of range, naming it.
     """
 
     def __init__(self, dim: int, embedder_name: str, settings: TipMemoryConfig | None = None, semantics: str = "paper",
@@ -75,22 +65,11 @@ class TipMemory:
         steps: list[int] | np.ndarray,
         iteration: int | None = None,
     ) -> list[int]:
-        """Store N tips in one partition.
+        """Store N tips (keys float [N, dim], L2-normalised; scores R in environment units) in one partition.
 
-        Args:
-            keys: float [N, dim], L2-normalised state embeddings (norm within 1e-3 of 1).
-            contents: N formatted tip lines (``format_entry``).
-            scores, steps: N episode final scores R (environment units) and step indices.
-            iteration: optional training iteration stored on every entry.
-
-        Returns:
-            The indices (into the N given) of the entries stored: all but contents already in the partition or
-            repeated earlier in the batch, and but the oldest of the batch itself when the batch alone exceeds
-            ``capacity``. Older entries beyond ``capacity`` are evicted (FIFO).
-
-        Raises:
-            TypeError: partition is not a str.
-            ValueError: shape/length mismatch, non-finite or non-normalised keys, non-finite scores.
+        Returns the indices of those stored: not contents already stored or repeated earlier in the batch, nor the
+        oldest of a batch larger than ``capacity``. Entries beyond ``capacity`` are evicted, oldest first.
+        Raises TypeError for a non-str partition, ValueError for mismatched lengths, bad keys or non-finite scores.
         """
         self._check_partition(partition)
         keys = check_unit_rows(keys, self.dim, "keys")
@@ -151,22 +130,11 @@ class TipMemory:
 
     def retrieve(self, partitions: list[str], queries: np.ndarray, with_similarity: bool = False
                  ) -> list[list[TipEntry]] | list[list[tuple[TipEntry, float]]]:
-        """Tips for a batch of queries (all queries of one partition read together).
+        """B lists of at most ``top_k`` entries (``(entry, cosine)`` with ``with_similarity``) of each query's
+        partition with cosine > threshold; [] for an unknown partition. Queries: float [B, dim], L2-normalised.
 
-        Args:
-            partitions: B partition keys, one per query.
-            queries: float [B, dim], L2-normalised state embeddings.
-            with_similarity: return ``(entry, cosine)`` pairs instead of entries.
-
-        Returns:
-            B lists of at most ``top_k`` ``TipEntry`` of the query's partition with cosine > threshold, in order —
-            rank_by "score": highest stored score first, ties by higher cosine, then older entry first;
-            rank_by "similarity": highest cosine first, ties by higher score, then older entry first.
-            An unknown or empty partition gives [].
-
-        Raises:
-            ValueError: len(partitions) != B, bad query shape or non-normalised queries.
-            TypeError: a partition key is not a str.
+        Order: rank_by "score", highest score first, ties by cosine; "similarity", highest cosine first, ties by
+        score; then the older entry first. Raises ValueError (B mismatch, bad queries), TypeError (non-str key).
         """
         queries = check_unit_rows(queries, self.dim, "queries")
         partitions = list(partitions)
@@ -237,11 +205,8 @@ class TipMemory:
         return q, rows, sims[q, rows]
 
     def _candidates_in_score_order(self, part: Partition, keys: np.ndarray, queries: np.ndarray):
-        """(query, row, cosine) of every candidate in the entries scanned in score order, chunk by chunk
-        (``first_chunk`` entries, then doubling), until each query's top k is settled: it has k candidates and
-        the k-th one's score is above every unscanned entry's. In a large partition where many entries pass the
-        threshold, the first chunk usually settles every query; with few candidates it scans everything, as the
-        similarity order does."""
+        """(query, row, cosine) of the candidates among entries scanned in score order, in chunks (``first_chunk``,
+        then doubling), until each query has k candidates, the k-th scoring above every unscanned entry."""
         order, scores, k = part.by_score, part.scores, self.top_k
         radius = float32_below(self.threshold)
         found = np.zeros(len(queries), dtype=np.int64)
@@ -310,12 +275,8 @@ class TipMemory:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace the contents with ``state`` (from ``state_dict``). This instance's capacity / threshold / top_k /
-        rank_by are kept; a partition larger than ``capacity`` keeps its newest entries.
-
-        Raises:
-            ValueError: wrong format, or embedder name / dim different from this memory's (naming both).
-        """
+        """Replace the contents with ``state``, keeping this instance's settings (an over-``capacity`` partition
+        keeps its newest entries). Raises ValueError for a wrong format or another embedder name / dim."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a tip-memory state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
         stored = (state["embedder_name"], int(state["dim"]))

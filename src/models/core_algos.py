@@ -1,11 +1,9 @@
-"""The losses of GRPO / EMPO² (docs/method.md#one-iteration, step 8), plain torch. Shapes: ``B`` responses (rows),
-``T`` response tokens per row (right-padded, ``response_mask`` marks real tokens), ``V`` vocab.
+"""The losses of GRPO / EMPO² (docs/method.md#one-iteration, step 8), plain torch. Shapes: ``B`` rows, ``T``
+right-padded response tokens (``response_mask`` marks real ones).
 
-The loss is a partial sum (docs/design.md#why-it-is-shaped-this-way): the same global batch must give the same
-gradient whatever the micro-batching or the number of DDP ranks. The caller counts the denominators once on the whole
-global batch (:func:`loss_denominators`, all-reduced) and passes them as ``batch_num_tokens`` / ``global_batch_size``;
-the SUM of the micro-batch losses over micro-batches and ranks is then the full-batch loss. DDP averages gradients
-over ranks, so the caller multiplies each rank's loss by the world size."""
+The loss is a partial sum (docs/design.md#why-it-is-shaped-this-way): with the denominators counted once on the
+global batch (:func:`loss_denominators`, all-reduced), the SUM of micro-batch losses over ranks is the full-batch
+loss, whatever the micro-batching; DDP averages gradients, so the caller multiplies by the world size."""
 from __future__ import annotations
 
 import torch
@@ -41,12 +39,8 @@ def low_prob_token_mask(
     level: str = "token",
 ) -> Tensor:
     """Keep-mask ``[B, T]`` (bool, False on padding) of low-probability token masking
-    (docs/method.md#low-probability-token-masking): ``token`` keeps response tokens with ``log_prob >= log_threshold``
-    (log δ, default -5: δ ≈ 0.0067); ``sequence`` keeps a whole row only if its minimum response-token log-prob is
-    ``>= log_threshold``. ``log_probs``: ``[B, T]`` current-policy token log-probs (nats), never a gradient.
-
-    Raises:
-        ValueError: unknown ``level``; shapes differ."""
+    (docs/method.md#low-probability-token-masking): ``token`` keeps tokens with ``log_prob >= log_threshold`` (log δ;
+    -5: δ ≈ 0.0067), ``sequence`` whole rows whose minimum is. Raises ValueError (unknown level, shapes differ)."""
     if level not in MASK_LEVELS:
         raise ValueError(f"unknown mask level {level!r}; expected one of {MASK_LEVELS}")
     check_shape("response_mask", response_mask, log_probs.shape)
@@ -83,14 +77,10 @@ def aggregate_loss(
     batch_num_tokens: int | float | Tensor | None = None,
     global_batch_size: int | float | Tensor | None = None,
 ) -> Tensor:
-    """Reduce a per-token loss ``[B, T]`` to a scalar in its dtype (docs/method.md#one-iteration, step 8):
-    ``token-mean`` sums all masked tokens / token count; ``seq-mean-token-mean`` / ``seq-mean-token-sum`` take each
-    row's mean / sum over its tokens, then sum over rows / sequence count. The counts default to the local ones (rows
-    with a masked token: an empty row adds 0, never NaN); with the global counts the loss is a partial sum. Values
-    outside ``mask`` (even NaN) are ignored.
-
-    Raises:
-        ValueError: unknown mode, shapes differ, or a python-number count ``<= 0``."""
+    """Reduce a per-token loss ``[B, T]`` to a scalar in its dtype: ``token-mean``, sum / token count;
+    ``seq-mean-token-mean`` / ``-token-sum``, each row's mean / sum, summed / row count. Counts default to the local
+    ones (an empty row adds 0, never NaN); values outside ``mask`` (even NaN) are ignored.
+    Raises ValueError for an unknown mode, differing shapes or a python-number count ``<= 0``."""
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
     check_shape("mask", mask, loss_mat.shape)
@@ -129,22 +119,9 @@ def compute_policy_loss(
     ``A < 0`` also ``L = min(L, -clip_ratio_c · A)``. Tokens with ``keep_mask`` False get ``L = 0`` but stay in the
     denominator, so the global counts can be computed before the forward pass.
 
-    Args:
-        old_log_prob: ``[B, T]`` behaviour-policy (π_old) token log-probs (detached here).
-        log_prob: ``[B, T]`` current-policy token log-probs (differentiable).
-        advantages: ``[B]`` (one per response, broadcast over tokens) or ``[B, T]`` (detached here).
-        clip_ratio_low, clip_ratio_high: ε_low in [0, 1), ε_high >= 0 (no defaults here: ``AlgorithmConfig``).
-        clip_ratio_c: dual-clip constant c > 1.
-        token_weights: ``[B, T]`` non-negative factors of each token's ``L`` (detached here), e.g.
-            :func:`rollout_is_weights`; None multiplies by nothing (not even by 1).
-
-    Returns:
-        ``(loss [], metrics)``; metrics over response tokens: ``pg_loss``, ``clip_frac`` (the clipped term is the
-        active one), ``dual_clip_frac``, ``approx_kl`` (k3: mean((ρ-1) - log ρ)), ``ratio_mean``, ``ratio_max``,
-        ``masked_frac`` (fraction removed by ``keep_mask``).
-
-    Raises:
-        ValueError: shapes differ, clip parameters out of range, unknown ``loss_agg_mode``."""
+    ``advantages`` is ``[B]`` (broadcast over tokens) or ``[B, T]``; ``token_weights`` ``[B, T]`` (e.g.
+    :func:`rollout_is_weights`; None multiplies by nothing, not even 1). Returns ``(loss [], metrics)``, metrics over
+    response tokens (``approx_kl`` is k3). Raises ValueError (shapes, clip parameters, ``loss_agg_mode``)."""
     if not 0.0 <= clip_ratio_low < 1.0 or clip_ratio_high < 0.0:
         raise ValueError(f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got "
                          f"{clip_ratio_low}, {clip_ratio_high}")
@@ -222,17 +199,10 @@ def rollout_is_weights(
     """Truncated importance weights of the trainer's π_old against the distribution that sampled the tokens (TIS;
     docs/method.md#rollout-importance-sampling-correction): rollout and trainer forwards differ (KV cache, precision,
     kernels), by ``Δ = old_log_prob − rollout_log_prob`` (``[B, T]`` each, nats). ``token``:
-    ``w_t = min(exp(Δ_t), C)``; ``sequence``: ``w = min(exp(Σ_t Δ_t), C)`` for every token of the row (exponent
-    clamped at 20).
+    ``w_t = min(exp(Δ_t), C)``; ``sequence``: ``w = min(exp(Σ_t Δ_t), C)`` for every token of the row.
 
-    Returns:
-        ``(weights [B, T], metrics)``; weights in the inputs' promoted dtype (at least float32), 1 outside
-        ``response_mask``. Metrics over the masked tokens (0 when there is none): ``rollout_is_weight_mean``,
-        ``rollout_is_weight_max``, ``rollout_is_truncated_frac`` (untruncated weight above C),
-        ``rollout_log_prob_diff`` (mean |Δ|, nats), ``rollout_log_prob_diff_max``.
-
-    Raises:
-        ValueError: unknown ``level``, ``cap < 1``, shapes differ."""
+    Returns ``(weights [B, T], metrics)``: weights at least float32, 1 outside ``response_mask``; metrics over the
+    masked tokens (0 when none). Raises ValueError for an unknown ``level``, ``cap < 1`` or differing shapes."""
     if level not in ROLLOUT_IS_LEVELS[1:]:
         raise ValueError(f"unknown rollout importance-sampling level {level!r}; expected one of "
                          f"{ROLLOUT_IS_LEVELS[1:]}")
@@ -258,10 +228,7 @@ def rollout_is_weights(
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl") -> Tensor:
     """Per-token KL estimate ``[B, T]`` between the current and reference log-probs (nats; the reference detached):
     Schulman's k1 ``kl`` (``logp - ref``), ``abs`` (``|logp - ref|``), k2 ``mse`` (``½ (logp - ref)²``) or k3
-    ``low_var_kl`` (``exp(ref - logp) - (ref - logp) - 1``, clamped to [-10, 10] as verl does).
-
-    Raises:
-        ValueError: unknown ``kind``; shapes differ."""
+    ``low_var_kl`` (``exp(ref - logp) - (ref - logp) - 1``, clamped to [-10, 10] as verl does). Raises ValueError."""
     if kind not in KL_KINDS:
         raise ValueError(f"unknown kl kind {kind!r}; expected one of {KL_KINDS}")
     check_shape("ref_log_probs", ref_log_probs, log_probs.shape)

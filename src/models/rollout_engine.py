@@ -84,9 +84,7 @@ class Replies:
 
 class RolloutEngine:
     """One policy's engine: its settings, its decoding steps' bf16 copy and the precision its ranks agreed on.
-
-    Raises:
-        ValueError: ``settings.static`` with a model the static step cannot run (``static_decode.causal_lm``)."""
+    Raises ValueError for ``settings.static`` with a model the static step cannot run."""
 
     def __init__(self, settings: EngineSettings = EngineSettings(), model: nn.Module | None = None):
         if settings.static and model is not None:
@@ -97,10 +95,8 @@ class RolloutEngine:
 
     def precision(self, device_type: str, synced: bool = False) -> str:
         """The agreed rollout precision, else the setting with ``auto`` resolved; under FSDP (``synced``) after
-        ``rollout_precision_under_fsdp``.
-
-        Raises:
-            ValueError: an unknown value; bf16 decoding steps asked for explicitly under FSDP."""
+        ``rollout_precision_under_fsdp``. Raises ValueError: an unknown value; bf16 decoding steps asked for
+        explicitly under FSDP."""
         requested = self.settings.rollout_precision
         value = self.agreed or rollout_precision(requested, device_type)
         return rollout_precision_under_fsdp(value, "FSDP", chosen=requested == "auto") if synced else value
@@ -108,8 +104,7 @@ class RolloutEngine:
     def agree(self) -> None:
         """Every rank takes rank 0's rollout precision: each rank re-ran the entry point and its own ``auto``
         probe, and probes can disagree. A collective, so called from ``EMPO2Module.configure_model``, which every
-        rank passes (not the first ``generate``: a reflection may reach it on one rank only). The identity without
-        torch.distributed."""
+        rank passes (a reflection may reach the first ``generate`` on one rank only)."""
         if not is_distributed():
             return
         import torch.distributed as dist
@@ -250,10 +245,7 @@ def probe_phases(hidden: int = 576, ffn: int = 1536, prefill_rows: int = 128, de
 
 def decide_rollout_precision(device_type: str, probe: dict[str, float] | None = None) -> tuple[str, str]:
     """(``auto``'s precision, a one-line reason): ``trainer`` on a GPU; on a CPU bf16 in each phase that ``probe``
-    shows at least ``MIN_BF16_SPEEDUP`` times faster.
-
-    Raises:
-        ValueError: a CPU without its probe."""
+    shows at least ``MIN_BF16_SPEEDUP`` times faster. Raises ValueError for a CPU without its probe."""
     if device_type != "cpu":
         return "trainer", "a GPU: the Trainer's precision in both phases"
     if probe is None:
@@ -267,9 +259,7 @@ def decide_rollout_precision(device_type: str, probe: dict[str, float] | None = 
 
 def rollout_precision(value: str, device_type: str) -> str:
     """``value`` with ``auto`` replaced by this process's choice for ``device_type``, made and logged once.
-
-    Raises:
-        ValueError: a value not in ``ROLLOUT_PRECISIONS``."""
+    Raises ValueError for a value not in ``ROLLOUT_PRECISIONS``."""
     if value not in ROLLOUT_PRECISIONS:
         raise ValueError(f"model.policy.rollout_precision={value!r}: expected one of {ROLLOUT_PRECISIONS}")
     if value != "auto":
@@ -285,9 +275,7 @@ def rollout_precision(value: str, device_type: str) -> str:
 def resolve_rollout_precision(cfg) -> str | None:
     """Write this machine's choice for ``model.policy.rollout_precision=auto`` into ``cfg`` (under FSDP after
     ``rollout_precision_under_fsdp``), so the logged config says what ran; returns it (None without a policy).
-
-    Raises:
-        ValueError: an unknown value."""
+    Raises ValueError for an unknown value."""
     from omegaconf import open_dict
 
     policy = (cfg.get("model") or {}).get("policy")
