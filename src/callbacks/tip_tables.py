@@ -1,9 +1,8 @@
 """What the memory did in each iteration, as two tables a person can read: the entries ``written`` and the tips
 ``retrieved`` (docs/usage.md#reading-the-tips describes their columns).
 
-Each table is a JSON file ``{"columns": [...], "data": [[...], ...]}`` (MLflow's own table format, which its UI
-shows as a table) in the run directory and, with the MLflow logger, the run's artifacts. ``scripts/show_tips.py``
-prints them.
+Each table is a JSON file ``{"columns": [...], "data": [[...], ...]}`` (MLflow's table format) in the run directory
+and, with the MLflow logger, the run's artifacts; ``scripts/show_tips.py`` prints them.
 """
 from __future__ import annotations
 
@@ -37,11 +36,7 @@ def table_name(iteration: int, table: str) -> str:
 
 
 def as_table(rows: list[dict[str, Any]], table: str) -> dict[str, list]:
-    """Rows (dicts with the table's ``COLUMNS``) as ``{"columns": [...], "data": [[...], ...]}``.
-
-    Raises:
-        ValueError: a row without one of the table's columns.
-    """
+    """Rows (dicts with the table's ``COLUMNS``) as a table; raises ValueError for a row missing a column."""
     columns = COLUMNS[table]
     for row in rows:
         missing = [c for c in columns if c not in row]
@@ -88,11 +83,8 @@ def markdown_table(data: dict[str, list], max_rows: int) -> str:
 
 
 def read_table(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a table file written by ``log_tip_tables`` (a run directory's or an MLflow artifact).
-
-    Raises:
-        ValueError: the file cannot be read or parsed, or is not a ``{"columns", "data"}`` table (naming it).
-    """
+    """The rows of a table file written by ``log_tip_tables``; raises ValueError, naming it, for an unreadable file
+    or one that is not a ``{"columns", "data"}`` table."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:

@@ -36,10 +36,8 @@ def demonstration_records(env_cfg: dict[str, Any], num_tasks: int | None, gold_d
                           ) -> tuple[list[dict], str]:
     """(successful demonstration records of *training* tasks of the environment ``env_cfg`` builds, its system
     prompt): ``Environment.demonstrations`` of ``training_tasks``, cached under ``gold_dir`` where the environment
-    caches them. Unsuccessful demonstrations are dropped with a warning.
-
-    Raises:
-        ValueError: an environment without demonstrations, or none of them succeeds.
+    caches them. Unsuccessful demonstrations are dropped with a warning. Raises ValueError for an environment
+    without demonstrations, or none that succeeds.
     """
     env_cfg, env, tasks = training_tasks(env_cfg, num_tasks)
     try:
@@ -70,17 +68,11 @@ def response_ids(policy: Policy, text: str) -> list[int]:
 
 def build_examples(policy: Policy, records: list[dict[str, Any]], system_prompt: str, cfg: RolloutConfig,
                    max_steps: int | None = None) -> list[SFTExample]:
-    """One example per step of each demonstration record.
+    """One example per step of each demonstration record, under the RL run's rollout settings ``cfg``.
 
-    Args:
-        records: ``{"task", "instruction", "initial_observation", "actions", "observations"}`` and optionally
-            ``responses`` (the reply texts; default: the actions), ``admissible_actions`` (per state) and ``tips``
-            (per step, the memory entries shown when ``cfg.use_tips``; ``tipped_demonstrations``).
-        cfg: the RL run's rollout settings (``RolloutConfig.from_data`` of its ``data`` group).
-        max_steps: the step budget shown in the prompt (``data.max_steps`` of the RL run; None shows none).
-
-    The state at step t is what the rollout runner sees after the first t demonstrated replies: the reset
-    observation (t = 0) or the observation after reply t − 1, with the history of (observation, action) pairs.
+    ``records``: ``{"task", "instruction", "initial_observation", "actions", "observations"}``, optionally
+    ``responses`` (default: the actions), ``admissible_actions`` and ``tips`` (per step, shown with ``cfg.use_tips``).
+    The state at step t is what the rollout runner sees after the first t demonstrated replies.
     """
     examples = []
     for record in records:
@@ -103,9 +95,8 @@ class LengthGroupedBatches(torch.utils.data.Sampler):
     """Batches of indices of similar example length, in random order, freshly drawn every epoch.
 
     Each epoch shuffles the examples, cuts them into windows of ``window`` batches, sorts each window by length
-    (prompt + response tokens) and splits it into batches; the batches are then shuffled. Every example is in
-    exactly one batch per epoch. Left-padded prompts are most of the compute, so this cuts the padding without
-    changing what is learned.
+    (prompt + response tokens) and splits it into batches; the batches are then shuffled. Left-padded prompts are
+    most of the compute, so this cuts the padding without changing what is learned.
     """
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, window: int = 16):

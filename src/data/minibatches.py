@@ -1,12 +1,9 @@
 """An iteration's samples as the update consumes them (docs/method.md#one-iteration, step 7): ``ppo_epochs`` passes,
-each split into mini-batches (one optimizer step each: ``num_mini_batches`` of them, or as many as it takes to hold
-the iteration's rows ``mini_batch_rows`` at a time), each cut into micro-batches of at most ``micro_batch_size``
+each split into mini-batches (one optimizer step each), each cut into micro-batches of at most ``micro_batch_size``
 samples (one forward/backward each).
 
-Padding and rank alignment happen here and only here: every rank yields the same number of micro-batches (a rank
-with fewer samples gets zero-weight padding micro-batches), because DDP/FSDP need the same number of backward
-passes everywhere. Each micro-batch carries the mini-batch's global token and sequence counts, so summing
-micro-batch losses reproduces the full mini-batch's token-mean (docs/design.md#why-it-is-shaped-this-way).
+Padding and rank alignment happen here only: every rank yields the same number of micro-batches (zero-weight padding
+where it has fewer samples), because DDP/FSDP need the same number of backward passes everywhere.
 """
 from __future__ import annotations
 
@@ -36,11 +33,8 @@ def mini_batch_count(rows: int, num_mini_batches: int | None = None, mini_batch_
     ``mini_batch_rows`` R (the field's ``ppo_mini_batch_size`` counted in rows, as verl counts it after multiplying
     by the group size: rows per optimizer step over all ranks): ⌈rows / R⌉ steps, so the number of updates follows
     the rollout's length (128 episodes of 30 steps at R = 128: 30 steps). ``num_mini_batches``: that fixed number of
-    steps whatever the rows. Neither: 1 (the whole iteration in one step). At least 1 (an iteration without rows
-    still takes its skipped step, so every rank agrees on the count).
-
-    Raises:
-        ValueError: both are set, or one is not a positive integer.
+    steps whatever the rows. Neither: 1. At least 1 (an iteration without rows still takes its skipped step, so every
+    rank agrees on the count). Raises ValueError: both are set, or one is not a positive integer.
     """
     for name, value in (("num_mini_batches", num_mini_batches), ("mini_batch_rows", mini_batch_rows)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -63,12 +57,8 @@ def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict
     each rank training on its own samples of each: a mini-batch holds the same samples whether 1 process or N ranks
     run the iteration. With ``mini_batch_rows`` R the N rows are split into ⌈N/R⌉ mini-batches of near-equal size
     (⌊N/k⌋ or ⌈N/k⌉ rows, never more than R): every row is trained on, none is dropped, and each mini-batch's loss
-    is divided by its own token (or row) count, so a smaller mini-batch is not a smaller step.
-
-    Args:
-        info: ``mode``, ``iteration`` and ``rollout_global_step`` (``MicroBatch``), copied into each micro-batch.
-        padding: a throw-away sample, for a rank without any sample of its own.
-        num_mini_batches, mini_batch_rows: see ``mini_batch_count``.
+    is divided by its own token (or row) count, so a smaller mini-batch is not a smaller step. ``padding``: a
+    throw-away sample, for a rank without any sample of its own.
     """
     rng = np.random.default_rng([seed, iteration, PERMUTATION])
     rank = rank_and_world()[0]

@@ -1,11 +1,8 @@
-"""Structured chat messages for one agent step, with or without tips (docs/method.md#one-iteration, step 2;
-docs/method.md#memory).
+"""Structured chat messages for one agent step, with or without tips (docs/method.md#one-iteration, step 2).
 
-Prompts are always built from structured pieces and rendered with the tokenizer's chat template, so the
-with-tips prompt (what the policy saw during a memory rollout) and the tips-removed prompt (the off-policy
-update prompt, docs/method.md#tip-stripping-for-the-off-policy-update) of the same step come from the same call with
-``tips`` given or not — no editing of token sequences. Tips sit inside ``<memory>…</memory>`` markers under a fixed
-header in the current user turn.
+The with-tips and tips-removed prompts of a step come from the same call with ``tips`` given or not, never by
+editing token sequences (docs/method.md#tip-stripping-for-the-off-policy-update). Tips sit inside
+``<memory>…</memory>`` markers under a fixed header in the current user turn.
 """
 from __future__ import annotations
 
@@ -45,22 +42,10 @@ def build_step_messages(system_prompt: str, instruction: str, history: list[Hist
                         tips_header: str = TIPS_HEADER) -> list[dict[str, str]]:
     """Messages for the policy at one step.
 
-    Args:
-        history: past steps of this episode, oldest first; only the last ``history_length`` are shown
-            (keeps CPU prompts short; the paper's 4k-token prompts fit the whole episode).
-        tips: retrieved tips for the current step, or ``None``/``[]`` for a tip-free prompt.
-        admissible_shown: show only this many of ``admissible_actions``, evenly spaced so every kind of action keeps
-            examples, with a note of how many there are (``None``: all). Set by ``fit_prompt``.
-        tips_scope: ``current`` — only the current step's tips; ``all_steps`` — also each shown past step's
-            tips (the authors' code). A tip-free prompt (``tips=None``) drops all of them.
-        step, max_steps: shown so the agent knows its budget.
-        history_obs_chars: past observations longer than this are cut (with " ..."); ``None`` keeps them whole.
-        observation_chars: cut the current observation to its first this many characters (``fit_prompt``'s last
-            resort; ``None``: whole).
-        tips_header: the line above the tips inside the ``<memory>`` block (``TIPS_HEADER`` above).
-
-    Raises:
-        ValueError: unknown ``tips_scope``.
+    Only the last ``history_length`` past steps are shown (short CPU prompts; the paper's 4k-token prompts fit the
+    whole episode). ``admissible_shown``: show this many admissible actions, evenly spaced so every kind keeps
+    examples (``fit_prompt`` sets it). ``tips_scope``: ``current`` or ``all_steps``, also each shown past step's tips
+    (the authors' code); ``tips=None`` drops all. Raises ValueError for an unknown ``tips_scope``.
     """
     if tips_scope not in ("current", "all_steps"):
         raise ValueError(f"tips_scope must be 'current' or 'all_steps', got {tips_scope!r}")
@@ -139,17 +124,10 @@ def build_reflection_turn(earlier: list[HistoryItem], num_steps: int, final_obse
 
 def fit_tip_history(history: list[HistoryItem], render, tokenizer,
                     budget: int) -> tuple[list[HistoryItem], list[int], int]:
-    """The whole trajectory shortened until the reflection prompt has at most ``budget`` ids, where possible.
-
-    Args:
-        render: ``history -> prompt ids`` (e.g. ``build_tip_messages`` then ``Policy.encode(truncate=False)``).
-        tokenizer: the policy's tokenizer, to cut observations at token boundaries.
-
-    Returns:
-        (history, its prompt ids, number of shortened observations). Observations are cut from their end,
-        oldest step first, each down to nothing before the next is touched, and marked ``[...]``; actions, the
-        task, the final observation and score always stay. If the prompt is still over budget with every past
-        observation emptied, it is returned as it is (the caller's last-resort cut applies).
+    """(history, its prompt ids from ``render``, observations shortened): the trajectory shortened until the
+    reflection prompt has at most ``budget`` ids, where possible. Observations are cut from their end (at token
+    boundaries, marked ``[...]``), oldest step first, each down to nothing before the next; actions, task, final
+    observation and score stay. Still over budget, the prompt is returned as it is (the caller cuts).
     """
     ids = render(history)
     if len(ids) <= budget or not history:

@@ -12,16 +12,9 @@ from src.data.prompts import HistoryItem, build_reflection_turn, build_tip_messa
 
 def reflection_prompt_ids(policy, system_prompt: str, episode: Any, continue_last: bool) -> tuple[list[int], bool, int]:
     """(prompt ids, whether they continue the last rollout prompt, observations shortened) of the reflection on
-    ``episode``'s whole trajectory, at most ``policy.max_prompt_tokens`` ids.
-
-    Args:
-        episode: an ``Episode`` (``src/data/rollout.py``).
-        continue_last: continue the episode's last rollout prompt and response with a user turn
-            (``build_reflection_turn``), as the memory does when it kept that prompt's keys/values; falls back to a
-            fresh prompt (``build_tip_messages``) when the template cannot be continued by ids or it does not fit.
-
-    The oldest observations are shortened first to fit (``fit_tip_history``); a fresh prompt still over budget gets
-    the policy's counted cut.
+    ``episode``'s whole trajectory, at most ``policy.max_prompt_tokens`` ids (``fit_tip_history``, then the policy's
+    counted cut). ``continue_last``: continue the last rollout prompt and response with a user turn, as the memory
+    does when it kept their keys/values; a fresh prompt when the template cannot be continued by ids or it won't fit.
     """
     history = [HistoryItem(s.observation, s.action) for s in episode.steps]
     budget = policy.max_prompt_tokens

@@ -1,17 +1,9 @@
 """Reflection examples for the imitation warm start: the policy is taught to write a tip, not only to act.
 
-EMPO²'s memory holds the policy's own reflections (docs/method.md#memory): after an episode the same LLM is asked
-for a one-line tip. A small policy fine-tuned on actions only answers that prompt with an action, so the memory
-holds nothing to learn from (``rollout/tip_action_frac``). Next to the action demonstrations the warm start
-therefore trains on reflection examples:
-
-- trajectories that go right and wrong on the *training* tasks, from the environment
-  (``Environment.reflection_records``);
-- the prompt: the memory's own reflection prompt (``reflection_prompt_ids``) over the trajectory as the rollout
-  runner renders it (``step_prompt``), token for token;
-- the target: a tip written in hindsight from what the trajectory shows the agent and nothing else
-  (``Environment.hindsight_tip``); the hidden goal (product id, goal options and attributes, gold path) never
-  reaches it.
+A small policy fine-tuned on actions only answers the reflection prompt with an action, so the memory holds nothing
+to learn from (``rollout/tip_action_frac``). The warm start therefore also trains on trajectories of the *training*
+tasks (``Environment.reflection_records``) under the memory's own reflection prompt, token for token, with a tip
+written in hindsight from what the trajectory shows the agent (``Environment.hindsight_tip``), never the hidden goal.
 """
 from __future__ import annotations
 
@@ -31,10 +23,7 @@ def reflection_records(env_cfg: dict[str, Any], num_tasks: int | None, gold_dir:
                        ) -> tuple[list[dict], Callable[[dict[str, Any]], list[str]], str]:
     """(trajectories to reflect on, the tip writer for them, the environment's system prompt) on the *training*
     tasks ``demonstration_records`` takes its demonstrations from (``num_tasks`` as there): the environment's
-    ``reflection_records`` and ``hindsight_tip``.
-
-    Raises:
-        ValueError: an environment without reflection examples.
+    ``reflection_records`` and ``hindsight_tip``. Raises ValueError for an environment without them.
     """
     from src.data.demonstrations import training_tasks
     from src.envs.base import Environment
@@ -76,17 +65,9 @@ def fit_tip(policy, sentences: list[str], max_tokens: int) -> str:
 def reflection_examples(policy, records: list[dict[str, Any]], system_prompt: str, cfg: RolloutConfig,
                         max_steps: int | None, write_tip: Callable[[dict[str, Any]], list[str]], max_tokens: int,
                         continue_last: bool = True) -> list[SFTExample]:
-    """One example per record: the memory's reflection prompt on the record's trajectory → its hindsight tip.
-
-    Args:
-        records: trajectory records (``src.envs.base.replay``'s format); optionally ``response_ids`` per step (the
-            replies' ids as sampled; default: each reply's text tokenized + EOS).
-        cfg, max_steps: the RL run's rollout settings and step budget (``step_prompt``); tip-free prompts.
-        max_tokens: the tip's token budget with EOS (``memory.tip_max_tokens``).
-        continue_last: as ``memory.reuse_rollout_cache`` (the reflection continues the last rollout prompt).
-
-    The episode is rebuilt exactly as the rollout runner records it, then ``reflection_prompt_ids`` renders the
-    prompt; the target is the tip's ids + EOS.
+    """One example per record (``src.envs.base.replay``'s format): the memory's reflection prompt on the record's
+    trajectory, rebuilt exactly as the rollout runner records it, → the tip's ids + EOS (at most ``max_tokens``).
+    ``continue_last``: as ``memory.reuse_rollout_cache``.
     """
     from src.data.demonstrations import response_ids
 

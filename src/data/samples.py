@@ -13,19 +13,12 @@ from torch import Tensor
 
 @dataclass
 class StepSample:
-    """One step of a valid episode, with its episode's GRPO advantage.
+    """One step of a valid episode, with its episode's GRPO advantage (prompts as in ``StepRecord``).
 
-    Attributes:
-        rollout_prompt_ids, update_prompt_ids: as in ``src.data.rollout.StepRecord``.
-        old_prompt_ids: the prompt π_old is taken under: the rollout prompt, or the update prompt under
-            ``algorithm.off_policy_old_log_prob: without_tips`` in ``off_policy`` iterations.
-        response_ids: the sampled response tokens, ``[T_i]``.
-        rollout_log_probs: log-probs of ``response_ids`` as sampled (nats, ``[T_i]``).
-        advantage: the episode's advantage (dimensionless).
-        old_log_probs, ref_log_probs: float32 ``[T_i]`` set by ``score_samples`` (ref only with KL).
-        key: ``(episode id, step index)``, the sample's place among all ranks' samples of the iteration: the
-            mini-batches are drawn over these, so they hold the same samples whatever the number of ranks (None:
-            the sample's place in this rank's list).
+    ``old_prompt_ids``: the prompt π_old is taken under (``iteration.make_samples``). Log-probs are nats, ``[T_i]``;
+    ``old_log_probs`` / ``ref_log_probs`` are set by ``score_samples``. ``key``: ``(episode id, step index)``, the
+    mini-batches are drawn over these, so they hold the same samples whatever the number of ranks (None: the
+    sample's place in this rank's list).
     """
 
     rollout_prompt_ids: list[int]
@@ -61,20 +54,11 @@ def prompt_order(sample: StepSample) -> tuple[list[int], int]:
 
 @dataclass
 class MicroBatch:
-    """One forward/backward of the update. Attributes:
-        samples: the micro-batch's samples (a padding sample when the rank has none of its own).
-        loss_scale: 1.0, or 0.0 for a padding micro-batch (DDP/FSDP alignment, not data).
-        batch_num_tokens, global_batch_size: the mini-batch's response tokens and sequences over all ranks, the
-            denominators of the loss aggregation (``loss_denominators``), at least 1.
-        mode: the iteration's update mode; iteration, rollout_global_step: where the rollout happened.
-        ppo_epoch, mini_batch: which pass and which mini-batch; last_micro: the mini-batch's last micro-batch
-            (the optimizer steps after it).
-        metrics: the iteration's rollout metrics on its first micro-batch, else empty.
-        num_samples: this rank's samples in the iteration.
-        has_data: the mini-batch holds a sample on some rank; when False (e.g. every step's advantage was 0 under
-            ``skip_zero_advantage``) the optimizer leaves the policy as it is.
-        num_micro: the micro-batches of its mini-batch (verl's gradient-accumulation steps, which the authors'
-            semantics divide each micro-batch's loss by).
+    """One forward/backward of the update. ``loss_scale``: 0.0 for a padding micro-batch (DDP/FSDP alignment, not
+    data). ``batch_num_tokens`` / ``global_batch_size``: the mini-batch's loss denominators over all ranks (at least
+    1). ``metrics``: the iteration's rollout metrics on its first micro-batch. ``has_data``: False when no rank has a
+    sample (the optimizer leaves the policy as it is). ``num_micro``: verl's gradient-accumulation steps, which the
+    authors' semantics divide each micro-batch's loss by.
     """
 
     samples: list[StepSample]
@@ -97,9 +81,7 @@ class MicroBatch:
 class SFTExample:
     """One demonstrated step as a supervised sample.
 
-    ``prompt_ids``: the prompt the rollout runner renders at this state (tip-free unless the demonstration shows
-    tips). ``response_ids``: the demonstrated reply's token ids + EOS. ``task``: the environment task dict;
-    ``step``: 0-based step index.
+    ``prompt_ids``: the prompt the rollout runner renders at this state; ``response_ids``: the reply's ids + EOS.
     """
 
     prompt_ids: list[int]

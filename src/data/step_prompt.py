@@ -1,8 +1,7 @@
 """The prompt of one agent step: rendered, fitted to the token budget, and tip-stripped for the off-policy update.
 
-The one place a step's prompt is made (``step_prompt``): rollouts, validation, evaluation and the imitation warm start
-all call it, so a demonstration's prompt is token for token the prompt RL samples from (docs/method.md#one-iteration,
-step 2).
+Rollouts, validation, evaluation and the imitation warm start all call ``step_prompt``, so a demonstration's prompt
+is token for token the prompt RL samples from.
 """
 from __future__ import annotations
 
@@ -36,17 +35,8 @@ def step_prompt(policy: Policy, cfg: RolloutConfig, system_prompt: str, instruct
                 max_steps: int | None, tips: list[str] | None = None,
                 cuts: dict[str, float] | None = None) -> StepPrompt:
     """The prompt ids of one agent step, fitted to ``policy.max_prompt_tokens`` (what is cut first:
-    docs/usage.md#prompts).
-
-    Args:
-        cfg: history length, past-observation cap, tips scope, ``use_tips`` / ``strip_tips_for_update``.
-        history: past steps of the episode, oldest first; ``step``: how many there were (0-based index).
-        tips: retrieved tips, shown only when ``cfg.use_tips``.
-        cuts: accumulates what ``fit_prompt`` cut (see there).
-
-    Returns:
-        a ``StepPrompt``: rollout prompt ids, update prompt ids (tip-free when ``cfg.strip_tips_for_update``, else
-        the same list, see ``strip_tips``), the tips that fit, the number of past steps the prompt shows.
+    docs/usage.md#prompts). ``tips`` are shown only when ``cfg.use_tips``; the update prompt is tip-free when
+    ``cfg.strip_tips_for_update``, else the same list.
     """
     common = dict(system_prompt=system_prompt, instruction=instruction, history=history, observation=observation,
                   admissible_actions=admissible_actions, history_length=cfg.history_length,
@@ -65,9 +55,7 @@ def step_prompt(policy: Policy, cfg: RolloutConfig, system_prompt: str, instruct
 def strip_tips(policy: Policy, common: dict, kept: list[str] | None = None) -> list[int]:
     """Tip stripping for the off-policy update (docs/method.md#tip-stripping-for-the-off-policy-update): the update
     prompt of a step whose rollout prompt showed tips is the same step rendered with ``tips=None``, from the same
-    structured pieces (``common``: the ``build_step_messages`` arguments as fitted for the rollout prompt), never by
-    editing token ids. Everything but the tips block is identical; the policy learns to act as it did with the tips,
-    without them.
+    structured pieces (``common``, as fitted for the rollout prompt), never by editing token ids.
 
     ``kept``: the current step's tips, left in the prompt (``algorithm.semantics=authors``): the authors' code strips
     tip blocks by a token pattern that the current step's block, followed by the instruction, never matches, so only
@@ -85,14 +73,8 @@ def fit_prompt(policy: Policy, common: dict, tips: list[str] | None,
     far as needed: the admissible-action list, the oldest history steps, the lowest-ranked tips, then the current
     observation's end (a warning). Only a head longer than the budget is left to ``Policy.encode``'s left cut.
 
-    Args:
-        common: the keyword arguments of ``build_step_messages`` except ``tips`` (not changed).
-        tips: the retrieved tips, best first.
-        cuts: when given, accumulates the ``PROMPT_CUT_KEYS`` counts.
-
-    Returns:
-        (the tips that fit, ``fitted``: the changed ``build_step_messages`` arguments ``history_length`` and, when
-        cut, ``admissible_shown`` and ``observation_chars``). Render with ``{**common, **fitted}``.
+    Returns (the tips that fit, ``fitted``: the changed ``build_step_messages`` arguments); render with
+    ``{**common, **fitted}``. ``cuts``, when given, accumulates the ``PROMPT_CUT_KEYS`` counts.
     """
     fitted: dict[str, int] = {}
 

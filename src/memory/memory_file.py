@@ -51,11 +51,7 @@ def write_memory_files(tip_state: dict[str, Any], out_dir: str | Path, partition
 
 
 def _read(path: Path, read):
-    """``read(path)``, with any failure to read or parse it named with the file and what the directory should hold.
-
-    Raises:
-        ValueError: the file is missing, empty, cut short or not in its format.
-    """
+    """``read(path)``; a failure to read or parse it raises ValueError naming the file and what the folder holds."""
     try:
         return read(path)
     except (OSError, ValueError, EOFError) as err:
@@ -67,12 +63,8 @@ def _read(path: Path, read):
 def read_memory_files(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read a memory directory (or its ``memory.json``) back: ``(tip_state, info)``, ``tip_state`` in the form of
     ``TipMemory.state_dict()`` (load it with ``TipMemory.load_state_dict``, which refuses another embedder) and
-    ``info`` the contents of ``memory.json``.
-
-    Raises:
-        FileNotFoundError: no ``memory.json`` at ``path``.
-        ValueError: a file that is missing, empty, cut short or not in its format (naming the file), another
-            format, or files that disagree (line and row counts, key width, partition sizes).
+    ``info`` the contents of ``memory.json``. Raises FileNotFoundError (no ``memory.json``), ValueError (a file
+    missing, empty, cut short or not in its format, another format, or files that disagree).
     """
     path = Path(path)
     directory = path.parent if path.name == INFO else path

@@ -12,10 +12,8 @@ a visit is r_int = coef / (N + 1), where N measures familiarity with e before th
 All states of one call (one environment step of all episodes) are scored against the store as it was before
 the call, then added in a canonical order (sorted by embedding), so nothing depends on the episodes' order.
 
-A task's states live in a ``faiss.IndexFlatIP`` (amortised appends, no copy of the store per new state). A call
-reads them with one float32 product of all its states with the index's own storage (exact; 2-20x faster than the
-index's own ``range_search``, docs/performance.md#novelty-store); that one product decides both the rewards and the
-visits, and the states the call itself adds are compared with each other in a [B, B] product.
+A task's states live in a ``faiss.IndexFlatIP``, read with one float32 product with the index's own storage (exact;
+2-20x faster than ``range_search``, docs/performance.md#novelty-store) that decides both rewards and visits.
 """
 from __future__ import annotations
 
@@ -66,14 +64,8 @@ class _TaskStates:
 class NoveltyMemory:
     """Per-task store of visited states giving r_int = coef / (N + 1).
 
-    Args:
-        settings: ``memory.novelty`` (``NoveltyConfig``, or its keys as keyword arguments): ``threshold``, the cosine
-            at or above which two states count as the same (inclusive); ``coef``, the reward for a brand-new state
-            in environment units (``Environment.novelty_coef``); ``capacity``, max stored states per task, the oldest
-            leave first (with their counts), None = unbounded; ``count``, ``visits`` or ``distinct`` (above).
-
-    Raises:
-        ValueError: an argument out of range, naming it.
+    ``settings``: ``memory.novelty`` (or its keys as keyword arguments); ``coef`` is in environment units, and at
+    ``capacity`` the oldest states leave with their counts. Raises ValueError for an argument out of range.
     """
 
     def __init__(self, dim: int, settings: NoveltyConfig | None = None, **values) -> None:
@@ -86,17 +78,9 @@ class NoveltyMemory:
         self._tasks: dict[str, _TaskStates] = {}
 
     def rewards(self, task_keys: list[str], embeddings: np.ndarray) -> np.ndarray:
-        """Intrinsic rewards for the N states reached in one environment step, then record the visits.
-
-        Args:
-            embeddings: float [N, dim], L2-normalised.
-
-        Returns:
-            float64 [N] rewards r_int = coef / (N_i + 1), N_i from the store before this call.
-
-        Raises:
-            ValueError: length/shape mismatch, non-finite or non-normalised embeddings.
-            TypeError: a task key is not a str.
+        """float64 [N] rewards r_int = coef / (N_i + 1) for the N states (float [N, dim], L2-normalised) reached in
+        one environment step, N_i from the store before this call; then record the visits. Raises ValueError for
+        mismatched or non-normalised embeddings, TypeError for a non-str task key.
         """
         emb = check_unit_rows(embeddings, self.dim)
         if len(task_keys) != emb.shape[0]:
@@ -186,10 +170,7 @@ class NoveltyMemory:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the stored states and counts (this instance's threshold / coef / capacity / count are kept); a v1
-        state (no counts) loads with one visit per stored state.
-
-        Raises:
-            ValueError: wrong format or a dim different from this memory's.
+        state (no counts) loads with one visit per stored state. Raises ValueError: wrong format or another dim.
         """
         if state.get("format") not in (_FORMAT, _OLD_FORMAT):
             raise ValueError(f"not a novelty-memory state (format {state.get('format')!r}, expected {_FORMAT!r})")

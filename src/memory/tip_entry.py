@@ -7,11 +7,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class TipEntry:
-    """One stored tip.
-
-    content: the full formatted line (``format_entry``); score: the episode's final return R in environment units;
-    step: the step index k in its episode; created_at: unix time of the write; iteration: that of the write, if given.
-    """
+    """One stored tip: ``content`` the formatted line (``format_entry``), ``score`` the episode's final return R in
+    environment units, ``created_at`` the unix time of the write."""
 
     content: str
     score: float
@@ -35,10 +32,7 @@ def format_entry(tip: str, action: str, final_score: float, max_score: float) ->
     ``"<tip>; At that step the action taken was <a_k>; the episode's final score was <R>/<max>."``
 
     Whitespace runs (including newlines) in ``tip`` and ``action`` are collapsed to single spaces so each entry is
-    one line in the prompt. Scores are in environment units and printed without trailing zeros (100 → "100").
-
-    Raises:
-        ValueError: a non-finite score.
+    one line in the prompt. Scores are printed without trailing zeros (100 → "100"). Raises ValueError: non-finite.
     """
     tip = " ".join(str(tip).split())
     action = " ".join(str(action).split())

@@ -18,23 +18,12 @@ def compute_grpo_advantages(
     """``A_i = (R_i - mean_g) / (std_g + eps)`` over each group's valid episodes (Bessel-corrected std);
     ``norm_adv_by_std=False``: the Dr.GRPO form ``A_i = R_i - mean_g``. A group whose valid returns are all equal, or
     with fewer than two, gets exactly 0; a non-finite return (NaN: a failed episode; ±inf alike) is left out of its
-    group and gets 0.
+    group and gets 0. ``semantics="authors"``: verl's GRPO advantage as the EMPO² authors run it, a one-episode group
+    getting its raw return and a non-finite return making its group NaN (docs/reproducing.md, difference 7).
 
-    Args:
-        returns: ``[E]`` float, the episode returns (environment reward units).
-        group_index: ``[E]`` integer, each episode's group (task instance): any ids.
-        extrinsic_returns: ``[E]`` float, each return without the novelty bonus; only for ``bonus_only_group_frac``.
-        semantics: ``authors``: verl's GRPO advantage as the EMPO² authors run it: a one-episode group gets its raw
-            return, and a non-finite return makes its whole group NaN (docs/reproducing.md, difference 7).
-
-    Returns:
-        ``(advantages [E] in the dtype of returns, metrics)``: ``adv_mean`` / ``adv_std`` / ``return_mean`` (valid
-        episodes), ``zero_var_group_frac``, ``num_failed_episodes``, ``num_groups``, ``bonus_only_group_frac`` (groups
-        with non-zero advantages and equal extrinsic returns: the bonus alone ranks them).
-
-    Raises:
-        ValueError: ``returns`` not 1-D, ``group_index`` or ``extrinsic_returns`` of another shape, ``group_index``
-            not an integer tensor."""
+    Returns ``(advantages [E] in the dtype of returns, metrics)``; ``bonus_only_group_frac``: groups with non-zero
+    advantages and equal ``extrinsic_returns`` (the bonus alone ranks them). Raises ValueError: ``returns`` not 1-D,
+    ``group_index`` / ``extrinsic_returns`` of another shape, a non-integer ``group_index``."""
     if returns.ndim != 1:
         raise ValueError(f"returns must be 1-D [E], got shape {tuple(returns.shape)}")
     check_shape("group_index", group_index, returns.shape)

@@ -55,11 +55,8 @@ def keep_trainable(checkpoint: dict[str, Any], policy: nn.Module) -> set[str]:
 
 def check_adapter_checkpoint(policy: nn.Module, checkpoint: dict[str, Any], policy_base: str = "?") -> set[str]:
     """Check that an adapter-only checkpoint holds exactly ``policy``'s adapters and that the policy's other weights
-    are its base (same SHA-256); returns the stored names. ``policy_base``: the policy's base, named by the errors.
-
-    Raises:
-        ValueError: naming the checkpoint's base model and LoRA settings: adapters missing, unknown or of other
-            shapes, or other base weights."""
+    are its base (same SHA-256); returns the stored names. Raises ValueError, naming the checkpoint's base model and
+    LoRA settings, for adapters missing, unknown or of other shapes, or other base weights."""
     record = checkpoint[BASE_KEY]
     stored = {k[len(PREFIX):] for k in checkpoint["state_dict"] if k.startswith(PREFIX)}
     params = policy.state_dict()
@@ -91,10 +88,8 @@ def check_adapter_checkpoint(policy: nn.Module, checkpoint: dict[str, Any], poli
 
 def load_policy_weights(policy: nn.Module, checkpoint: dict[str, Any], where: str, policy_base: str = "?") -> None:
     """Load the checkpoint's policy weights: all of a full checkpoint, or an adapter-only one's adapters after
-    ``check_adapter_checkpoint``.
-
-    Raises:
-        ValueError: no ``policy.*`` weights, weights that do not fit, or another base model; naming ``where``."""
+    ``check_adapter_checkpoint``. Raises ValueError naming ``where``: no ``policy.*`` weights, weights that do not
+    fit, or another base model."""
     state = {k[len(PREFIX):]: v for k, v in checkpoint.get("state_dict", {}).items() if k.startswith(PREFIX)}
     if not state:
         raise ValueError(f"checkpoint {where!r} holds no 'policy.*' weights: not a src/train.py checkpoint?")

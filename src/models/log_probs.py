@@ -60,15 +60,9 @@ def _chunked(fn, logits: Tensor, labels: Tensor | None, chunk_tokens: int) -> Te
 
 def log_probs_from_logits(logits: Tensor, labels: Tensor, chunk_tokens: int = 1024, temperature: float = 1.0) -> Tensor:
     """``log_softmax(logits / temperature)[..., label]`` of each label, as ``logit[label] - logsumexp(logits)``:
-    ``[B, T]`` float32 (float64 for float64 logits) nats, differentiable w.r.t. ``logits``.
-
-    Args:
-        logits: ``[B, T, V]``, any float dtype (a non-contiguous view is fine).
-        labels: ``[B, T]`` integer ids in ``[0, V)`` (any valid id, e.g. pad, on padding).
-        chunk_tokens: tokens per slice (~``chunk_tokens · V · 4`` bytes of float32 temporaries).
-
-    Raises:
-        ValueError: bad shapes, non-integer labels, labels outside ``[0, V)`` or ``temperature <= 0``."""
+    ``[B, T]`` float32 (float64 for float64 logits) nats from ``[B, T, V]`` logits, differentiable; ``chunk_tokens``
+    costs ~``chunk_tokens · V · 4`` bytes of temporaries. Raises ValueError for bad shapes, labels not integer ids
+    in ``[0, V)`` (any valid id on padding) or ``temperature <= 0``."""
     if logits.ndim != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
     check_shape("labels", labels, logits.shape[:2])
@@ -83,10 +77,7 @@ def log_probs_from_logits(logits: Tensor, labels: Tensor, chunk_tokens: int = 10
 
 def entropy_from_logits(logits: Tensor, chunk_tokens: int = 1024, temperature: float = 1.0) -> Tensor:
     """Entropy (nats) of ``softmax(logits / temperature)`` at each position, ``logsumexp(z) - Σ softmax(z)·z``:
-    ``[B, T]`` from ``[B, T, V]`` (finite), as :func:`log_probs_from_logits`; differentiable.
-
-    Raises:
-        ValueError: ``logits`` not 3-D, or ``temperature <= 0``."""
+    ``[B, T]`` from ``[B, T, V]`` (finite), as :func:`log_probs_from_logits`; differentiable. Raises ValueError."""
     _check_temperature(temperature)
     return _chunked(partial(_token_entropy, temperature=temperature), logits, None, chunk_tokens)
 

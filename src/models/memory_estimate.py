@@ -124,11 +124,8 @@ def _describe(parts: dict[str, float]) -> str:
 
 def check_device_memory(cfg) -> dict[str, float] | None:
     """Refuse a run whose model states cannot fit in one device's memory (``cfg.memory_check``); log the estimate
-    otherwise. Returns the per-device estimate in bytes by part (None when the check is disabled).
-
-    Raises:
-        ValueError: the estimate exceeds ``usable_fraction`` of the device memory; the message gives the estimate
-            and the changes (``trainer=fsdp``, LoRA) that would fit."""
+    otherwise. Returns the per-device estimate in bytes by part (None when the check is disabled). Raises ValueError
+    over ``usable_fraction`` of the device memory, giving the estimate and the changes that would fit."""
     from omegaconf import OmegaConf
 
     from src.models.hub import resolve_name_or_path

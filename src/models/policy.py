@@ -125,10 +125,8 @@ class Policy(nn.Module):
         Prefix caching (``src/models/prompt_cache.py``): ``keep_prompt_kv`` keeps the prompts' keys/values
         (``Generation.prompt_kv``); ``prefix_kv[i]``, kept under the same weights, stands for prompt i's first
         ``prefix_kv[i].length`` ids; ``shared`` (one per rollout, not under FSDP) computes the prefixes rows share once
-        (``SharedPrefixes``). Either gives the same tokens up to float rounding.
-
-        Raises:
-            ValueError: ``temperature <= 0``, or not one seed per prompt."""
+        (``SharedPrefixes``). Either gives the same tokens up to float rounding. Raises ValueError for
+        ``temperature <= 0``, or not one seed per prompt."""
         if seeds is not None and len(seeds) != len(prompt_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
         adapt_threads()  # the cores other processes leave free (src/utils/threads.py)
@@ -237,11 +235,8 @@ def build_policy(trainable: bool = True, **settings: Any) -> Policy:
     (``PolicyConfig``). Trainable parameters are ``master_dtype``, frozen ones ``dtype`` (``src/models/precision.py``);
     every dropout probability is set to 0 with a warning (``src/models/dropout.py``). ``name_or_path`` may be a PEFT
     adapter directory: with LoRA on that adapter is trained (its own r, alpha, targets), with LoRA off it is merged.
-
-    Raises:
-        ValueError: a bad setting (``PolicyConfig``); ``dtype`` or ``master_dtype`` is not a floating-point torch
-            dtype name; ``cuda_graphs`` with a model the static step cannot run (``static_decode.causal_lm``).
-        OSError: the model (or an adapter's base model) is neither local nor in the Hugging Face cache."""
+    Raises ValueError for a bad setting or dtype name, or ``cuda_graphs`` with a model the static step cannot run;
+    OSError for a model (or an adapter's base) neither local nor in the Hugging Face cache."""
     s = PolicyConfig.from_dict(settings)
     name_or_path, cache_dir, dtype, master_dtype, lora = s.name_or_path, s.cache_dir, s.dtype, s.master_dtype, s.lora
     path = resolve_name_or_path(name_or_path, cache_dir)

@@ -13,10 +13,7 @@ log = logging.getLogger(__name__)
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` → ``torch.bfloat16``.
-
-    Raises:
-        ValueError: ``name`` is not a floating-point torch dtype."""
+    """``"bfloat16"`` → ``torch.bfloat16``; raises ValueError for a name that is not a floating-point torch dtype."""
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype {name!r} is not a floating-point torch dtype; expected e.g. 'float32' or 'bfloat16'")
@@ -50,10 +47,7 @@ def fsdp_mixed_precision(trainer_precision: str):
 
 def check_trainable_dtype(model: nn.Module, expected: torch.dtype, trainer_precision: str) -> str:
     """A one-line summary of the parameter layout, once training is set up (after any precision plugin or sharding).
-
-    Raises:
-        RuntimeError: a trainable parameter is not ``expected`` (e.g. ``trainer.precision=bf16-true`` casts the whole
-            model to bf16)."""
+    Raises RuntimeError for a trainable parameter not ``expected`` (``trainer.precision=bf16-true`` casts to bf16)."""
     counts: dict[tuple[bool, torch.dtype], int] = {}
     for p in model.parameters():
         key = (p.requires_grad, p.dtype)

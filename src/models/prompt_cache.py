@@ -42,9 +42,7 @@ def batch_with_prefixes(prompt_ids: list[list[int]], prefixes: list[PromptKV | N
                         config) -> tuple[dict[str, Tensor], DynamicCache]:
     """``({"input_ids", "attention_mask"} [B, T + R], cache of length T)`` for prompts whose first
     ``prefixes[i].length`` ids are cached: T the longest prefix (all padding for rows without one), R the longest rest.
-
-    Raises:
-        ValueError: lengths differ, or a prefix covers its whole prompt (its last token must be fed)."""
+    Raises ValueError: lengths differ, or a prefix covers its whole prompt (its last token must be fed)."""
     if len(prefixes) != len(prompt_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(prefixes)} prefixes")
     lengths = [0 if p is None else p.length for p in prefixes]

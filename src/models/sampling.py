@@ -64,9 +64,7 @@ class RowStreams:
     """Each row's stream for the exponential race ``argmax(logits / T - log E)``, ``E ~ Exp(1)`` (token k with
     probability ``softmax(logits / T)[k]``): ``counter_exponentials`` on CUDA, else a ``torch.Generator`` per row (the
     counter's int64 arithmetic is slow on a CPU; MPS has no float64). The two draw different tokens for the same seeds.
-
-    Raises:
-        ValueError: a temperature <= 0."""
+    Raises ValueError for a temperature <= 0."""
 
     def __init__(self, seeds: list[int], temperature: float, device: torch.device | str = "cpu",
                  counter: bool | None = None):

@@ -48,10 +48,8 @@ class StaticKV:
 def causal_lm(model):
     """The causal LM under a PEFT wrapper, checked to be one the step runs exactly: a Llama or Qwen2 decoder (nothing
     computed outside embedding, layers, norm and head) with full attention through SDPA (the step passes SDPA's boolean
-    mask; eager attention would add it to the scores).
-
-    Raises:
-        ValueError: another architecture, another attention implementation or a sliding window, naming it."""
+    mask; eager attention would add it to the scores). Raises ValueError naming another architecture, attention
+    implementation or a sliding window."""
     core = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(core, "config", None)
     kind = getattr(config, "model_type", type(core).__name__)
@@ -118,9 +116,7 @@ def decode_static(model, layers: list[tuple[Tensor, Tensor]], logits: Tensor, ma
     """``RolloutEngine.decode``'s loop over ``StaticKV``: ``layers`` the prefill's keys/values (each
     ``[B, kv_heads, W, head_dim]``), ``logits`` ``[B, V]`` its last, ``mask`` ``[B, W]``. ``graphs``: a CUDA graph per
     bucket, for seeded streams on CUDA or greedy only (torch's global generator draws a batch-shaped sample per step).
-
-    Raises:
-        ValueError: the model is not a decoder of the supported shape (``causal_lm``)."""
+    Raises ValueError from ``causal_lm``."""
     core = causal_lm(model)
     batch, width = mask.shape
     device = mask.device
