@@ -12,8 +12,9 @@ a visit is r_int = coef / (N + 1), where N measures familiarity with e before th
 All states of one call (one environment step of all episodes) are scored against the store as it was before
 the call, then added in a canonical order (sorted by embedding), so nothing depends on the episodes' order.
 
-A task's states live in a ``faiss.IndexFlatIP``, read with one float32 product with the index's own storage (exact;
-2-20x faster than ``range_search``, docs/performance.md#novelty-store) that decides both rewards and visits.
+A task's states live in a ``faiss.IndexFlatIP``, read with one exact float32 product with its own storage, which
+decides both rewards and visits (2-20x faster than ``range_search``;
+docs/performance.md#tip-retrieval-and-the-novelty-store).
 """
 from __future__ import annotations
 
