@@ -52,7 +52,7 @@ def module(tiny_model_dir, model_cache_dir):
 
     return EMPO2Module(policy={"name_or_path": tiny_model_dir, "cache_dir": str(model_cache_dir), "dtype": "float32",
                                "max_response_tokens": 8, "max_prompt_tokens": 1024},
-                       algorithm={"temperature": 1.0}, optimizer=None)
+                       algorithm={"temperature": 1.0}, optimizer=None, gradient_clip_val=None)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,8 @@ def recorded(pool, module):
 def test_steps_hold_exactly_what_was_generated(recorded):
     generations, episodes, metrics = recorded
     assert metrics["generated_tokens"] == sum(len(s.response_ids) for e in episodes for s in e.steps)
+    # replies and those cut at max_response_tokens (no EOS within it), as rollout/replies_cut_frac counts them
+    assert metrics["replies"] == 6 and metrics["replies_cut"] == sum(sum(gen.truncated) for _, gen in generations)
     for t in range(3):
         prompts, gen = generations[t]
         for i, episode in enumerate(episodes):
