@@ -81,39 +81,54 @@ def rank_problems(trainer: dict[str, Any], data: dict[str, Any]) -> list[str]:
 MAX_SEED = 2**32 - 1
 
 
-def worker_problems(trainer: dict[str, Any], data: dict[str, Any], env: dict[str, Any]) -> list[str]:
-    """The environment workers of each rank: enough for an iteration's episodes at once (task k runs on rank k mod
-    world, ``RolloutDataModule.setup``), and no more than this machine's memory could hold once each simulator has
-    grown to its cap (the ranks of one machine share it: ``Environment.worker_bytes``)."""
+def worker_problems(trainer: dict[str, Any], data: dict[str, Any]) -> list[str]:
+    """Enough environment workers for the episodes a rank plays at once (task k runs on rank k mod world,
+    ``RolloutDataModule.setup``)."""
+    workers, needed = data.get("num_env_workers"), _workers_needed(trainer, data)[0]
+    if not (is_int(workers) and needed and 1 <= workers < needed):
+        return []
+    return [f"data.num_env_workers={workers}: each rank plays {needed} episodes at once (data.tasks_per_iteration="
+            f"{data['tasks_per_iteration']} over the ranks x data.group_size={data['group_size']}, or the "
+            f"validation's); expected null (as many as needed) or an int >= {needed}"]
+
+
+def _workers_needed(trainer: dict[str, Any], data: dict[str, Any]) -> tuple[int, int]:
+    """(episodes a rank plays at once, ranks on this machine); (0, 1) where the settings are themselves refused."""
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    tasks, group, val = data.get("tasks_per_iteration"), data.get("group_size"), data.get("val") or {}
+    if not all(is_int(v) and v >= 1 for v in (tasks, group)):
+        return 0, 1
+    ranks = devices if is_int(devices) and devices >= 1 else 1
+    world = ranks * (nodes if is_int(nodes) and nodes >= 1 else 1)
+    needed = max(math.ceil(tasks / world) * group,
+                 math.ceil(int(val.get("num_tasks") or 0) / world) * int(val.get("episodes_per_task") or 0))
+    return needed, ranks
+
+
+def check_machine_holds_the_workers(cfg: DictConfig) -> None:
+    """Refuse more environment workers than this machine's memory could hold once each simulator has grown to its cap
+    (``Environment.worker_bytes``; the ranks of one machine share it). A check of this machine: ``prepare_run`` runs
+    it after the accelerator check, so a GPU config composed on another machine is not measured against this one.
+
+    Raises:
+        ValueError: naming the settings, the workers, their memory and the machine's.
+    """
     import psutil
 
     from src.envs.base import environment_class
 
-    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
-    tasks, group = data.get("tasks_per_iteration"), data.get("group_size")
-    if not all(is_int(v) and v >= 1 for v in (tasks, group)) or not env:
-        return []
-    ranks = devices if is_int(devices) and devices >= 1 else 1
-    world = ranks * (nodes if is_int(nodes) and nodes >= 1 else 1)
-    val = data.get("val") or {}
-    needed = max(math.ceil(tasks / world) * group,
-                 math.ceil(int(val.get("num_tasks") or 0) / world) * int(val.get("episodes_per_task") or 0))
+    trainer, data, env = _container(cfg.get("trainer")), _container(cfg.get("data")), _container(cfg.get("env"))
+    needed, ranks = _workers_needed(trainer, data)
     workers = data.get("num_env_workers")
-    if is_int(workers) and 1 <= workers < needed:
-        return [f"data.num_env_workers={workers}: each rank plays {needed} episodes at once (data.tasks_per_iteration="
-                f"{tasks} over {world} rank(s) x data.group_size={group}, or the validation's); expected null (as many "
-                f"as needed) or an int >= {needed}"]
-    try:
-        each = environment_class(env).worker_bytes(env)
-    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
-        return []  # env_problems names a bad environment
-    count, memory = (workers if is_int(workers) else needed) * ranks, psutil.virtual_memory().total
+    count, each = (workers if is_int(workers) else needed) * ranks, environment_class(env).worker_bytes(env)
+    memory = psutil.virtual_memory().total
     if each and count * each > memory:
-        return [f"data.tasks_per_iteration={tasks} x data.group_size={group} starts {count} environment workers on "
-                f"this machine, up to ~{each / 2**30:.1f} GiB each (env.jvm_heap and the simulator's own): "
-                f"{count * each / 2**30:.0f} GiB, but the machine has {memory / 2**30:.0f} GiB; expected at most "
-                f"{max(1, memory // each)} workers here (fewer tasks per iteration, a smaller group or more machines)"]
-    return []
+        raise ValueError(f"data.tasks_per_iteration={data['tasks_per_iteration']} x data.group_size="
+                         f"{data['group_size']} starts {count} environment workers on this machine, up to "
+                         f"~{each / 2**30:.1f} GiB each (env.jvm_heap and the simulator's own): "
+                         f"{count * each / 2**30:.0f} GiB, but the machine has {memory / 2**30:.0f} GiB; expected at "
+                         f"most {max(1, memory // each)} workers here (fewer tasks per iteration, a smaller group or "
+                         "more machines)")
 
 
 def env_problems(env: dict[str, Any]) -> list[str]:
@@ -208,7 +223,8 @@ def follower_problems(cfg: DictConfig, found: list[str]) -> list[str]:
     problems = []
     for key, source in followers():
         value, expected = OmegaConf.select(cfg, key), OmegaConf.select(cfg, source)
-        if value != expected and not any(p.startswith(f"{key}=") for p in found) and OmegaConf.select(cfg, source, default="?") != "?":
+        known = OmegaConf.select(cfg, source, default="?") != "?"
+        if known and value != expected and not any(p.startswith(f"{key}=") for p in found):
             problems.append(f"{key}={value!r} follows {source}={expected!r}; set {source} instead")
     return problems
 
@@ -244,7 +260,7 @@ def check_training_settings(cfg: DictConfig) -> None:
     problems += group_problems(DataConfig, _container(cfg.get("data")))
     problems += rank_problems(_container(cfg.get("trainer")), _container(cfg.get("data")))
     problems += env_problems(_container(cfg.get("env")))
-    problems += worker_problems(_container(cfg.get("trainer")), _container(cfg.get("data")), _container(cfg.get("env")))
+    problems += worker_problems(_container(cfg.get("trainer")), _container(cfg.get("data")))
     problems += algorithm_problems(cfg)
     problems += model_problems(_container(cfg.get("model")))
     problems += generation_problems(_container(cfg.get("trainer")), _container(cfg.get("model")))
@@ -373,6 +389,7 @@ def prepare_run(cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
     check_trainer_options(cfg)
     check_accelerator(cfg)  # first: on a machine without the GPU the config names, the settings' sizes do not apply
     check_training_settings(cfg)
+    check_machine_holds_the_workers(cfg)
     path = check_checkpoint_path(cfg)
     changes = check_resume_settings(cfg, path) if path is not None else {}
     if path is not None and cfg.get("model") is not None:

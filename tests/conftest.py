@@ -15,6 +15,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("EMPO2_ADAPT_THREADS", "0")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _rollout_precision_pinned_for_the_session():
+    """The same pin for what runs outside a test function: a module-scoped fixture's rollout is made before the
+    per-test pin below, and without this it probed the machine (a noisy probe on a loaded machine chose bf16 phases,
+    and test_rollout.py's recomputed log-probs then differed from the recorded ones by 0.002)."""
+    from src.models import rollout_engine
+
+    rollout_engine._CHOSEN.clear()
+    rollout_engine._CHOSEN["cpu"] = ("trainer", "pinned by tests/conftest.py")
+
+
 @pytest.fixture(autouse=True)
 def _rollout_precision_pinned(monkeypatch):
     """``model.policy.rollout_precision=auto`` runs in the caller's precision context (``trainer``) in every test,

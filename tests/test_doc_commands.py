@@ -41,14 +41,14 @@ SHRINK = {
 
 def doc_commands() -> list[tuple[str, str, tuple[str, ...]]]:
     """``(where, script, arguments)`` of each distinct documented command; commands whose arguments elide the rest
-    (a bare ``...``) are left out."""
+    (a bare ``...``) and those that only print the config (Hydra's own ``--cfg`` flags) are left out."""
     seen, found = set(), []
     for path in DOCS:
         text = re.sub(r"\\\n\s*", " ", path.read_text())  # a shell line continued with a backslash
         for number, line in enumerate(text.splitlines(), 1):
             for match in _COMMAND.finditer(line):
                 args = tuple(match.group(2).split())
-                if "..." in args or (match.group(1), args) in seen:
+                if "..." in args or any(a.startswith("--") for a in args) or (match.group(1), args) in seen:
                     continue
                 seen.add((match.group(1), args))
                 found.append((f"{path.relative_to(ROOT)}:{number}", match.group(1), args))
