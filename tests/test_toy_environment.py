@@ -121,5 +121,5 @@ def test_a_toy_environment_trains_adapts_and_compares_without_changes_under_src(
     copied = list((tmp_path / "cmp" / "episodes").glob("*.csv"))
     assert [f.name.split("-seed")[0] for f in copied] == [cfg.algorithm.name]
     rows = read_rows(copied[0])
-    assert [r["iteration"] for r in rows] == [2] * len(rows) and len(rows) == objs["datamodule"].val_cfg["num_tasks"]
+    assert [r["iteration"] for r in rows] == [2] * len(rows) and len(rows) == objs["datamodule"].data.val.num_tasks
     assert rows == read_rows(Path(objs["trainer"].default_root_dir) / "validation_episodes.csv")
