@@ -376,23 +376,23 @@ def check_resume_settings(cfg: DictConfig, path: Path) -> dict[str, tuple[Any, A
 
 def prepare_run(cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
     """All start-up checks of a training config, in order (``cfg`` may be changed: see ``check_trainer_options``):
-    Lightning options, the accelerator, every setting's value, the checkpoint to resume, the settings it was trained
-    with and its model; then stale checkpoint temp files are removed. Returns the settings a resume changes
-    (``check_resume_settings``; {} for a new run).
-
-    Raises:
-        ValueError, OSError: the first check that fails (``src/train.py`` shows them as ``ConfigError``).
-    """
-    from src.utils.startup_checks import (check_accelerator, check_checkpoint_path, check_trainer_options,
-                                          clean_checkpoint_dirs)
+    Lightning options, the accelerator, every setting's value, the checkpoint to resume (intact, its settings, model
+    and iterations left), the tracker; then stale checkpoint temp files are removed. Returns the settings a resume
+    changes (``check_resume_settings``; {} for a new run). Raises ValueError, OSError: the first check that fails."""
+    from src.utils.startup_checks import (check_accelerator, check_checkpoint_path, check_context_window,
+                                          check_resume_trains, check_trainer_options, clean_checkpoint_dirs)
+    from src.utils.tracker_checks import check_tracker
 
     check_trainer_options(cfg)
     check_accelerator(cfg)  # first: on a machine without the GPU the config names, the settings' sizes do not apply
     check_training_settings(cfg)
     check_machine_holds_the_workers(cfg)
+    check_context_window(cfg)
     path = check_checkpoint_path(cfg)
     changes = check_resume_settings(cfg, path) if path is not None else {}
     if path is not None and cfg.get("model") is not None:
         check_checkpoint_model(cfg, path)
+        check_resume_trains(cfg, path)
+    check_tracker(cfg)
     clean_checkpoint_dirs(cfg)
     return changes

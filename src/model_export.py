@@ -33,7 +33,7 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
     """Export ``cfg.ckpt_path`` to ``cfg.export.out_dir``; returns what ``export_info.json`` holds.
 
     Raises:
-        ValueError: no ``ckpt_path`` or ``export.out_dir``, an existing ``out_dir`` without ``export.overwrite``,
+        ValueError: no ``ckpt_path`` or ``export.out_dir``, an ``out_dir`` ``check_out_dir`` refuses,
             ``export.adapter_only`` for a checkpoint without LoRA, a bad ``export.dtype``, or a checkpoint that does
             not fit the model (see ``load_policy_weights``).
         FileNotFoundError: no checkpoint at ``ckpt_path``.
@@ -43,6 +43,7 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
     from src.utils.checkpoint_loading import read_checkpoint
     from src.utils.config_error import refused_settings
     from src.utils.io import atomic_dir
+    from src.utils.startup_checks import check_checkpoint_path
 
     ex = cfg.export
     with refused_settings():  # one line, before anything is built
@@ -50,9 +51,8 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
             raise ValueError(f"ckpt_path={cfg.get('ckpt_path')!r}, export.out_dir={ex.get('out_dir')!r}: both are "
                              "needed, e.g. ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt export.out_dir=agent")
         out_dir = Path(hydra.utils.to_absolute_path(str(ex.out_dir)))
-        if out_dir.exists() and not ex.overwrite:
-            raise ValueError(f"export.out_dir={str(ex.out_dir)!r} exists; choose another or set "
-                             "export.overwrite=true")
+        check_out_dir(out_dir, str(ex.out_dir), bool(ex.overwrite))
+        check_checkpoint_path(cfg)  # complete, intact and finite
     ckpt = read_checkpoint(cfg.ckpt_path)
     policy_cfg = rebuild_policy_config(ckpt, OmegaConf.to_container(cfg.model.policy, resolve=True))
     policy = build_policy(**{**policy_cfg, "gradient_checkpointing": False})
@@ -66,12 +66,43 @@ def run_export(cfg: DictConfig) -> dict[str, Any]:
         gen = generation_config_dict(temperature, policy.eos_token_ids, policy.tokenizer.pad_token_id, max_new_tokens)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=1) + "\n")
         info["memory"] = _write_memory(cfg, ckpt, tmp) if ex.memory else None
+        info["files"] = sorted([p.name for p in tmp.iterdir()] + [INFO_FILE, "README.md"])  # what an overwrite may delete
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=1, default=str) + "\n")
         (tmp / "README.md").write_text(model_card(info, *_run_config(cfg)))
     log.info("Exported %s to %s (%s weights%s)", cfg.ckpt_path, out_dir, info["weights"]["kind"],
              f", {info['memory']['num_entries']} memory entries" if info["memory"] else "")
     print(f"Exported the agent to {out_dir}", flush=True)
     return info
+
+
+def check_out_dir(out_dir: Path, given: str, overwrite: bool) -> None:
+    """Refuse an ``export.out_dir`` whose replacement would delete what no export wrote: a file, a non-empty directory
+    without ``export_info.json`` (a run's ``checkpoints/``, a user's folder), or an earlier export holding files
+    besides those its ``export_info.json`` lists; an earlier export is replaced only with ``export.overwrite=true``.
+
+    Raises:
+        ValueError: naming ``export.out_dir`` and what it holds.
+    """
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    name = f"export.out_dir={given!r}"
+    if not out_dir.is_dir() or out_dir.is_symlink():
+        raise ValueError(f"{name} is a file, not a directory: an export never replaces it; choose another out_dir")
+    entries = sorted(p.name for p in out_dir.iterdir())
+    if not entries:
+        return
+    info = out_dir / INFO_FILE
+    if not info.is_file():
+        raise ValueError(f"{name} holds {len(entries)} entries no export wrote (e.g. {', '.join(entries[:3])}; no "
+                         f"{INFO_FILE}): an export never deletes them, with export.overwrite or not; choose a new or "
+                         "empty directory")
+    written = json.loads(info.read_text()).get("files")
+    others = [e for e in entries if written is not None and e not in written]
+    if others:
+        raise ValueError(f"{name} is an earlier export holding files it did not write ({', '.join(others[:3])}): an "
+                         "export never deletes them; move them out or choose another out_dir")
+    if not overwrite:
+        raise ValueError(f"{name} exists; choose another or set export.overwrite=true")
 
 
 def _trained(ckpt: dict[str, Any], group: str, key: str, configured: Any) -> Any:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
+import socket
 import tempfile
 import time
 from dataclasses import asdict, replace
@@ -33,6 +35,7 @@ from src.utils.io import json_digest, write_json_atomic
 from src.utils.logging import flatten, set_tags
 from src.utils.precision_choice import resolve_precision
 from src.utils.console import CONSOLE
+from src.utils.run_end import end_status, end_tracker_runs
 
 log = logging.getLogger(__name__)
 
@@ -272,19 +275,26 @@ def _ensure(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any] | None = N
     out_dir, loggers = prep["out_dir"], []
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir) + ".lock"):
-        if (out_dir / "sft_info.json").exists():
+        reused = (out_dir / "sft_info.json").exists()
+        if reused:
             log.info("Reusing the warm start %s (built before; sft_info.json holds what it was trained on)", out_dir,
                      extra=CONSOLE)
             info = json.loads((out_dir / "sft_info.json").read_text())
         else:
             loggers = _loggers(cfg, f"warm-start-{out_dir.name}")
-            info = _train(cfg, ws, prep, loggers)
-        heldout, pkey = None, json_digest(prep["protocol"])
-        if ws["eval"] and prep["protocol"].get("split"):
-            if pkey not in info["heldout"]:
-                info["heldout"][pkey] = _heldout(cfg, prep)
-                write_json_atomic(out_dir / "sft_info.json", info, indent=1, default=str)
-            heldout = info["heldout"][pkey]
+            set_tags(loggers, {"host": socket.gethostname(), "pid": str(os.getpid())})  # for end_stale_runs
+        try:
+            if not reused:
+                info = _train(cfg, ws, prep, loggers)
+            heldout, pkey = None, json_digest(prep["protocol"])
+            if ws["eval"] and prep["protocol"].get("split"):
+                if pkey not in info["heldout"]:
+                    info["heldout"][pkey] = _heldout(cfg, prep)
+                    write_json_atomic(out_dir / "sft_info.json", info, indent=1, default=str)
+                heldout = info["heldout"][pkey]
+        except BaseException as err:  # a signal ends the warm-start run KILLED, an error FAILED; never RUNNING
+            end_tracker_runs(loggers, end_status(), err if end_status() == "FAILED" else None)
+            raise
     result = {"path": str(out_dir), "info": info, "heldout": heldout}
     if loggers:  # the warm-start run's own MLflow/CSV record
         set_tags(loggers, {"precision_used": info.get("precision_used", prep["key"]["precision"])})

@@ -165,6 +165,37 @@ def test_model_card_names_the_run(run, tmp_path):
         _export(run, tmp_path)
 
 
+def test_export_never_deletes_what_it_did_not_write(run, tmp_path):
+    """An overwrite replaces an earlier export only: a user's files, a run's checkpoints and a plain file stay."""
+    out = tmp_path / "agent"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="no export wrote .*notes.txt"):
+        _export(run, tmp_path, "export.overwrite=true")
+    assert (out / "notes.txt").read_text() == "mine"
+    checkpoints = Path(run["ckpt_path"]).parent
+    before = sorted(p.name for p in checkpoints.iterdir())
+    cfg = _compose("export", tmp_path, *run["overrides"][:1], f"ckpt_path={run['ckpt_path']}",
+                   f"export.out_dir={checkpoints}", "export.overwrite=true")
+    with pytest.raises(ValueError, match="no export wrote"):
+        run_export(cfg)
+    assert sorted(p.name for p in checkpoints.iterdir()) == before
+    (out / "notes.txt").unlink()
+    _export(run, tmp_path)
+    _export(run, tmp_path, "export.overwrite=true")  # an earlier export is replaced
+    (out / "notes.txt").write_text("added")
+    with pytest.raises(ValueError, match="files it did not write \\(notes.txt\\)"):
+        _export(run, tmp_path, "export.overwrite=true")
+    assert (out / "notes.txt").read_text() == "added"
+    plain = tmp_path / "plain"
+    plain.write_text("a file")
+    cfg = _compose("export", tmp_path, *run["overrides"][:1], f"ckpt_path={run['ckpt_path']}",
+                   f"export.out_dir={plain}", "export.overwrite=true")
+    with pytest.raises(ValueError, match="is a file"):
+        run_export(cfg)
+    assert plain.read_text() == "a file" and not list(tmp_path.glob(".plain*"))
+
+
 def test_exported_memory_retrieves_the_same_tips(run, tmp_path):
     out, info = _export(run, tmp_path)
     saved = run["ckpt"]["callbacks"]["MemoryCallback"]["tips"]

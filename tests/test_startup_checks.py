@@ -231,6 +231,13 @@ BAD_SETTINGS = [
     (["data.pool_timeout_s=0"], r"data.pool_timeout_s=0: the seconds an environment worker may take for one call before it is restarted; expected a number > 0"),
     (["data.num_env_workers=-3"], r"data.num_env_workers=-3: expected an int >= 1 or null"),
     (["data.num_env_workers=1"], r"data.num_env_workers=1: each rank plays 8 episodes at once .*expected null \(as many as needed\) or an int >= 8"),
+    (["data.max_response_tokens=1000000"], r"data.max_response_tokens=1000000 with model.policy.max_prompt_tokens=\d+ "
+                                           r"passes the model's context window of \d+ tokens.*expected "
+                                           r"data.max_response_tokens <= \d+$"),
+    (["logger.mlflow.tracking_uri=http://127.0.0.1:9"],
+     r"logger.mlflow.tracking_uri='http://127.0.0.1:9': no MLflow server answers there \(Connection refused\)"),
+    (["+logger.mlflow.run_id=0123abcd"], r"\+logger.mlflow.run_id=0123abcd: no such run in sqlite:///.*leave "
+                                         r"\+logger.mlflow.run_id unset"),
     (["data.tasks_per_iteration=50"], r"data.tasks_per_iteration=50 x data.group_size=4 starts 200 environment workers on this machine.*expected at most"),
 ]
 

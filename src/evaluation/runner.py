@@ -80,6 +80,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     """
     from src.config_checks import check_env_settings
     from src.utils.config_error import refused_settings
+    from src.utils.startup_checks import check_checkpoint_path, check_context_window
     from src.models.rollout_engine import resolve_rollout_precision
     from src.utils.precision_choice import resolve_precision
 
@@ -89,6 +90,8 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         resolve_rollout_precision(cfg)
         check_eval_config(ev)
         check_env_settings(cfg.env)
+        check_checkpoint_path(cfg)  # complete, intact and finite, before any model is built
+        check_context_window(cfg)
         memory_file = _read_memory_file(cfg)
     b = _build(cfg)
     memory, memory_source, write_tips = _eval_memory(cfg, b, memory_file)

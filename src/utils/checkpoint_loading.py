@@ -61,6 +61,30 @@ def load_training_checkpoint(path: str | os.PathLike, optimizer: bool = True) ->
     return ckpt
 
 
+def verify_checkpoint_file(path: Path, state_dict: dict[str, Any], name: str) -> None:
+    """Refuse a checkpoint file whose bytes changed after ``torch.save`` wrote them (every record against the CRC-32
+    the zip archive stores: a disk or copy error, noise written into it) or whose ``policy.*`` weights hold NaN or
+    inf. ``state_dict``: the file's, memory-mapped. Reads the whole file once (about 1 s per GB).
+
+    Raises:
+        ValueError: naming ``name`` (the setting and path) and the first bad record or weight.
+    """
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        bad = archive.testzip()
+    if bad is not None:
+        raise ValueError(f"{name} is corrupt: its record {bad} differs from what torch.save wrote (CRC-32 mismatch: "
+                         "the file changed on disk or in a copy). Use an earlier checkpoint of the run (iter_*.ckpt "
+                         "beside it).")
+    broken = [k for k, t in state_dict.items() if k.startswith("policy.") and torch.is_tensor(t)
+              and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if broken:
+        raise ValueError(f"{name} holds NaN or inf in {len(broken)} policy weights (e.g. {broken[0]}): the run "
+                         "diverged before this save. Use an earlier checkpoint of the run (iter_*.ckpt beside it), "
+                         "e.g. with a lower model.optimizer.lr.")
+
+
 def _read_distributed(path: Path, keys: set[str] | None) -> dict[str, Any]:
     """The distributed checkpoint's tensors (only the top-level ``keys``, or all), unsharded, in this process."""
     from torch.distributed.checkpoint import FileSystemReader

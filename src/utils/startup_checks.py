@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import pickle
 import re
 import zipfile
 from pathlib import Path
@@ -221,6 +222,9 @@ def check_checkpoint_path(cfg: DictConfig) -> Path | None:
     if not path.exists():
         raise FileNotFoundError(f"{name} does not exist. {_CHECKPOINT_EXPECTED}.")
     if path.is_dir():
+        if (path / "export_info.json").is_file():
+            raise ValueError(f"{name} is an exported agent, not a training checkpoint: evaluate it with ckpt_path=null "
+                             f"model.policy.name_or_path={given} (and eval.memory_file={given}/memory).")
         if not (path / ".metadata").is_file():
             raise ValueError(f"{name} is a directory without a .metadata file, so not a distributed checkpoint. "
                              f"{_CHECKPOINT_EXPECTED}.")
@@ -239,6 +243,9 @@ def check_checkpoint_path(cfg: DictConfig) -> Path | None:
 
     try:
         ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(f"{name} holds pickled Python objects besides tensors and plain values, which are not loaded "
+                         f"(they could run code): not a checkpoint of this project. {_CHECKPOINT_EXPECTED}.") from err
     except Exception as err:  # whatever torch says, the user needs the file's name
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise ValueError(f"{name} could not be loaded as a checkpoint ({type(err).__name__}: {reason}). "
@@ -248,7 +255,55 @@ def check_checkpoint_path(cfg: DictConfig) -> Path | None:
         keys = sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__
         raise ValueError(f"{name} is a torch file but not a checkpoint of this project (it needs a global_step and "
                          f"policy.* weights in its state_dict; it holds {keys}). {_CHECKPOINT_EXPECTED}.")
+    from src.utils.checkpoint_loading import verify_checkpoint_file
+
+    verify_checkpoint_file(path, weights, name)
     return path
+
+
+def check_resume_trains(cfg: DictConfig, path: Path) -> None:
+    """Refuse a resume whose ``trainer.max_epochs`` (iterations in all, counted from 0) the checkpoint has already
+    trained: Lightning would play a rollout, train nothing and end the run as finished.
+
+    Raises:
+        ValueError: naming both numbers and the setting to raise.
+    """
+    import torch
+
+    max_epochs = cfg.get("trainer", {}).get("max_epochs")
+    if max_epochs is None or int(max_epochs) < 0:
+        return
+    meta = path / "meta.pt" if path.is_dir() else path
+    iteration = torch.load(meta, map_location="cpu", mmap=not path.is_dir(), weights_only=True).get("iteration")
+    if iteration is not None and int(max_epochs) <= int(iteration) + 1:
+        raise ValueError(f"trainer.max_epochs={max_epochs}, but ckpt_path={str(cfg.ckpt_path)!r} has trained "
+                         f"{int(iteration) + 1} iterations already: the resume would train nothing. Set "
+                         f"trainer.max_epochs above {int(iteration) + 1} (the iterations in all, not the ones to add)")
+
+
+def check_context_window(cfg: DictConfig) -> None:
+    """Refuse ``model.policy.max_prompt_tokens`` + ``data.max_response_tokens`` beyond the model's context window
+    (``max_position_embeddings`` in its ``config.json``): replies that long cannot be decoded (a cap of 10⁶ tokens
+    would allocate and decode for hours). A model config that cannot be read here is left to the model builder.
+
+    Raises:
+        ValueError: naming both settings, the window and the largest response cap that fits.
+    """
+    from src.models.hub import adapter_base_model, load_config, resolve_name_or_path
+
+    policy = (cfg.get("model") or {}).get("policy") or {}
+    prompt, response = policy.get("max_prompt_tokens"), (cfg.get("data") or {}).get("max_response_tokens")
+    if not isinstance(prompt, int) or not isinstance(response, int):
+        return
+    try:
+        model = resolve_name_or_path(str(policy.get("name_or_path")), str(policy.get("cache_dir", ".")))
+        window = getattr(load_config(adapter_base_model(model) or model), "max_position_embeddings", None)
+    except (OSError, ValueError):
+        return
+    if window and prompt + response > window:
+        raise ValueError(f"data.max_response_tokens={response} with model.policy.max_prompt_tokens={prompt} passes "
+                         f"the model's context window of {window} tokens (max_position_embeddings of "
+                         f"{policy.get('name_or_path')}); expected data.max_response_tokens <= {window - prompt}")
 
 
 def clean_checkpoint_dirs(cfg: DictConfig) -> list[Path]:
