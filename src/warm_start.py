@@ -275,16 +275,14 @@ def _ensure(cfg: DictConfig, ws: dict[str, Any], prep: dict[str, Any] | None = N
     out_dir, loggers = prep["out_dir"], []
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir) + ".lock"):
-        reused = (out_dir / "sft_info.json").exists()
-        if reused:
-            log.info("Reusing the warm start %s (built before; sft_info.json holds what it was trained on)", out_dir,
-                     extra=CONSOLE)
-            info = json.loads((out_dir / "sft_info.json").read_text())
-        else:
-            loggers = _loggers(cfg, f"warm-start-{out_dir.name}")
-            set_tags(loggers, {"host": socket.gethostname(), "pid": str(os.getpid())})  # for end_stale_runs
         try:
-            if not reused:
+            if (out_dir / "sft_info.json").exists():
+                log.info("Reusing the warm start %s (built before; sft_info.json holds what it was trained on)",
+                         out_dir, extra=CONSOLE)
+                info = json.loads((out_dir / "sft_info.json").read_text())
+            else:
+                loggers = _loggers(cfg, f"warm-start-{out_dir.name}")
+                set_tags(loggers, {"host": socket.gethostname(), "pid": str(os.getpid())})  # for end_stale_runs
                 info = _train(cfg, ws, prep, loggers)
             heldout, pkey = None, json_digest(prep["protocol"])
             if ws["eval"] and prep["protocol"].get("split"):

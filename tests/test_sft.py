@@ -435,3 +435,42 @@ def test_scienceworld_demonstrations_may_use_more_training_variations(gold_dir):
     finally:
         env.close()
     assert [r["task"] for r in records] == train and not {t["variation"] for t in train} & {t["variation"] for t in test}
+
+
+def test_a_signal_during_the_warm_start_ends_its_tracker_run_killed(tmp_path):
+    """SIGTERM while the warm start trains: its MLflow run ends KILLED (not RUNNING for good), with the host and pid
+    tags a later run needs to end a run whose process died."""
+    import signal
+    import socket
+    import threading
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    import src.utils.entrypoint as entrypoint
+    from src.warm_start import ensure_warm_start
+
+    cfg = compose_train(tmp_path, "logger=mlflow", "model.warm_start.epochs=100000", "model.warm_start.eval=false")
+    store = tmp_path / "logs" / "mlflow.db"
+
+    def stop_once_the_run_exists() -> None:
+        for _ in range(1200):
+            if store.exists() and MlflowClient(f"sqlite:///{store}").search_runs(
+                    [e.experiment_id for e in MlflowClient(f"sqlite:///{store}").search_experiments()]):
+                time.sleep(1.0)  # into the training loop
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.1)
+
+    previous = signal.signal(signal.SIGTERM, entrypoint._on_signal)
+    threading.Thread(target=stop_once_the_run_exists, daemon=True).start()
+    try:
+        with pytest.raises(SystemExit):
+            ensure_warm_start(cfg)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        entrypoint._received.clear()
+    client = MlflowClient(f"sqlite:///{store}")
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.run_name.startswith("warm-start-") and run.info.status == "KILLED" and run.info.end_time
+    assert run.data.tags["host"] == socket.gethostname() and run.data.tags["pid"] == str(os.getpid())
