@@ -4,6 +4,7 @@ a tracker run of another algorithm, a live one or one past the checkpoint; a run
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -143,3 +144,32 @@ def test_a_run_directory_holding_a_run_is_not_shared(tmp_path):
         f"resume from its checkpoint: ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"]
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "train.log"]  # nothing written into it
     assert (run_dir / "train.log").read_text() == "the first run's log\n"
+
+
+SAVE_WITH_A_FILE_SIZE_CAP = """
+import resource, signal, sys, torch
+from src.utils.checkpoint_io import AtomicCheckpointIO
+from src.utils.config_error import RunError
+path = sys.argv[1]
+io = AtomicCheckpointIO()
+io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.zeros(1000)}}, path)  # the previous checkpoint
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the cap fails (EFBIG), as on a full disk (ENOSPC)
+resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+try:
+    io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.zeros(2**20)}}, path)  # 4 MiB
+except RunError as err:
+    print(err)
+"""
+
+
+def test_a_checkpoint_the_disk_cannot_hold_keeps_the_previous_one_and_says_the_space_needed(tmp_path):
+    path = tmp_path / "last.ckpt"
+    proc = subprocess.run([sys.executable, "-c", SAVE_WITH_A_FILE_SIZE_CAP, str(path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [line] = proc.stdout.strip().splitlines()
+    assert re.fullmatch(rf"The checkpoint {path} could not be written \(RuntimeError: .*\); it needs about 4.0 MiB "
+                        r"and its disk has [\d.]+ [MG]iB free; the previous one there is kept\. Free space .* and resume "
+                        r"from the last checkpoint", line), line
+    assert torch.load(path, weights_only=True)["global_step"] == 1  # intact
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left
