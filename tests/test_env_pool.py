@@ -144,3 +144,26 @@ def test_resize_and_construction_errors(pool):
         EnvPool({**CFG, "task": "bogus"}, num_workers=1)
     with pytest.raises(ValueError, match="_target_"):
         EnvPool({"task": FIND}, num_workers=1)
+
+
+@pytest.mark.parametrize("game", ["coin", "webshop"])
+def test_an_environment_refusing_its_settings_is_answered_in_one_line(tmp_path, game):
+    """What only the simulator or the data can tell (a Coin Collector game setting, a malformed WebShop file) stops
+    the pool with the environment's own line, not the worker's chained tracebacks; other failures keep theirs."""
+    from src.utils.config_error import RunError
+
+    if game == "coin":
+        cfg = {"_target_": "src.envs.textworld_express.TextWorldExpressEnv",
+               "game_params": {"numLocations": 50, "includeDoors": 1, "numDistractorItems": 0}}
+        message = (r"worker 0 could not build its environment \(src.envs.textworld_express.TextWorldExpressEnv\): "
+                   r"env.game_params=.*'numLocations': 50.*the simulator says Number of locations must be less than "
+                   r"or equal to 11")
+    else:
+        for name, text in (("items_shuffle.json", '{"broken": '), ("items_ins_v2.json", "{}"),
+                           ("items_human_ins.json", "{}")):
+            (tmp_path / name).write_text(text)
+        cfg = {"_target_": "src.envs.webshop.WebShopEnv", "real_data_dir": str(tmp_path)}
+        message = rf"env.real_data_dir='{tmp_path}': items_shuffle.json: not valid JSON \(Expecting value"
+    with pytest.raises(RunError, match=message) as err:
+        EnvPool(cfg, num_workers=2)
+    assert "\n" not in str(err.value) and "Traceback" not in str(err.value) and err.value.__cause__ is None

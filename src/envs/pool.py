@@ -46,8 +46,11 @@ def _worker_main(conn: Connection, env_cfg: dict[str, Any]) -> None:
         import hydra.utils
 
         env = hydra.utils.instantiate(env_cfg)
-    except BaseException:
-        conn.send(("init_error", traceback.format_exc()))
+    except BaseException as exc:
+        cause = exc.__cause__ if exc.__cause__ is not None and type(exc).__name__ == "InstantiationException" else exc
+        # a setting or data file the environment refuses (its own one-line message): no traceback to read
+        refused = isinstance(cause, (ValueError, FileNotFoundError))
+        conn.send(("init_error", " ".join(str(cause).split()) if refused else traceback.format_exc(), refused))
         return
     conn.send(("ready", os.getpid()))
     calls = {"reset": env.reset, "step": env.step, "tasks": env.tasks, "system_prompt": lambda _: env.system_prompt}
@@ -191,8 +194,12 @@ class EnvPool:
                 for worker in self._workers[first_new:]:
                     self._stop(worker)
                 del self._workers[first_new:]
-                raise RuntimeError(f"EnvPool: worker {i} could not build its environment "
-                                   f"({self.env_cfg['_target_']}):\n{detail}")
+                what = f"EnvPool: worker {i} could not build its environment ({self.env_cfg['_target_']})"
+                if msg is not None and msg[2:] == (True,):  # refused by the environment: its message is the answer
+                    from src.utils.config_error import RunError
+
+                    raise RunError(f"{what}: {detail}")
+                raise RuntimeError(f"{what}:\n{detail}")
             self._workers[i].ready = True
 
     @staticmethod
@@ -261,7 +268,7 @@ class EnvPool:
         """Worker ``i``'s next message as a call result, or None for its "ready"."""
         worker = self._workers[i]
         try:
-            kind, payload = worker.conn.recv()
+            kind, payload = worker.conn.recv()[:2]
         except (EOFError, OSError):
             worker.process.join(timeout=1)
             reason = f"worker {i} died during {cmd!r} (exit code {worker.process.exitcode}); restarted"

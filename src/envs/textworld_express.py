@@ -70,7 +70,8 @@ class TextWorldExpressEnv(JvmEnvironment):
             self._sim.load(game, _params(self.game_params))
         except Exception as exc:
             self.close()
-            raise ValueError(f"game_params={self.game_params!r} for game {game!r}: the simulator says {exc}") from exc
+            raise ValueError(f"env.game_params={self.game_params!r} for game {game!r}: the simulator says "
+                             f"{exc}") from exc
         self._folds = {"train": self._sim.getValidSeedsTrain(), "dev": self._sim.getValidSeedsDev(),
                        "test": self._sim.getValidSeedsTest()}
         for name, count, fold in (("num_train_seeds", num_train_seeds, "train"),
