@@ -143,6 +143,13 @@ def test_the_first_run_prints_what_the_readme_shows_and_converts_nothing_it_does
     # the random policy never ends a reply: the one warning says they are cut at the cap (rollout/replies_cut_frac)
     stderr = [line for line in quick_start["smoke"].stderr.splitlines() if line.strip()]
     assert len(stderr) == 2 and "replies were cut at data.max_response_tokens=8" in stderr[0], stderr
+    import mlflow  # and the tracker has the share per iteration, replies and reflections
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{quick_start['logs']}/mlflow.db")
+    replies = client.get_metric_history(quick_start["run_id"], "rollout/replies_cut_frac")
+    assert sorted((m.step, m.value) for m in replies) == [(0, 1.0), (1, 1.0)]
+    tips = client.get_metric_history(quick_start["run_id"], "rollout/tips_cut_frac")
+    assert sorted(m.step for m in tips) == [0, 1] and all(0.0 <= m.value <= 1.0 for m in tips)
     assert sorted(p.name for p in (quick_start["logs"] / "data" / "models").iterdir()) == ["tiny-random-llama"]
 
 
