@@ -98,7 +98,7 @@ def test_bad_eval_settings_are_refused_before_building(tmp_path, override, match
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("damage", ["empty", "truncated", "corrupt", "missing keys"])
+@pytest.mark.parametrize("damage", ["empty", "truncated", "corrupt", "missing keys", "nan keys"])
 def test_a_damaged_memory_file_is_refused_naming_the_file_before_building(tmp_path, monkeypatch, damage):
     """eval.memory_file whose memory.json is empty, keys.npy cut short, tips.jsonl not JSON, or keys.npy gone: one
     error naming the file and what the directory should hold, before the policy is built."""
@@ -112,7 +112,7 @@ def test_a_damaged_memory_file_is_refused_naming_the_file_before_building(tmp_pa
         "keys": np.eye(4, dtype=np.float32)[:2], "entries": [{"content": f"tip {i}", "score": 1.0, "step": i,
                                                               "created_at": 0.0, "iteration": 0} for i in range(2)]}}}
     memory = write_memory_files(state, tmp_path / "memory", "variation")
-    name = {"empty": "memory.json", "truncated": "keys.npy", "corrupt": "tips.jsonl", "missing keys": "keys.npy"}[damage]
+    name = {"empty": "memory.json", "corrupt": "tips.jsonl"}.get(damage, "keys.npy")
     target = memory / name
     if damage == "empty":
         target.write_text("")
@@ -120,6 +120,8 @@ def test_a_damaged_memory_file_is_refused_naming_the_file_before_building(tmp_pa
         target.write_bytes(target.read_bytes()[:40])
     elif damage == "corrupt":
         target.write_text('{"partition": "t/0", "content": "tip 0"\n')
+    elif damage == "nan keys":
+        np.save(target, np.full((2, 4), np.nan, np.float32))
     else:
         target.unlink()
     monkeypatch.setattr(runner, "_build", lambda cfg: pytest.fail("the policy was built"))

@@ -60,6 +60,14 @@ def _read(path: Path, read):
                          f"directory written by src/export.py holds {INFO}, {TIPS} and {KEYS}; export it again") from err
 
 
+def _finite(keys: np.ndarray) -> np.ndarray:
+    if keys.dtype.kind == "f" and not np.isfinite(keys).all():
+        bad = np.flatnonzero(~np.isfinite(keys.reshape(len(keys), -1)).all(axis=1))
+        raise ValueError(f"{len(bad)} of its {len(keys)} keys hold NaN or inf (e.g. row {bad[0]}), which no embedder "
+                         "writes")
+    return keys
+
+
 def read_memory_files(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read a memory directory (or its ``memory.json``) back: ``(tip_state, info)``, ``tip_state`` in the form of
     ``TipMemory.state_dict()`` (load it with ``TipMemory.load_state_dict``, which refuses another embedder) and
@@ -76,7 +84,7 @@ def read_memory_files(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]
         raise ValueError(f"{directory / INFO}: format {found!r}, expected {MEMORY_FILE_FORMAT!r}")
     lines = _read(directory / TIPS, lambda f: [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines()
                                                if line])
-    keys = _read(directory / KEYS, lambda f: np.load(f, allow_pickle=False))
+    keys = _read(directory / KEYS, lambda f: _finite(np.load(f, allow_pickle=False)))
     if keys.shape != (len(lines), int(info["dim"])):
         raise ValueError(f"{directory}: {KEYS} has shape {keys.shape}, expected ({len(lines)}, {info['dim']}) "
                          f"(one row per line of {TIPS})")
