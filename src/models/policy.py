@@ -18,6 +18,7 @@ from src.models.dropout import zero_config_dropout, zero_module_dropout
 from src.models.hub import (adapter_base_model, base_model_setting, load_causal_lm, load_config, load_tokenizer,
                             resolve_name_or_path)
 from src.models.log_probs import entropy_from_logits, log_probs_from_logits
+from src.models.prefix_tree import build_prefix_tree
 from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
 from src.models.policy_config import PolicyConfig
 from src.models.prompt_cache import PromptKV, SharedPrefixes, common_prefix, row_prompt_kv
@@ -159,15 +160,18 @@ class Policy(nn.Module):
 
     def log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float = 1.0,
                   with_entropy: bool = False, disable_adapters: bool = False,
-                  share_prefix: bool = False) -> dict[str, Tensor]:
+                  share_prefix: bool = False, tree: bool = False) -> dict[str, Tensor]:
         """Per-token log-probs of ``response_ids`` given ``prompt_ids`` (differentiable unless under no_grad).
 
         Returns ``log_probs`` [B, R] (float32, 0 where masked), ``response_mask`` [B, R] (float32) and, with
         ``with_entropy``, ``entropy`` [B, R] of the temperature-scaled next-token distribution. ``disable_adapters``:
         the base model of a PEFT policy (the KL reference). ``share_prefix``: the prompts' common prefix is computed
-        once, in the forward and the backward pass, when ``prefix_to_share`` says it pays; same result up to float
-        rounding."""
+        once, in the forward and the backward pass, when ``prefix_to_share`` says it pays; ``tree``: every token
+        the rows share at the same place is computed once, one forward over their prefix tree (``_tree_log_probs``).
+        Both give the unshared result up to float rounding. ``tokens_computed``: the tokens the forward computed."""
         adapt_threads()
+        if tree:
+            return self._tree_log_probs(prompt_ids, response_ids, temperature, with_entropy, disable_adapters)
         n_shared = self.prefix_to_share(prompt_ids, response_ids) if share_prefix else 0
         if n_shared:
             prefix_cache = self._prefix_cache(prompt_ids[0][:n_shared], len(prompt_ids), disable_adapters)
@@ -189,7 +193,28 @@ class Policy(nn.Module):
         response = batch["input_ids"][:, p_len:]
         mask = batch["response_mask"].float()
         out = {"log_probs": log_probs_from_logits(logits, response, temperature=temperature) * mask,
-               "response_mask": mask}
+               "response_mask": mask, "tokens_computed": n_shared + int(batch["attention_mask"].sum())}
+        if with_entropy:
+            out["entropy"] = entropy_from_logits(logits, temperature=temperature) * mask
+        return out
+
+    def _tree_log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float,
+                        with_entropy: bool, disable_adapters: bool) -> dict[str, Any]:
+        """``log_probs`` of the rows computed as one packed prefix tree (``src/models/prefix_tree.py``): a tree-shaped
+        attention mask and per-node positions; only the nodes that predict a response token reach the LM head."""
+        tree = build_prefix_tree(prompt_ids, response_ids)
+        mask = tree.response_mask.to(self.device)
+        keep = torch.unique(tree.predict_at[tree.response_mask.bool()])
+        keep = keep if len(keep) else torch.zeros(1, dtype=torch.long)
+        with self.model.disable_adapter() if disable_adapters else contextlib.nullcontext():
+            logits = self.model(input_ids=tree.input_ids.to(self.device),
+                                attention_mask=tree.attention_mask.to(self.device),
+                                position_ids=tree.position_ids.to(self.device), use_cache=False,
+                                logits_to_keep=keep.to(self.device)).logits[0]  # [K, V]
+        logits = logits[torch.searchsorted(keep, tree.predict_at).clamp(max=len(keep) - 1).to(self.device)]
+        response = tree.response_ids.to(self.device)
+        out = {"log_probs": log_probs_from_logits(logits, response, temperature=temperature) * mask,
+               "response_mask": mask, "tokens_computed": tree.num_tokens}
         if with_entropy:
             out["entropy"] = entropy_from_logits(logits, temperature=temperature) * mask
         return out
