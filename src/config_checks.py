@@ -3,15 +3,14 @@
 ``prepare_run`` is every start-up check of ``src/train.py``: the Lightning options, the GPU and the checkpoint file
 (``src/utils/startup_checks.py``), every setting's value (``check_training_settings``: one ``ConfigError`` listing
 each bad key with its value and what is expected; each group's own rules are its schema's, ``Settings.problems``,
-and the rules that span groups are here) and the checkpoint's model against the configured one
-(``check_checkpoint_model``). Nothing here loads weights or starts an environment.
+and the rules that span groups are here) and the checkpoint's (``src/utils/startup_checks.py``). Nothing here loads
+weights or starts an environment.
 """
 from __future__ import annotations
 
 import difflib
 import inspect
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +189,11 @@ def algorithm_problems(cfg: DictConfig) -> list[str]:
         problems.append(f"algorithm.memory_rollout_prob={algorithm.memory_rollout_prob:g} (algorithm="
                         f"{algorithm.name}) draws memory rollouts, but algorithm.use_memory=false builds no memory; "
                         "set algorithm.memory_rollout_prob=0 or algorithm.use_memory=true")
+    tokens = (cfg.get("data") or {}).get("micro_batch_tokens")
+    if algorithm.semantics == "authors" and tokens is not None:
+        problems.append(f"data.micro_batch_tokens={tokens} with algorithm.semantics=authors: the authors' loss is a "
+                        "token mean per micro-batch of data.micro_batch_size samples, which prefix-tree micro-batches "
+                        "would weigh otherwise; set data.micro_batch_tokens=null")
     return problems
 
 
@@ -273,62 +277,6 @@ def check_training_settings(cfg: DictConfig) -> None:
         raise ConfigError("\n".join(problems) if len(problems) > 1 else problems[0])
 
 
-def _checkpoint_shape(state: dict[str, Any]) -> dict[str, int]:
-    """Layers, hidden size and vocabulary of a checkpoint's policy, read from its tensors' shapes (memory-mapped, not
-    read): every weight of a full checkpoint, the adapters of a LoRA one (no vocabulary there)."""
-    layers = {int(m.group(1)) for k in state if (m := re.search(r"\.layers\.(\d+)\.", k))}
-    shape = {"layers": len(layers)} if layers else {}
-    for key, tensor in state.items():
-        if key.endswith("embed_tokens.weight"):
-            shape["vocabulary"], shape["hidden size"] = (int(n) for n in tensor.shape)
-        elif "hidden size" not in shape and re.search(r"q_proj\.lora_A\.[^.]+\.weight$", key):
-            shape["hidden size"] = int(tensor.shape[1])
-    return shape
-
-
-def check_checkpoint_model(cfg: DictConfig, path: Path) -> None:
-    """Refuse to resume a checkpoint onto another model: LoRA on one side only, or another number of layers, hidden
-    size or vocabulary than the config's ``model.policy`` builds (read from its ``config.json``, no weights).
-
-    A model config that cannot be read here is left to the model builder, which names what is missing.
-
-    Raises:
-        ValueError: naming both models, their shapes and the settings to use.
-    """
-    import torch
-
-    from src.models.hub import adapter_base_model, load_config, resolve_name_or_path
-
-    if path.is_dir():  # a distributed checkpoint: its tensors are not read here
-        return
-    ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    given = str(cfg.ckpt_path)
-    name = f"ckpt_path={given!r}" + (f" ({path})" if str(path) != given else "")
-
-    policy = cfg.model.get("policy") or {}
-    trained = ((ckpt.get("hyper_parameters") or {}).get("policy") or {}).get("name_or_path", "?")
-    lora = bool((policy.get("lora") or {}).get("enabled"))
-    with_lora = any(".lora_" in k for k in ckpt["state_dict"])
-    if with_lora != lora:
-        held = "LoRA adapters" if with_lora else "no LoRA adapters (a full fine-tune)"
-        raise ValueError(f"{name} holds {held}, but model.policy.lora.enabled={str(lora).lower()}: resume with "
-                         f"model.policy.lora.enabled={str(with_lora).lower()} (the run was trained from {trained!r})")
-    try:
-        model = resolve_name_or_path(str(policy.get("name_or_path")), str(policy.get("cache_dir", ".")))
-        config = load_config(adapter_base_model(model) or model)
-    except (OSError, ValueError):
-        return
-    want = {"layers": config.num_hidden_layers, "hidden size": config.hidden_size, "vocabulary": config.vocab_size}
-    have = _checkpoint_shape(ckpt["state_dict"])
-    if all(have[k] == want[k] for k in have):
-        return
-    describe = lambda shape: ", ".join(f"{k} {shape[k]}" for k in want if k in shape)  # noqa: E731
-    raise ValueError(f"{name} holds a policy with {describe(have)} (trained from model.policy.name_or_path="
-                     f"{trained!r}), but this config builds model.policy.name_or_path={policy.get('name_or_path')!r} "
-                     f"with {describe(want)}. Resume with the model the run was trained with (its model=... group), "
-                     "or leave ckpt_path unset to start a new run.")
-
-
 # Settings a resumed run may not change (everything else may: the learning rate, max_epochs, loggers, validation,
 # rollout sizes...). "env" stands for every env.* key but env.max_steps.
 FIXED_ON_RESUME = ("algorithm.name", "algorithm.use_memory", "env", "model.policy.name_or_path",
@@ -379,8 +327,9 @@ def prepare_run(cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
     Lightning options, the accelerator, every setting's value, the checkpoint to resume (intact, its settings, model
     and iterations left), the tracker; then stale checkpoint temp files are removed. Returns the settings a resume
     changes (``check_resume_settings``; {} for a new run). Raises ValueError, OSError: the first check that fails."""
-    from src.utils.startup_checks import (check_accelerator, check_checkpoint_path, check_context_window,
-                                          check_resume_trains, check_trainer_options, clean_checkpoint_dirs)
+    from src.utils.startup_checks import (check_accelerator, check_checkpoint_model, check_checkpoint_path,
+                                          check_context_window, check_resume_trains, check_trainer_options,
+                                          clean_checkpoint_dirs)
     from src.utils.tracker_checks import check_tracker
 
     check_trainer_options(cfg)

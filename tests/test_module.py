@@ -46,11 +46,12 @@ def _samples(module: EMPO2Module) -> list[StepSample]:
 
 
 def _micro_batches(samples: list[StepSample], micro_batch_size: int, mode: str = "on_policy",
-                   iteration: int = 0, eos: int = 0) -> list[MicroBatch]:
+                   iteration: int = 0, eos: int = 0, micro_batch_tokens: int | None = None) -> list[MicroBatch]:
     """One mini-batch of ``samples`` cut into micro-batches by the iteration's own ``micro_batches``."""
     info = {"iteration": iteration, "mode": mode, "rollout_global_step": iteration}
     return list(micro_batches(samples, info, {}, seed=0, iteration=iteration, ppo_epochs=1,
-                              micro_batch_size=micro_batch_size, padding=lambda: StepSample.padding(eos)))
+                              micro_batch_size=micro_batch_size, padding=lambda: StepSample.padding(eos),
+                              micro_batch_tokens=micro_batch_tokens))
 
 
 def _score(module, samples: list[StepSample]) -> None:
@@ -136,7 +137,7 @@ def test_the_update_on_a_shared_prefix_gives_the_unshared_loss_entropy_and_gradi
     for share in (False, True):
         module.share_prompt_prefix = share
         module.policy.zero_grad()
-        loss, metrics, tokens = module._loss(batch)
+        loss, metrics, tokens, _ = module._loss(batch)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
         results.append((loss.detach(), metrics, tokens, grads))
@@ -236,7 +237,7 @@ def test_low_prob_masking_runs_only_in_mask_modes(tiny_model_dir, model_cache_di
 
 def _loss_and_grads(module: EMPO2Module, batch: MicroBatch):
     module.policy.zero_grad(set_to_none=True)
-    loss, metrics, _ = module._loss(batch)
+    loss, metrics, _, _ = module._loss(batch)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
     return loss.detach(), grads, metrics
@@ -567,3 +568,32 @@ def test_a_mini_batch_without_advantage_leaves_the_policy_alone(tiny_model_dir, 
             assert torch.equal(value, states[1][k][name]), (k, name)
     assert logger.series("train/update_skipped") == [0.0, 1.0]
     assert logger.series("train/grad_norm")[1] == 0.0
+
+
+def test_a_mini_batch_of_prefix_trees_gives_the_unshared_loss_and_gradients(tiny_model_dir, model_cache_dir):
+    """data.micro_batch_tokens: the mini-batch cut into prefix trees under a token budget (issue 60) against every
+    row computed whole in micro-batches of 2: the same mini-batch loss and gradient of every parameter (fp32), with
+    fewer tokens computed."""
+    from src.models.prefix_tree import tree_size
+
+    module = _module(tiny_model_dir, model_cache_dir, partial(torch.optim.SGD, lr=1.0))
+    module.share_prompt_prefix = False
+    samples = _task_samples(module)
+    budget = tree_size([s.update_prompt_ids + s.response_ids for s in samples]) * 2 // 3  # 2 or 3 trees
+    results = []
+    for cut in ({"micro_batch_size": 2}, {"micro_batch_size": 2, "micro_batch_tokens": budget}):
+        batches = _micro_batches(samples, **cut)
+        module.policy.zero_grad()
+        total, computed = 0.0, 0
+        for batch in batches:
+            loss, _, _, tokens = module._loss(batch)
+            loss.backward()
+            total, computed = total + float(loss.detach()), computed + tokens
+        grads = {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
+        results.append((total, computed, len(batches), grads))
+    (loss, computed, n_plain, grads), (loss_t, computed_t, n_tree, grads_t) = results
+    assert n_plain == 4 and 1 < n_tree < n_plain and computed_t < 0.6 * computed
+    assert loss_t == pytest.approx(loss, rel=1e-5)
+    assert grads.keys() == grads_t.keys() and len(grads) == len(list(module.policy.parameters()))
+    for name, g in grads.items():
+        assert float((grads_t[name] - g).norm() / g.norm().clamp(min=1e-12)) <= 1e-5, name

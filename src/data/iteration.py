@@ -87,6 +87,7 @@ def run_iteration(s: IterationSettings, c: Collaborators, iteration: int, global
     yield from micro_batches(samples, info, metrics, seed=s.data.seed, iteration=iteration,  # 7. mini-batches
                              ppo_epochs=s.data.ppo_epochs, num_mini_batches=s.data.num_mini_batches,
                              mini_batch_rows=s.data.mini_batch_rows, micro_batch_size=s.data.micro_batch_size,
+                             micro_batch_tokens=s.data.micro_batch_tokens,
                              padding=lambda: StepSample.padding(c.policy.tokenizer.eos_token_id))
 
 

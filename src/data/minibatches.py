@@ -15,6 +15,7 @@ import torch
 
 from src.data.samples import MicroBatch, StepSample, prompt_order
 from src.models.core_algos import loss_denominators
+from src.models.prefix_tree import group_rows
 from src.utils.distributed import all_reduce, gather_lists, rank_and_world
 from src.utils.rng import PERMUTATION
 
@@ -50,7 +51,8 @@ def mini_batch_count(rows: int, num_mini_batches: int | None = None, mini_batch_
 
 def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict[str, float], *, seed: int,
                   iteration: int, ppo_epochs: int, micro_batch_size: int, padding: Callable[[], StepSample],
-                  num_mini_batches: int | None = None, mini_batch_rows: int | None = None) -> Iterator[MicroBatch]:
+                  num_mini_batches: int | None = None, mini_batch_rows: int | None = None,
+                  micro_batch_tokens: int | None = None) -> Iterator[MicroBatch]:
     """Yield ``ppo_epochs`` passes of ``mini_batch_count`` mini-batches, each as micro-batches (a collective).
 
     The mini-batches are drawn (from ``(seed, iteration)``) over all ranks' samples, ordered by ``StepSample.key``,
@@ -58,7 +60,8 @@ def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict
     run the iteration. With ``mini_batch_rows`` R the N rows are split into ⌈N/R⌉ mini-batches of near-equal size
     (⌊N/k⌋ or ⌈N/k⌉ rows, never more than R): every row is trained on, none is dropped, and each mini-batch's loss
     is divided by its own token (or row) count, so a smaller mini-batch is not a smaller step. ``padding``: a
-    throw-away sample, for a rank without any sample of its own.
+    throw-away sample, for a rank without any sample of its own. ``micro_batch_tokens``: micro-batches are prefix
+    trees of at most that many tokens (``group_rows``) instead of ``micro_batch_size`` samples.
     """
     rng = np.random.default_rng([seed, iteration, PERMUTATION])
     rank = rank_and_world()[0]
@@ -76,9 +79,11 @@ def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict
             # sum over its micro-batches, with the mini-batch's global counts).
             minibatch = sorted((s for s, p in zip(samples, place) if p in chosen), key=prompt_order)
             g_tokens, g_seqs = all_reduce([float(n) for n in denominators(minibatch)])
-            n_micro = max(1, math.ceil(len(minibatch) / micro_batch_size))
-            n_micro = int(all_reduce([float(n_micro)], op="max")[0])
-            chunks = np.array_split(np.arange(len(minibatch)), n_micro)
+            chunks = _chunks(minibatch, micro_batch_size, micro_batch_tokens)
+            n_micro = int(all_reduce([float(len(chunks))], op="max")[0])
+            if micro_batch_tokens is None:  # near-equal sizes over the ranks' largest count
+                chunks = [c.tolist() for c in np.array_split(np.arange(len(minibatch)), n_micro)]
+            chunks += [[] for _ in range(n_micro - len(chunks))]  # a rank with fewer: zero-weight padding
             for k, chunk in enumerate(chunks):
                 micro = [minibatch[i] for i in chunk]
                 yield MicroBatch(
@@ -86,5 +91,15 @@ def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict
                     loss_scale=1.0 if micro else 0.0, batch_num_tokens=max(g_tokens, 1.0),
                     global_batch_size=max(g_seqs, 1.0), ppo_epoch=epoch, mini_batch=mb,
                     last_micro=k == len(chunks) - 1, metrics=metrics if first else {},
-                    num_samples=len(samples), has_data=g_seqs > 0, num_micro=len(chunks))
+                    num_samples=len(samples), has_data=g_seqs > 0, num_micro=len(chunks),
+                    tree=micro_batch_tokens is not None)
                 first = False
+
+
+def _chunks(minibatch: list[StepSample], micro_batch_size: int, micro_batch_tokens: int | None) -> list[list[int]]:
+    """Indices of the (prompt-ordered) mini-batch per micro-batch: prefix trees of at most ``micro_batch_tokens``
+    tokens (at least one, empty), else ``micro_batch_size`` samples (near-equal sizes)."""
+    if micro_batch_tokens is not None:
+        return group_rows([s.update_prompt_ids + s.response_ids for s in minibatch], micro_batch_tokens) or [[]]
+    n_micro = max(1, math.ceil(len(minibatch) / micro_batch_size))
+    return [chunk.tolist() for chunk in np.array_split(np.arange(len(minibatch)), n_micro)]

@@ -50,6 +50,7 @@ class DataConfig(Settings):
     num_mini_batches: int | None = None  # a fixed number of optimizer steps per PPO epoch (the CPU experiments)
     mini_batch_rows: int | None = None  # or one step per this many rows over all ranks (the paper configs)
     micro_batch_size: int = 4  # samples (steps) per forward/backward
+    micro_batch_tokens: int | None = None  # or: prefix trees of at most this many tokens per forward/backward
     temperature: float = 1.0  # rollout temperature
     max_response_tokens: int = 32  # per action (32 ScienceWorld, 512 WebShop)
     history_length: int = 3  # past steps shown in the prompt
@@ -68,6 +69,8 @@ class DataConfig(Settings):
         problems = []
         for key in ("tasks_per_iteration", "ppo_epochs", "micro_batch_size", "max_response_tokens"):
             problems += int_at_least(f"data.{key}", getattr(self, key), 1)
+        if self.micro_batch_tokens is not None:
+            problems += int_at_least("data.micro_batch_tokens", self.micro_batch_tokens, 1)
         try:  # the mini-batch rule, where it is applied
             mini_batch_count(0, self.num_mini_batches, self.mini_batch_rows)
         except ValueError as err:

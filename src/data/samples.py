@@ -58,7 +58,8 @@ class MicroBatch:
     data). ``batch_num_tokens`` / ``global_batch_size``: the mini-batch's loss denominators over all ranks (at least
     1). ``metrics``: the iteration's rollout metrics on its first micro-batch. ``has_data``: False when no rank has a
     sample (the optimizer leaves the policy as it is). ``num_micro``: verl's gradient-accumulation steps, which the
-    authors' semantics divide each micro-batch's loss by.
+    authors' semantics divide each micro-batch's loss by. ``tree``: computed as one prefix tree
+    (``Policy.log_probs(tree=True)``).
     """
 
     samples: list[StepSample]
@@ -75,6 +76,7 @@ class MicroBatch:
     num_samples: int = 0
     has_data: bool = True
     num_micro: int = 1
+    tree: bool = False
 
 
 @dataclass

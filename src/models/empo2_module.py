@@ -58,7 +58,7 @@ class EMPO2Module(L.LightningModule):
             self.ref_policy = build_policy(**{**policy, "gradient_checkpointing": False, "trainable": False,
                                               "lora": None})
         self._step_stats = MiniBatchMetrics()
-        self._train_tokens = 0
+        self._train_tokens = self._tokens_computed = 0
         self._train_time = 0.0
         self._signal_tokens = 0  # this rank's response tokens with a non-zero advantage in the current mini-batch
         self._nonfinite_streak = 0  # consecutive optimizer steps skipped for a NaN/inf gradient norm
@@ -120,13 +120,14 @@ class EMPO2Module(L.LightningModule):
         by ``batch.loss_scale`` (0 for a padding micro-batch). Returns the detached micro-batch loss."""
         tic = time.perf_counter()
         self._iteration = batch.iteration
-        loss, metrics, num_tokens = self._loss(batch)
+        loss, metrics, num_tokens, computed = self._loss(batch)
         world = self.trainer.world_size if self._trainer is not None else 1
         self.manual_backward(loss * world * batch.loss_scale)
         if batch.loss_scale > 0:  # padding micro-batches (DDP/FSDP alignment) are not data
             self._step_stats.add(metrics, num_tokens)
             self._signal_tokens += sum(len(s.response_ids) for s in batch.samples if s.advantage != 0)
         self._train_tokens += sum(s.num_tokens for s in batch.samples)
+        self._tokens_computed += computed
         if batch.last_micro:
             self._optimizer_step(batch)
         self._train_time += time.perf_counter() - tic
@@ -134,12 +135,13 @@ class EMPO2Module(L.LightningModule):
             self._log_rollout_metrics(batch)
         return loss.detach()
 
-    def _loss(self, batch: MicroBatch) -> tuple[torch.Tensor, dict[str, float], float]:
-        """(micro-batch loss, its metrics, its response-token count)."""
+    def _loss(self, batch: MicroBatch) -> tuple[torch.Tensor, dict[str, float], float, int]:
+        """(micro-batch loss, its metrics, its response-token count, the tokens its forward computed)."""
         algo, samples = self.algorithm, batch.samples
         out = self.policy.log_probs([s.update_prompt_ids for s in samples], [s.response_ids for s in samples],
                                     temperature=algo.temperature, with_entropy=True,
-                                    share_prefix=self.share_prompt_prefix and not self.policy.synced)
+                                    share_prefix=self.share_prompt_prefix and not self.policy.synced,
+                                    tree=batch.tree)
         log_prob, mask = out["log_probs"], out["response_mask"]
         width = log_prob.shape[1]
         old_log_prob = _pad_rows([s.old_log_probs for s in samples], width).to(log_prob.device)
@@ -160,7 +162,7 @@ class EMPO2Module(L.LightningModule):
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * entropy
         metrics["entropy"] = float(entropy.detach())
-        return loss, metrics, float(mask.sum())
+        return loss, metrics, float(mask.sum()), int(out["tokens_computed"])
 
     def _mask_and_denominators(self, batch: MicroBatch, log_prob: torch.Tensor, old_log_prob: torch.Tensor,
                                mask: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, Any]]:
@@ -268,7 +270,8 @@ class EMPO2Module(L.LightningModule):
         """The mini-batch's update metrics over all ranks (a collective under DDP/FSDP, ``MiniBatchMetrics``);
         throughput is all ranks' tokens over the slowest rank's time."""
         out = self._step_stats.pop(combine=combine_over_ranks)
-        timing = combine_over_ranks({"tokens": float(self._train_tokens), "update_s": self._train_time},
+        timing = combine_over_ranks({"tokens": float(self._train_tokens), "update_s": self._train_time,
+                                     "computed": float(self._tokens_computed)},
                                     how=lambda k: "max" if k == "update_s" else "sum")
         tokens, update_s = timing["tokens"], timing["update_s"]
         out["train/grad_norm"], out["system/peak_rss_gib"] = grad_norm, peak_rss_gib()  # the update is the peak
@@ -278,8 +281,9 @@ class EMPO2Module(L.LightningModule):
         if not skipped:  # a skipped step trained no token in ~no time: no throughput to speak of
             out["train/tokens_per_s"] = tokens / max(update_s, 1e-9)
         out["train/update_s"] = update_s
+        out["train/tokens_computed"] = timing["computed"]  # beside the nominal tokens: what sharing saved
         out["train/iteration"] = float(batch.iteration)  # per-update metrics keep the global step; this maps it
-        self._train_tokens, self._train_time = 0, 0.0
+        self._train_tokens, self._train_time, self._tokens_computed = 0, 0.0, 0
         self._log_metrics(out, step=self.global_step)
         self.log_dict({k: out[k] for k in PROGRESS_BAR_KEYS if k in out}, logger=False, prog_bar=True, on_step=True,
                       on_epoch=False, batch_size=1)
