@@ -238,6 +238,9 @@ BAD_SETTINGS = [
      r"logger.mlflow.tracking_uri='http://127.0.0.1:9': no MLflow server answers there \(Connection refused\)"),
     (["+logger.mlflow.run_id=0123abcd"], r"\+logger.mlflow.run_id=0123abcd: no such run in sqlite:///.*leave "
                                          r"\+logger.mlflow.run_id unset"),
+    (["algorithm.semantics=authors", "data.micro_batch_tokens=2048"],
+     r"data.micro_batch_tokens=2048 with algorithm.semantics=authors: the authors' loss is a token mean per "
+     r"micro-batch of data.micro_batch_size samples"),
     (["data.tasks_per_iteration=50"], r"data.tasks_per_iteration=50 x data.group_size=4 starts 200 environment workers on this machine.*expected at most"),
 ]
 
