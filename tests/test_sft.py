@@ -225,10 +225,11 @@ def test_a_micro_batched_step_equals_the_whole_batch_step(record, tiny_dir):
             self.grads = {n: p.grad.clone() for n, p in pl_module.policy.model.named_parameters()}
 
     grads = []
-    for micro_batch_tokens in (None, 1):
+    # the whole batch as rows; a prefix tree per example; the batch as one prefix tree (the warm start's way)
+    for micro_batch_tokens, tree in ((None, False), (1, True), (10**6, True)):
         policy = make_policy(tiny_dir)
         examples = build_examples(policy, [record], "You are an agent.", RolloutConfig(history_length=2), 12)[:4]
-        module = SFTModule(policy, lr=1e-2, gradient_clip_val=0.5, micro_batch_tokens=micro_batch_tokens)
+        module = SFTModule(policy, lr=1e-2, gradient_clip_val=0.5, micro_batch_tokens=micro_batch_tokens, tree=tree)
         seen = Grads()
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, callbacks=[seen])
@@ -238,7 +239,8 @@ def test_a_micro_batched_step_equals_the_whole_batch_step(record, tiny_dir):
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads[0].values()]))
     assert norm == pytest.approx(0.5, rel=1e-4)  # clipped to gradient_clip_val
     for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-7)
+        for other in grads[1:]:
+            torch.testing.assert_close(other[name], grads[0][name], rtol=1e-4, atol=1e-7)
 
 
 # --------------------------------------------------------------------------- WebShop expert demonstrations

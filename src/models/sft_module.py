@@ -14,6 +14,7 @@ import torch
 
 from src.data.samples import SFTExample
 from src.models.policy import Policy
+from src.models.prefix_tree import group_rows
 from src.utils.io import atomic_dir
 from src.utils.timing import eta_text
 from src.utils.console import CONSOLE
@@ -21,11 +22,12 @@ from src.utils.console import CONSOLE
 log = logging.getLogger(__name__)
 
 
-def response_nll(policy: Policy, examples: list[SFTExample], share_prefix: bool = False
+def response_nll(policy: Policy, examples: list[SFTExample], share_prefix: bool = False, tree: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed negative log-likelihood, number of target tokens) of a batch; scalars."""
+    """(summed negative log-likelihood, number of target tokens) of a batch; scalars. ``tree``: one forward over the
+    examples' prefix tree (``Policy.log_probs``)."""
     out = policy.log_probs([e.prompt_ids for e in examples], [e.response_ids for e in examples],
-                           share_prefix=share_prefix)
+                           share_prefix=share_prefix, tree=tree)
     return -out["log_probs"].sum(), out["response_mask"].sum()
 
 
@@ -52,11 +54,15 @@ def mean_token_loss(policy: Policy, examples: list[SFTExample], batch_size: int 
     return nll / tokens
 
 
-def micro_batches(batch: list[SFTExample], max_tokens: int | None) -> list[list[SFTExample]]:
-    """``batch`` cut into consecutive chunks of at most ``max_tokens`` padded tokens (rows × the longest row), at least
-    one example each; ``None``: one chunk. Activation memory grows with a chunk's padded tokens."""
+def micro_batches(batch: list[SFTExample], max_tokens: int | None, tree: bool = False) -> list[list[SFTExample]]:
+    """``batch`` cut into consecutive chunks of at most ``max_tokens`` padded tokens (rows × the longest row), or with
+    ``tree`` into prefix trees of at most ``max_tokens`` tokens (``group_rows``), at least one example each; ``None``:
+    one chunk. Activation memory grows with a chunk's padded tokens (tree: its tokens)."""
     if max_tokens is None:
         return [batch]
+    if tree:
+        return [[batch[i] for i in group] for group in group_rows([e.prompt_ids + e.response_ids for e in batch],
+                                                                   max_tokens)]
     chunks: list[list[SFTExample]] = []
     current: list[SFTExample] = []
     longest = 0
@@ -76,7 +82,7 @@ class SFTModule(L.LightningModule):
     ``train/tokens_per_s`` (the previous batch's) and ``train/epoch_time_s`` (also in ``epoch_times``)."""
 
     def __init__(self, policy: Policy, lr: float = 1e-4, weight_decay: float = 0.0, share_prefix: bool = True,
-                 gradient_clip_val: float | None = None, micro_batch_tokens: int | None = 4096):
+                 gradient_clip_val: float | None = None, micro_batch_tokens: int | None = 4096, tree: bool = True):
         super().__init__()
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
@@ -89,6 +95,7 @@ class SFTModule(L.LightningModule):
         self.lr = lr
         self.weight_decay = weight_decay
         self.share_prefix = share_prefix
+        self.tree = tree  # chunks are prefix trees, each shared token computed once (docs/design.md)
         self.epoch_times: list[float] = []
         self._epoch_start = 0.0
         self._last_batch: tuple[float, int] | None = None  # (start time, tokens) of the previous batch
@@ -103,8 +110,8 @@ class SFTModule(L.LightningModule):
         optimizer.zero_grad()
         total = float(sum(len(e.response_ids) for e in batch))
         nll_sum = 0.0
-        for chunk in micro_batches(batch, self.micro_batch_tokens):
-            nll, _ = response_nll(self.policy, chunk, self.share_prefix)
+        for chunk in micro_batches(batch, self.micro_batch_tokens, self.tree):
+            nll, _ = response_nll(self.policy, chunk, self.share_prefix, self.tree)
             self.manual_backward(nll / max(total, 1.0))  # the batch's mean token loss, summed over its chunks
             nll_sum += float(nll.detach())
         if self.gradient_clip_val:
