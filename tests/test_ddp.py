@@ -195,6 +195,7 @@ def _after_the_resume_point(run_dir: Path) -> dict[str, list[tuple[int, float]]]
     return out
 
 
+@pytest.mark.slow  # ~90 s on 2 cores; DDP stays in CI (test_ddp_ranks_run_disjoint_shards_and_share_one_memory)
 def test_fsdp2_two_cpu_processes_train_checkpoint_resume_and_evaluate(tmp_path):
     """trainer=fsdp (FSDP2 via ModelParallelStrategy) on CPU: sharded weights need every rank in every forward
     pass; with one validation task, rank 1 has nothing to run and must still join the generation steps. Weights

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
@@ -46,6 +47,7 @@ def test_tensorboard_gets_the_metrics_against_the_iteration_the_config_and_the_w
     assert hparams["algorithm/name"] == "empo2" and hparams["env/task"] == "find-non-living-thing"
 
 
+@pytest.mark.slow  # ~30 s on 2 cores; TensorBoard and CSV stay in CI
 def test_wandb_runs_offline_and_gets_the_metrics_the_config_and_the_tip_tables(tmp_path, monkeypatch):
     import wandb
 

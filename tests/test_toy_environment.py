@@ -91,6 +91,7 @@ def _compose(config: str, tmp: Path, *overrides: str):
     return cfg
 
 
+@pytest.mark.slow  # ~80 s on 2 cores: trains, adapts and compares
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_toy_environment_trains_adapts_and_compares_without_changes_under_src(tmp_path):
     from scripts import compare_runs
