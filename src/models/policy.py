@@ -201,20 +201,26 @@ class Policy(nn.Module):
     def _tree_log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float,
                         with_entropy: bool, disable_adapters: bool) -> dict[str, Any]:
         """``log_probs`` of the rows computed as one packed prefix tree (``src/models/prefix_tree.py``): a tree-shaped
-        attention mask and per-node positions; only the nodes that predict a response token reach the LM head."""
-        tree = build_prefix_tree(prompt_ids, response_ids)
+        attention mask and per-node positions; only the nodes that predict a response token reach the LM head. The
+        trunk every row shares (``shared_prefix_length``) runs first as a cache the tree attends to: the tree's
+        attention is dense over its nodes, so a long trunk inside it would cost its square."""
+        n = self.shared_prefix_length(prompt_ids)
+        extra = {"cache": self._prefix_cache(prompt_ids[0][:n], 1, disable_adapters)} if n else {}
+        tree = build_prefix_tree([p[n:] for p in prompt_ids], response_ids)
         mask = tree.response_mask.to(self.device)
         keep = torch.unique(tree.predict_at[tree.response_mask.bool()])
         keep = keep if len(keep) else torch.zeros(1, dtype=torch.long)
+        attend = tree.attention_mask
+        if n:  # every node also attends to the trunk
+            attend = torch.cat([attend.new_ones(1, 1, tree.num_tokens, n), attend], dim=-1)
         with self.model.disable_adapter() if disable_adapters else contextlib.nullcontext():
-            logits = self.model(input_ids=tree.input_ids.to(self.device),
-                                attention_mask=tree.attention_mask.to(self.device),
-                                position_ids=tree.position_ids.to(self.device), use_cache=False,
-                                logits_to_keep=keep.to(self.device)).logits[0]  # [K, V]
+            logits = self.model(input_ids=tree.input_ids.to(self.device), attention_mask=attend.to(self.device),
+                                position_ids=(tree.position_ids + n).to(self.device), use_cache=False,
+                                logits_to_keep=keep.to(self.device), **extra).logits[0]  # [K, V]
         logits = logits[torch.searchsorted(keep, tree.predict_at).clamp(max=len(keep) - 1).to(self.device)]
         response = tree.response_ids.to(self.device)
         out = {"log_probs": log_probs_from_logits(logits, response, temperature=temperature) * mask,
-               "response_mask": mask, "tokens_computed": tree.num_tokens}
+               "response_mask": mask, "tokens_computed": n + tree.num_tokens}
         if with_entropy:
             out["entropy"] = entropy_from_logits(logits, temperature=temperature) * mask
         return out
