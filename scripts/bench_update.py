@@ -34,6 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 import lightning as L  # noqa: E402
+import rootutils  # noqa: E402
+
+rootutils.setup_root(__file__, indicator=".project-root", pythonpath=True)  # PROJECT_ROOT for the configs
+import src  # noqa: E402,F401 - the config resolvers and schemas
 
 FIELDS = ("update_prompt_ids", "old_prompt_ids", "rollout_prompt_ids", "response_ids", "advantage",
           "old_log_probs", "ref_log_probs", "rollout_log_probs", "key")
@@ -69,7 +73,7 @@ def record(args) -> None:
                   "+callbacks.recorder._target_=bench_update.Recorder", *args.overrides,
                   *([] if args.warm_start else ["model.warm_start=null"]))
     objs = train(cfg)
-    recorder = next(c for c in objs["trainer"].callbacks if isinstance(c, Recorder))
+    recorder = next(c for c in objs["trainer"].callbacks if type(c).__name__ == "Recorder")  # bench_update.Recorder
     mini: dict = {}
     for m in recorder.micro:
         mini.setdefault((m["iteration"], m["ppo_epoch"], m["mini_batch"]), []).append(m)
@@ -106,16 +110,20 @@ def update(args) -> None:
 
     recorded = torch.load(args.batches, weights_only=False)
     cfg = compose(args.experiment, "model.warm_start=null", *recorded["overrides"], *args.overrides)
-    module = hydra.utils.instantiate(cfg.model, algorithm=OmegaConf.to_container(cfg.algorithm, resolve=True))
+    from src.warm_start import warm_start_model_config
+
+    model_cfg, _ = warm_start_model_config(cfg)  # the warm start is null here: the base model
+    module = hydra.utils.instantiate(model_cfg, algorithm=OmegaConf.to_container(cfg.algorithm, resolve=True))
     module.policy.train()
     optimizer = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-7)
     paths = {"today": {"micro_batch_tokens": None}, "tree": {"micro_batch_tokens": args.budget}}
     results = {name: {"seconds": [], "tokens_computed": 0, "nominal_tokens": 0, "peak_rss_gib": 0.0} for name in paths}
+    chosen = recorded["mini_batches"][: args.max_batches]
     for rep in range(args.repeats):
-        for name in (list(paths) if rep % 2 == 0 else list(paths)[::-1]):
-            module.share_prompt_prefix = name == "today"
-            for mb in recorded["mini_batches"]:
-                samples = [StepSample(**{**s, "old_log_probs": s["old_log_probs"]}) for s in mb["samples"]]
+        for k, mb in enumerate(chosen):  # the two paths take turns on each mini-batch
+            for name in (list(paths) if (rep + k) % 2 == 0 else list(paths)[::-1]):
+                module.share_prompt_prefix = name == "today"
+                samples = [StepSample(**s) for s in mb["samples"]]
                 info = {"iteration": mb["iteration"], "mode": mb["mode"], "rollout_global_step": 0}
                 micro = list(micro_batches(samples, info, {}, seed=0, iteration=mb["iteration"], ppo_epochs=1,
                                            micro_batch_size=int(cfg.data.micro_batch_size),
@@ -132,8 +140,9 @@ def update(args) -> None:
                     optimizer.zero_grad(set_to_none=True)
                     results[name]["seconds"].append(time.perf_counter() - tic)
                 results[name]["peak_rss_gib"] = max(results[name]["peak_rss_gib"], rss.peak_gib)
+                print(f"{name}: mini-batch {k}, {results[name]['seconds'][-1]:.1f} s", flush=True)
     write(args, {"kind": "update", "batches": str(args.batches), "budget": args.budget,
-                 "micro_batch_size": int(cfg.data.micro_batch_size), "mini_batches": len(recorded["mini_batches"]),
+                 "micro_batch_size": int(cfg.data.micro_batch_size), "mini_batches": len(chosen),
                  "results": summarize(results, args.repeats)})
 
 
@@ -210,11 +219,11 @@ def main() -> None:
     parser.add_argument("--batches", type=Path)
     parser.add_argument("--budget", type=int, default=4096, help="update: data.micro_batch_tokens of the tree path")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--max-batches", type=int, default=12, help="warm_start: the first N batches")
+    parser.add_argument("--max-batches", type=int, default=12, help="the first N (mini-)batches")
     parser.add_argument("--log-dir", default="/tmp/bench_update_logs")
     parser.add_argument("--out", default=None)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the experiment")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     {"record": record, "update": update, "warm_start": warm_start}[args.what](args)
 
 
