@@ -82,7 +82,7 @@ class SFTModule(L.LightningModule):
     ``train/tokens_per_s`` (the previous batch's) and ``train/epoch_time_s`` (also in ``epoch_times``)."""
 
     def __init__(self, policy: Policy, lr: float = 1e-4, weight_decay: float = 0.0, share_prefix: bool = True,
-                 gradient_clip_val: float | None = None, micro_batch_tokens: int | None = 4096, tree: bool = True):
+                 gradient_clip_val: float | None = None, micro_batch_tokens: int | None = 4096, tree: bool = False):
         super().__init__()
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
@@ -95,7 +95,9 @@ class SFTModule(L.LightningModule):
         self.lr = lr
         self.weight_decay = weight_decay
         self.share_prefix = share_prefix
-        self.tree = tree  # chunks are prefix trees, each shared token computed once (docs/design.md)
+        # chunks as prefix trees, each shared token computed once (docs/design.md): not the default until the warm
+        # start's own bench shows it pays (the update's does only for small trees: docs/performance.md)
+        self.tree = tree
         self.epoch_times: list[float] = []
         self._epoch_start = 0.0
         self._last_batch: tuple[float, int] | None = None  # (start time, tokens) of the previous batch

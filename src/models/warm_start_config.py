@@ -22,7 +22,7 @@ class WarmStartConfig(Settings):
     batch_size: int = 8  # examples (demonstrated steps) per optimizer step
     weight_decay: float = 0.0
     gradient_clip_val: float | None = 1.0
-    # a batch's gradient is accumulated over prefix trees of at most this many tokens (memory; the same gradient):
+    # a batch's gradient is accumulated over chunks of at most this many padded tokens (memory; the same gradient):
     # 8 reflection prompts of ~1.5k tokens took 22 GB at once
     micro_batch_tokens: int | None = 4096
     seed: int = 0  # example order and held-out sampling: one warm start for every RL seed
