@@ -32,6 +32,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                            f"about {need} and its disk has {free} free; {kept}. Free space (or move "
                            "callbacks.model_checkpoint.dirpath) and resume from the last checkpoint") from None
 
+    def load_checkpoint(self, path: str | os.PathLike, **kwargs: Any) -> dict[str, Any]:
+        if is_distributed_checkpoint(path):
+            return load_training_checkpoint(path)
+        return super().load_checkpoint(path, **kwargs)
+
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
@@ -46,8 +51,3 @@ def _tensor_bytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_tensor_bytes(v) for v in obj)
     return 0
-
-    def load_checkpoint(self, path: str | os.PathLike, **kwargs: Any) -> dict[str, Any]:
-        if is_distributed_checkpoint(path):
-            return load_training_checkpoint(path)
-        return super().load_checkpoint(path, **kwargs)
