@@ -1,6 +1,7 @@
 """Hydra callbacks of every entry point (``configs/hydra/default.yaml``)."""
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -41,6 +42,8 @@ class CheckLogDir(Callback):
     def _check_run_dir(config: DictConfig) -> None:
         """Refuse a ``hydra.run.dir`` that already holds a run (its ``.hydra/``, log or checkpoints): two runs in one
         directory mix their checkpoints (``last-v1.ckpt``), tips and log. A timestamped default never exists."""
+        if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+            return  # a DDP rank Lightning started: it joins its rank 0's run directory (hydra.run.dir set for it)
         try:
             run_dir = Path(str(OmegaConf.select(config, "hydra.run.dir")))
         except Exception:  # noqa: BLE001 - an interpolation only Hydra's runtime resolves: nothing to check here
