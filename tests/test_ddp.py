@@ -55,14 +55,15 @@ def _train_cli(tmp: Path, name: str, *overrides: str) -> Path:
 
 def _metrics(run_dir: Path) -> dict[str, dict[int, float]]:
     """Every logged point of ``run_dir``'s CSV log: ``{key: {step: value}}`` (timings, the process's memory
-    ``system/*``, Lightning's epoch and the prompt tokens computed aside: they differ between runs of the same
-    iterations; each rank computes the prompt prefixes its own episodes share)."""
+    ``system/*``, Lightning's epoch and the tokens computed aside: they differ between runs of the same
+    iterations; each rank computes the prompt prefixes its own rows share)."""
     out: dict[str, dict[int, float]] = {}
     with open(next(run_dir.rglob("metrics.csv"))) as f:
         for row in csv.DictReader(f):
             for key, value in row.items():
                 if value != "" and key not in ("step", "epoch") and not key.endswith("_s") \
-                        and not key.startswith(("system/", "rollout/prompt_tokens_computed", "rollout/prompt_shared")):
+                        and not key.startswith(("system/", "rollout/prompt_tokens_computed", "rollout/prompt_shared",
+                                                "train/tokens_computed")):
                     out.setdefault(key, {})[int(row["step"])] = float(value)
     return out
 
