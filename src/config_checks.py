@@ -3,8 +3,8 @@
 ``prepare_run`` is every start-up check of ``src/train.py``: the Lightning options, the GPU and the checkpoint file
 (``src/utils/startup_checks.py``), every setting's value (``check_training_settings``: one ``ConfigError`` listing
 each bad key with its value and what is expected; each group's own rules are its schema's, ``Settings.problems``,
-and the rules that span groups are here) and the checkpoint's (``src/utils/startup_checks.py``). Nothing here loads
-weights or starts an environment.
+and the rules that span groups are here), the checkpoint's (``src/utils/startup_checks.py``) and the model's
+(``src/model_checks.py``). Nothing here loads weights or starts an environment.
 """
 from __future__ import annotations
 
@@ -327,9 +327,9 @@ def prepare_run(cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
     Lightning options, the accelerator, every setting's value, the checkpoint to resume (intact, its settings, model
     and iterations left), the tracker; then stale checkpoint temp files are removed. Returns the settings a resume
     changes (``check_resume_settings``; {} for a new run). Raises ValueError, OSError: the first check that fails."""
-    from src.utils.startup_checks import (check_accelerator, check_checkpoint_model, check_checkpoint_path,
-                                          check_context_window, check_resume_trains, check_trainer_options,
-                                          clean_checkpoint_dirs)
+    from src.model_checks import check_checkpoint_model, check_context_window
+    from src.utils.startup_checks import (check_accelerator, check_checkpoint_path, check_resume_trains,
+                                          check_trainer_options, clean_checkpoint_dirs)
     from src.utils.tracker_checks import check_tracker
 
     check_trainer_options(cfg)

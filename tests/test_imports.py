@@ -118,6 +118,7 @@ DECLARED = {
     # ... and it checks the env settings and reads the command line as the entry points do
     ("src.evaluation.runner", "src.config_checks"),
     ("src.evaluation.runner", "src.checkpoint_settings"),
+    ("src.evaluation.runner", "src.model_checks"),  # the response cap against the model's context window
     # the package itself: its __init__ only registers the config resolvers (src/utils/resolvers.py)
     ("src.utils.entrypoint", "src"),
 }

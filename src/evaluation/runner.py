@@ -80,7 +80,8 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     """
     from src.config_checks import check_env_settings
     from src.utils.config_error import refused_settings
-    from src.utils.startup_checks import check_checkpoint_path, check_context_window
+    from src.model_checks import check_context_window
+    from src.utils.startup_checks import check_checkpoint_path
     from src.models.rollout_engine import resolve_rollout_precision
     from src.utils.precision_choice import resolve_precision
 
