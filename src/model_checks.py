@@ -10,6 +10,18 @@ from typing import Any
 from omegaconf import DictConfig
 
 
+def _model_config(policy: Any) -> Any | None:
+    """The ``config.json`` of the model ``model.policy`` builds (an adapter's base model's), or None where it cannot be
+    read here (left to the model builder, which names what is missing)."""
+    from src.models.hub import adapter_base_model, load_config, resolve_name_or_path
+
+    try:
+        model = resolve_name_or_path(str(policy.get("name_or_path")), str(policy.get("cache_dir", ".")))
+        return load_config(adapter_base_model(model) or model)
+    except (OSError, ValueError):
+        return None
+
+
 def _checkpoint_shape(state: dict[str, Any]) -> dict[str, int]:
     """Layers, hidden size and vocabulary of a checkpoint's policy, read from its tensors' shapes (memory-mapped, not
     read): every weight of a full checkpoint, the adapters of a LoRA one (no vocabulary there)."""
@@ -27,14 +39,10 @@ def check_checkpoint_model(cfg: DictConfig, path: Path) -> None:
     """Refuse to resume a checkpoint onto another model: LoRA on one side only, or another number of layers, hidden
     size or vocabulary than the config's ``model.policy`` builds (read from its ``config.json``, no weights).
 
-    A model config that cannot be read here is left to the model builder, which names what is missing.
-
     Raises:
         ValueError: naming both models, their shapes and the settings to use.
     """
     import torch
-
-    from src.models.hub import adapter_base_model, load_config, resolve_name_or_path
 
     if path.is_dir():  # a distributed checkpoint: its tensors are not read here
         return
@@ -50,10 +58,8 @@ def check_checkpoint_model(cfg: DictConfig, path: Path) -> None:
         held = "LoRA adapters" if with_lora else "no LoRA adapters (a full fine-tune)"
         raise ValueError(f"{name} holds {held}, but model.policy.lora.enabled={str(lora).lower()}: resume with "
                          f"model.policy.lora.enabled={str(with_lora).lower()} (the run was trained from {trained!r})")
-    try:
-        model = resolve_name_or_path(str(policy.get("name_or_path")), str(policy.get("cache_dir", ".")))
-        config = load_config(adapter_base_model(model) or model)
-    except (OSError, ValueError):
+    config = _model_config(policy)
+    if config is None:
         return
     want = {"layers": config.num_hidden_layers, "hidden size": config.hidden_size, "vocabulary": config.vocab_size}
     have = _checkpoint_shape(ckpt["state_dict"])
@@ -69,22 +75,16 @@ def check_checkpoint_model(cfg: DictConfig, path: Path) -> None:
 def check_context_window(cfg: DictConfig) -> None:
     """Refuse ``model.policy.max_prompt_tokens`` + ``data.max_response_tokens`` beyond the model's context window
     (``max_position_embeddings`` in its ``config.json``): replies that long cannot be decoded (a cap of 10⁶ tokens
-    would allocate and decode for hours). A model config that cannot be read here is left to the model builder.
+    would allocate and decode for hours).
 
     Raises:
         ValueError: naming both settings, the window and the largest response cap that fits.
     """
-    from src.models.hub import adapter_base_model, load_config, resolve_name_or_path
-
     policy = (cfg.get("model") or {}).get("policy") or {}
     prompt, response = policy.get("max_prompt_tokens"), (cfg.get("data") or {}).get("max_response_tokens")
     if not isinstance(prompt, int) or not isinstance(response, int):
         return
-    try:
-        model = resolve_name_or_path(str(policy.get("name_or_path")), str(policy.get("cache_dir", ".")))
-        window = getattr(load_config(adapter_base_model(model) or model), "max_position_embeddings", None)
-    except (OSError, ValueError):
-        return
+    window = getattr(_model_config(policy), "max_position_embeddings", None)
     if window and prompt + response > window:
         raise ValueError(f"data.max_response_tokens={response} with model.policy.max_prompt_tokens={prompt} passes "
                          f"the model's context window of {window} tokens (max_position_embeddings of "
