@@ -29,12 +29,10 @@ _REFERENCE = re.compile(r"\$\{([\w.]+)\}")  # the key a plain interpolation read
 def saved_run_config(path: Path) -> dict[str, Any] | None:
     """The resolved training config saved in a checkpoint (``RUN_CONFIG_KEY``; None in an older one). ``path``: a
     ``.ckpt`` file (memory-mapped) or a ``trainer=fsdp`` checkpoint directory (its ``meta.pt``)."""
-    import torch
-
     from src.models.checkpoint_state import RUN_CONFIG_KEY
+    from src.utils.checkpoint_loading import checkpoint_head
 
-    meta = path / "meta.pt" if path.is_dir() else path
-    return torch.load(meta, map_location="cpu", mmap=not path.is_dir(), weights_only=True).get(RUN_CONFIG_KEY) or None
+    return checkpoint_head(path).get(RUN_CONFIG_KEY) or None
 
 
 def flat(node: Any, prefix: str = "") -> dict[str, Any]:

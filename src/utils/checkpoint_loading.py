@@ -23,6 +23,15 @@ def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
     return path.is_dir() and (path / DCP_METADATA).is_file()
 
 
+def checkpoint_head(path: Path) -> dict[str, Any]:
+    """A checkpoint's dict without reading its tensors: a ``.ckpt`` file memory-mapped, or a ``trainer=fsdp``
+    directory's ``meta.pt`` (global step, iteration, run config, callbacks)."""
+    path = Path(path)
+    if path.is_dir():
+        return torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+
 def load_training_checkpoint(path: str | os.PathLike, optimizer: bool = True) -> dict[str, Any]:
     """A checkpoint of ``src/train.py``, file or distributed-checkpoint directory, as the single file's dict: full
     tensors on the CPU, the optimizer state keyed by parameter index as ``torch.optim`` writes it.

@@ -268,13 +268,12 @@ def check_resume_trains(cfg: DictConfig, path: Path) -> None:
     Raises:
         ValueError: naming both numbers and the setting to raise.
     """
-    import torch
+    from src.utils.checkpoint_loading import checkpoint_head
 
     max_epochs = cfg.get("trainer", {}).get("max_epochs")
     if max_epochs is None or int(max_epochs) < 0:
         return
-    meta = path / "meta.pt" if path.is_dir() else path
-    iteration = torch.load(meta, map_location="cpu", mmap=not path.is_dir(), weights_only=True).get("iteration")
+    iteration = checkpoint_head(path).get("iteration")
     if iteration is not None and int(max_epochs) <= int(iteration) + 1:
         raise ValueError(f"trainer.max_epochs={max_epochs}, but ckpt_path={str(cfg.ckpt_path)!r} has trained "
                          f"{int(iteration) + 1} iterations already: the resume would train nothing. Set "

@@ -86,13 +86,12 @@ def check_run_to_continue(cfg: DictConfig, uri: str | None, run_id: str) -> None
 def _checkpoint_iteration(cfg: DictConfig) -> int | None:
     """The last iteration the resumed checkpoint trained (None without one or in an older checkpoint)."""
     import hydra.utils
-    import torch
+
+    from src.utils.checkpoint_loading import checkpoint_head
 
     if not cfg.get("ckpt_path"):
         return None
-    path = Path(hydra.utils.to_absolute_path(str(cfg.ckpt_path)))
-    meta = path / "meta.pt" if path.is_dir() else path
-    iteration = torch.load(meta, map_location="cpu", mmap=not path.is_dir(), weights_only=True).get("iteration")
+    iteration = checkpoint_head(Path(hydra.utils.to_absolute_path(str(cfg.ckpt_path)))).get("iteration")
     return None if iteration is None else int(iteration)
 
 
