@@ -100,7 +100,8 @@ def test_shared_prefill_draws_the_same_tokens_and_keeps_the_same_prompt_keys_val
     """Policy.generate(shared=SharedPrefixes()): each task's common prefix (at step 0 the whole prompt but its last id)
     is computed once, and again reused at the next step; with per-row seeds the drawn tokens are the ones generation
     from the whole prompts draws, the log-probs agree, and the kept prompt keys/values continue like the plain ones."""
-    from src.models.prompt_cache import SharedPrefixes, common_prefix
+    from src.models.prefix_tree import common_prefix
+    from src.models.prompt_cache import SharedPrefixes
 
     shared = SharedPrefixes(16)
     for step in (0, 1):

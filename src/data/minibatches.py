@@ -79,11 +79,13 @@ def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict
             # sum over its micro-batches, with the mini-batch's global counts).
             minibatch = sorted((s for s, p in zip(samples, place) if p in chosen), key=prompt_order)
             g_tokens, g_seqs = all_reduce([float(n) for n in denominators(minibatch)])
-            chunks = _chunks(minibatch, micro_batch_size, micro_batch_tokens)
-            n_micro = int(all_reduce([float(len(chunks))], op="max")[0])
-            if micro_batch_tokens is None:  # near-equal sizes over the ranks' largest count
-                chunks = [c.tolist() for c in np.array_split(np.arange(len(minibatch)), n_micro)]
-            chunks += [[] for _ in range(n_micro - len(chunks))]  # a rank with fewer: zero-weight padding
+            trees = (group_rows([s.update_prompt_ids + s.response_ids for s in minibatch], micro_batch_tokens)
+                     if micro_batch_tokens is not None else None)
+            n_micro = len(trees) if trees is not None else math.ceil(len(minibatch) / micro_batch_size)
+            n_micro = int(all_reduce([float(max(1, n_micro))], op="max")[0])
+            # a rank with fewer trees pads with zero-weight micro-batches; rows split near-equally over the count
+            chunks = (trees + [[]] * (n_micro - len(trees)) if trees is not None
+                      else [c.tolist() for c in np.array_split(np.arange(len(minibatch)), n_micro)])
             for k, chunk in enumerate(chunks):
                 micro = [minibatch[i] for i in chunk]
                 yield MicroBatch(
@@ -95,11 +97,3 @@ def micro_batches(samples: list[StepSample], info: dict[str, Any], metrics: dict
                     tree=micro_batch_tokens is not None)
                 first = False
 
-
-def _chunks(minibatch: list[StepSample], micro_batch_size: int, micro_batch_tokens: int | None) -> list[list[int]]:
-    """Indices of the (prompt-ordered) mini-batch per micro-batch: prefix trees of at most ``micro_batch_tokens``
-    tokens (at least one, empty), else ``micro_batch_size`` samples (near-equal sizes)."""
-    if micro_batch_tokens is not None:
-        return group_rows([s.update_prompt_ids + s.response_ids for s in minibatch], micro_batch_tokens) or [[]]
-    n_micro = max(1, math.ceil(len(minibatch) / micro_batch_size))
-    return [chunk.tolist() for chunk in np.array_split(np.arange(len(minibatch)), n_micro)]

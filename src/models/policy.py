@@ -18,10 +18,10 @@ from src.models.dropout import zero_config_dropout, zero_module_dropout
 from src.models.hub import (adapter_base_model, base_model_setting, load_causal_lm, load_config, load_tokenizer,
                             resolve_name_or_path)
 from src.models.log_probs import entropy_from_logits, log_probs_from_logits
-from src.models.prefix_tree import build_prefix_tree
+from src.models.prefix_tree import build_prefix_tree, common_prefix
 from src.models.precision import master_dtype as master_dtype_of  # the build_policy argument has its name
 from src.models.policy_config import PolicyConfig
-from src.models.prompt_cache import PromptKV, SharedPrefixes, common_prefix, row_prompt_kv
+from src.models.prompt_cache import PromptKV, SharedPrefixes, row_prompt_kv
 from src.models.rollout_engine import EngineSettings, InferenceCopy, Replies, RolloutEngine
 from src.models.sampling import RowStreams, Sampler, dropped_generation_defaults
 from src.utils.threads import adapt_threads

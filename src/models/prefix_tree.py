@@ -47,17 +47,14 @@ def tree_size(rows: list[list[int]]) -> int:
     """The nodes of the prefix tree of ``rows`` (token sequences): Σ len − the tokens each row shares with the rows
     before it. Sorted rows need only their neighbour's common prefix."""
     ordered = sorted(rows)
-    shared = sum(_common(a, b) for a, b in zip(ordered, ordered[1:]))
+    shared = sum(common_prefix(a, b) for a, b in zip(ordered, ordered[1:]))
     return sum(len(r) for r in rows) - shared
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    return next((j for j in range(n) if a[j] != b[j]), n)
 
 
 def build_prefix_tree(prompt_ids: list[list[int]], response_ids: list[list[int]]) -> PrefixTree:
@@ -118,7 +115,7 @@ def group_rows(rows: list[list[int]], max_tokens: int) -> list[list[int]]:
     size = 0
     for i in order:
         if groups:
-            shared = _common(rows[groups[-1][-1]], rows[i])
+            shared = common_prefix(rows[groups[-1][-1]], rows[i])
             if size + len(rows[i]) - shared <= max_tokens:
                 groups[-1].append(i)
                 size += len(rows[i]) - shared

@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from src.models.prefix_tree import common_prefix
+
 
 @dataclass
 class PromptKV:
@@ -76,12 +78,6 @@ def batch_with_prefixes(prompt_ids: list[list[int]], prefixes: list[PromptKV | N
 def slice_prompt_kv(kv: PromptKV, length: int) -> PromptKV:
     """The first ``length`` positions of ``kv`` (views)."""
     return PromptKV([(k[:, :, :length], v[:, :, :length]) for k, v in kv.layers], length)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two id lists."""
-    n = min(len(a), len(b))
-    return next((j for j in range(n) if a[j] != b[j]), n)
 
 
 def shared_runs(prompt_ids: list[list[int]], min_length: int) -> list[tuple[list[int], int]]:
