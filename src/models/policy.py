@@ -190,13 +190,8 @@ class Policy(nn.Module):
             logits = self.model(input_ids=batch["input_ids"], attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=False, logits_to_keep=r_len + 1, **extra).logits
         logits = logits[:, :-1]
-        response = batch["input_ids"][:, p_len:]
-        mask = batch["response_mask"].float()
-        out = {"log_probs": log_probs_from_logits(logits, response, temperature=temperature) * mask,
-               "response_mask": mask, "tokens_computed": n_shared + int(batch["attention_mask"].sum())}
-        if with_entropy:
-            out["entropy"] = entropy_from_logits(logits, temperature=temperature) * mask
-        return out
+        return _response_outputs(logits, batch["input_ids"][:, p_len:], batch["response_mask"].float(), temperature,
+                                 with_entropy, n_shared + int(batch["attention_mask"].sum()))
 
     def _tree_log_probs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float,
                         with_entropy: bool, disable_adapters: bool) -> dict[str, Any]:
@@ -207,7 +202,6 @@ class Policy(nn.Module):
         n = self.shared_prefix_length(prompt_ids)
         extra = {"cache": self._prefix_cache(prompt_ids[0][:n], 1, disable_adapters)} if n else {}
         tree = build_prefix_tree([p[n:] for p in prompt_ids], response_ids)
-        mask = tree.response_mask.to(self.device)
         keep = torch.unique(tree.predict_at[tree.response_mask.bool()])
         keep = keep if len(keep) else torch.zeros(1, dtype=torch.long)
         attend = tree.attention_mask
@@ -218,12 +212,8 @@ class Policy(nn.Module):
                                 position_ids=(tree.position_ids + n).to(self.device), use_cache=False,
                                 logits_to_keep=keep.to(self.device), **extra).logits[0]  # [K, V]
         logits = logits[torch.searchsorted(keep, tree.predict_at).clamp(max=len(keep) - 1).to(self.device)]
-        response = tree.response_ids.to(self.device)
-        out = {"log_probs": log_probs_from_logits(logits, response, temperature=temperature) * mask,
-               "response_mask": mask, "tokens_computed": n + tree.num_tokens}
-        if with_entropy:
-            out["entropy"] = entropy_from_logits(logits, temperature=temperature) * mask
-        return out
+        return _response_outputs(logits, tree.response_ids.to(self.device), tree.response_mask.to(self.device),
+                                 temperature, with_entropy, n + tree.num_tokens)
 
     def shared_prefix_length(self, prompt_ids: list[list[int]]) -> int:
         """Tokens at the start of every prompt that ``log_probs(share_prefix=True)`` computes once: their common
@@ -249,6 +239,16 @@ class Policy(nn.Module):
                   for layer in out.cache.layers]
         return DynamicCache(ddp_cache_data=layers, config=self.model.config)
 
+
+
+def _response_outputs(logits: Tensor, response: Tensor, mask: Tensor, temperature: float, with_entropy: bool,
+                      computed: int) -> dict[str, Any]:
+    """``Policy.log_probs``' result from the logits predicting each response token (``[B, R, V]``)."""
+    out = {"log_probs": log_probs_from_logits(logits, response, temperature=temperature) * mask,
+           "response_mask": mask, "tokens_computed": computed}
+    if with_entropy:
+        out["entropy"] = entropy_from_logits(logits, temperature=temperature) * mask
+    return out
 
 def reference_is_a_copy(policy: dict[str, Any]) -> bool:
     """Whether the KL reference of a policy built from ``policy`` is a frozen copy of the model as loaded rather than
