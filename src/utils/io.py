@@ -85,6 +85,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def tagged_process(tags: dict[str, str]) -> int | None:
+    """The pid a tracker run's tags (``host``, ``pid``) name when that process was started on this host, else None
+    (another host's, or untagged: this machine cannot tell whether it runs)."""
+    import socket
+
+    pid = tags.get("pid", "")
+    return int(pid) if tags.get("host") == socket.gethostname() and pid.isdigit() else None
+
+
 def remove_stale_temp_files(directory: str | os.PathLike) -> list[Path]:
     """Delete the temporary files of atomic writes whose writer was killed (e.g. during a checkpoint save): a
     ``.<name>.tmp<pid>`` whose process no longer runs on this machine, so a live run's write is left alone. A

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 from src.utils.console import CONSOLE
 from src.utils.entrypoint import received_signal
-from src.utils.io import pid_alive
+from src.utils.io import pid_alive, tagged_process
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +73,15 @@ def end_stale_runs(loggers: list[Any]) -> list[str]:
             continue
         client = logger.experiment
         for run in client.search_runs([logger.experiment_id], filter_string="attributes.status = 'RUNNING'"):
-            tags = run.data.tags
-            if run.info.run_id == logger.run_id or tags.get("host") != host or not tags.get("pid", "").isdigit():
+            pid = tagged_process(run.data.tags)
+            if run.info.run_id == logger.run_id or pid is None or pid_alive(pid):
                 continue
-            if pid_alive(int(tags["pid"])):
-                continue
-            reason = f"its process {tags['pid']} on {host} ended without ending the run (SIGKILL, or a machine down)"
+            reason = f"its process {pid} on {host} ended without ending the run (SIGKILL, or a machine down)"
             client.set_tag(run.info.run_id, "error", reason)
             client.set_terminated(run.info.run_id, "FAILED")
             ended.append(run.info.run_id)
             log.warning("MLflow run %s (%s) was RUNNING but its process %s on this host is gone: marked FAILED",
-                        run.info.run_id, run.info.run_name, tags["pid"])
+                        run.info.run_id, run.info.run_name, pid)
     return ended
 
 

@@ -51,7 +51,7 @@ def check_run_to_continue(cfg: DictConfig, uri: str | None, run_id: str) -> None
     from mlflow.tracking import MlflowClient
     from omegaconf import OmegaConf
 
-    from src.utils.io import pid_alive
+    from src.utils.io import pid_alive, tagged_process
 
     name = f"+logger.mlflow.run_id={run_id}"
     missing = ValueError(f"{name}: no such run in {uri}; copy the id from the run's 'Resume with:' line, or leave "
@@ -69,10 +69,8 @@ def check_run_to_continue(cfg: DictConfig, uri: str | None, run_id: str) -> None
         if logged is not None and now is not None and logged != str(now):
             raise ValueError(f"{name} logged {key}={logged!r}, this run has {key}={now!r}: its curves would mix two "
                              "runs. Continue the run of this checkpoint, or leave +logger.mlflow.run_id unset")
-    tags = run.data.tags
-    pid = tags.get("pid", "")
-    if (run.info.status == "RUNNING" and tags.get("host") == socket.gethostname() and pid.isdigit()
-            and int(pid) != os.getpid() and pid_alive(int(pid))):
+    pid = tagged_process(run.data.tags)
+    if run.info.status == "RUNNING" and pid is not None and pid != os.getpid() and pid_alive(pid):
         raise ValueError(f"{name} is live: process {pid} on this host is logging into it now. Stop it first, or "
                          "leave +logger.mlflow.run_id unset to log this run as a new one")
     iteration = _checkpoint_iteration(cfg)
